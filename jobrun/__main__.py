@@ -1,0 +1,3 @@
+from jobrun.cli import main
+
+main()

@@ -1,0 +1,230 @@
+"""The `jobrun` command line: thin click commands.
+
+This is the only place that prints errors and picks exit codes. Everything heavy (torch,
+the runner, rich) is imported inside the command that needs it, so `jobrun --help`,
+`print` and `analyze` start fast and never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from jobrun import __version__
+from jobrun.errors import JobrunError
+
+
+class _Group(click.Group):
+    """Turns every JobrunError into one clear message and its exit code: no traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except JobrunError as e:
+            click.echo(e.format_message(), err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="jobrun")
+def main() -> None:
+    """Run PyTorch training jobs described by YAML plans.
+
+    \b
+    jobrun train plans/mlp.yaml      train (checkpoints every epoch)
+    jobrun resume                    continue the latest run where it stopped
+    jobrun print plans/mlp.yaml      the plan as readable pseudo-code
+    jobrun analyze plans/mlp.yaml    check the plan before running it
+    """
+
+
+_sets = click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE",
+    help="Override a plan value by dotted path (vars.lr=0.05, epoch.0.do.1.loop=20).",
+)
+_format = click.option(
+    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+)
+
+
+def _compile(plan: str, sets: tuple[str, ...] = ()):
+    from jobrun.plans.compile import compile_file
+
+    return compile_file(plan, sets)
+
+
+@main.command("print")
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--factor-prefixes", is_flag=True, help="Write enc/[w, b] for enc/w, enc/b.")
+@_format
+@_sets
+def print_cmd(plan: str, factor_prefixes: bool, fmt: str, sets: tuple[str, ...]) -> None:
+    """Show the whole job as readable pseudo-code."""
+    from jobrun.plans import printer
+
+    p = _compile(plan, sets)
+    if fmt == "json":
+        click.echo(json.dumps(printer.render_json(p), indent=2))
+        return
+    text = printer.render_text(p, factor_prefixes=factor_prefixes)
+    if sys.stdout.isatty():
+        printer.print_rich(text)
+    else:
+        click.echo(text, nl=not text.endswith("\n"))
+
+
+@main.command()
+@click.argument("plan", type=click.Path(dir_okay=False))
+@_format
+@_sets
+def analyze(plan: str, fmt: str, sets: tuple[str, ...]) -> None:
+    """Check a plan: undefined blobs, races, unknown ops and arguments, stop conditions.
+
+    Exit 0 when clean, 1 when errors were found, 2 when the file cannot be read as a plan.
+    """
+    from jobrun.plans.analyze import analyze as run_analysis
+
+    try:
+        p = _compile(plan, sets)
+    except JobrunError as e:
+        if fmt == "json":
+            click.echo(json.dumps({"diagnostics": [_error_json(e)], "errors": 1, "warnings": 0}, indent=2))
+            sys.exit(e.exit_code)
+        raise
+    diags = run_analysis(p)
+    errors = sum(d.severity == "error" for d in diags)
+    warnings = len(diags) - errors
+    if fmt == "json":
+        click.echo(json.dumps(
+            {"diagnostics": [d.to_json() for d in diags], "errors": errors, "warnings": warnings},
+            indent=2,
+        ))
+    else:
+        for d in diags:
+            click.echo(d.format())
+        summary = f"{plan}: {errors} error(s), {warnings} warning(s)" if diags else f"{plan}: ok"
+        click.echo(summary, err=True)
+    sys.exit(1 if errors else 0)
+
+
+def _error_json(e: JobrunError) -> dict[str, Any]:
+    pos = e.pos
+    return {
+        "severity": "error", "code": "plan", "message": e.message, "hint": e.hint,
+        "file": pos.file if pos else None, "line": pos.line if pos else None,
+        "col": pos.col if pos else None,
+    }
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def ops(name: str | None, as_json: bool) -> None:
+    """List the ops, or show one op's signature."""
+    from jobrun.ops import describe
+
+    if name is None:
+        click.echo(describe.list_ops(as_json=as_json))
+    else:
+        click.echo(describe.show_op(name, as_json=as_json))
+
+
+@main.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to a file.")
+def schema(output: str | None) -> None:
+    """Print a JSON Schema of the plan format (for editor completion and checks)."""
+    from jobrun.plans.schema import plan_schema
+
+    text = json.dumps(plan_schema(), indent=2)
+    if output:
+        Path(output).write_text(text + "\n")
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text)
+
+
+@main.command()
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: runs/<job>.")
+@_sets
+@click.option("--replicas", type=click.IntRange(1, 1024), help="Data-parallel processes on this host.")
+@click.option("--device", help="auto, cpu, cuda or cuda:N (overrides the plan).")
+def train(plan: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,
+          device: str | None) -> None:
+    """Train a plan from scratch: init, checkpoint 0, epochs, download, exit."""
+    from jobrun.plans.compile import DEVICE
+    from jobrun.runner.launch import train as run_train
+
+    if device is not None and not DEVICE.match(device):
+        raise _usage(f"bad --device {device!r}", "use auto, cpu, cuda or cuda:N")
+    sys.exit(run_train(plan, run_dir, sets, replicas, device))
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
+@click.option("--epoch", type=click.IntRange(0), help="Default: the latest complete checkpoint.")
+def resume(run_dir: str | None, epoch: int | None) -> None:
+    """Continue a run from a checkpoint, exactly where it stopped."""
+    from jobrun.runner.launch import resume as run_resume
+
+    sys.exit(run_resume(run_dir, epoch))
+
+
+def _usage(message: str, hint: str | None = None):
+    from jobrun.errors import UsageError
+
+    return UsageError(message, hint=hint)
+
+
+@main.group()
+def ckpt() -> None:
+    """Inspect the checkpoints of a run."""
+
+
+@ckpt.command("list")
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--verify", is_flag=True, help="Also check every file's SHA-256 (reads everything).")
+@click.option("--json", "as_json", is_flag=True)
+def ckpt_list(run_dir: str | None, verify: bool, as_json: bool) -> None:
+    """Epochs, nodes, sizes, save times, and whether each checkpoint is valid."""
+    from jobrun.runner import inspect
+
+    click.echo(inspect.list_text(run_dir, verify=verify, as_json=as_json))
+
+
+@ckpt.command("show")
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--epoch", type=click.IntRange(0), required=True)
+@click.option("--node", help="Default: every node.")
+@click.option("--rank", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--blob", "blobs", multiple=True, help="Only these blobs (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object; tensors as nested lists.")
+def ckpt_show(run_dir: str | None, epoch: int, node: str | None, rank: int, blobs: tuple[str, ...],
+              as_json: bool) -> None:
+    """Print the blob values of one checkpoint."""
+    from jobrun.runner import inspect
+
+    click.echo(inspect.show_text(run_dir, epoch, node, rank, blobs, as_json=as_json))
+
+
+@main.command("export")
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--epoch", type=click.IntRange(0), required=True)
+@click.option("--node", help="Default: the job's first node.")
+@click.option("--blob", "blobs", multiple=True, required=True, help="Blob to export (repeatable).")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="A .safetensors, .json or .pt file.")
+def export_cmd(run_dir: str | None, epoch: int, node: str | None, blobs: tuple[str, ...],
+               output: str) -> None:
+    """Write chosen blobs of one checkpoint to a file."""
+    from jobrun.runner import inspect
+
+    path = inspect.export(run_dir, epoch, node, blobs, output)
+    click.echo(f"wrote {path}")

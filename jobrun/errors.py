@@ -1,0 +1,87 @@
+"""Errors a user can cause. Each one formats itself; only the CLI prints them.
+
+Every error carries what failed, where (a source position when there is one) and how
+to fix it, plus the exit code the CLI should use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Pos:
+    """A position in a source file (1-based line and column)."""
+
+    file: str
+    line: int = 0
+    col: int = 0
+
+    def __str__(self) -> str:
+        if self.line <= 0:
+            return self.file
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+class JobrunError(Exception):
+    """Base of every error jobrun reports to a user (never shown with a traceback)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, pos: Pos | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.pos = pos
+        self.hint = hint
+
+    def format_message(self) -> str:
+        head = f"{self.pos}: error: {self.message}" if self.pos else f"error: {self.message}"
+        if self.hint:
+            head += f"\n  hint: {self.hint}"
+        return head
+
+    def __str__(self) -> str:
+        return self.format_message()
+
+
+class PlanError(JobrunError):
+    """The plan file cannot be read as a plan (syntax, structure, types, names)."""
+
+    exit_code = 2
+
+
+class UsageError(JobrunError):
+    """Bad command-line use (a missing run directory, a bad --set, ...)."""
+
+    exit_code = 2
+
+
+class RunError(JobrunError):
+    """An op or task failed while the job ran."""
+
+    exit_code = 1
+
+
+class CheckpointError(JobrunError):
+    """A checkpoint is missing, incomplete or corrupt, or cannot be written."""
+
+    exit_code = 1
+
+
+class Interrupted(JobrunError):
+    """SIGINT/SIGTERM: the job stopped cleanly; its checkpoints are intact."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name}", hint="continue with `jobrun resume`")
+        self.exit_code = 128 + signum
+
+
+def did_you_mean(word: str, choices) -> str | None:
+    """A 'did you mean' hint for a misspelled name, or None when nothing is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else None

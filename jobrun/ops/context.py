@@ -1,0 +1,71 @@
+"""What an op implementation sees of the running job.
+
+An op implementation is a plain function ``impl(ctx, *inputs, **args)``. It returns the
+value of its single output, a tuple of values when the call has several outputs, or None
+when it has none. ``ctx`` is an :class:`OpContext`; torch is imported by the
+implementations that need it, never here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class OpContext:
+    """Per-node (and per-rank) facts and services handed to every op call."""
+
+    node: str = "local"
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    device: str = "cpu"  # a torch device string: "cpu", "cuda", "cuda:1"
+    plan_dir: Path = field(default_factory=Path.cwd)
+    run_dir: Path = field(default_factory=Path.cwd)
+    epoch: int = 0
+    task: str = ""
+    # log(values, msg): print and append one line to metrics.jsonl (set by the runner).
+    log: Callable[[dict[str, Any], str | None], None] | None = None
+    _generator: Any = None
+    _state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def generator(self):
+        """The node's seeded torch.Generator (CPU), created on first use.
+
+        Seeded from (seed, node) so every node draws its own stream and every rank of
+        one node draws the same one (parameters start identical on all ranks).
+        """
+        if self._generator is None:
+            import torch
+
+            self._generator = torch.Generator().manual_seed(node_seed(self.seed, self.node))
+        return self._generator
+
+    def set_generator_state(self, state) -> None:
+        self.generator.set_state(state)
+
+    def resolve_read(self, path: str) -> Path:
+        """A path an op reads: relative ones are relative to the plan's directory."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self.plan_dir / p
+
+    def resolve_write(self, path: str) -> Path:
+        """A path an op writes: relative ones are relative to the run directory."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self.run_dir / p
+
+
+def node_seed(seed: int, node: str) -> int:
+    """A stable 63-bit seed for one node, independent of Python's hash randomisation."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}:{node}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,276 @@
+"""Implementations of the core ops (signatures in :mod:`jobrun.ops.registry`).
+
+Scalars stay Python scalars so that counting and stop conditions cost no tensor work;
+torch is imported only by the ops that make or read tensors.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import json
+import math
+import operator
+from functools import reduce
+from pathlib import Path
+from typing import Any
+
+from jobrun.errors import RunError
+from jobrun.ops.context import OpContext
+
+_DTYPES = {
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool",
+}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def const(ctx: OpContext, value: Any = None) -> Any:
+    if isinstance(value, list):
+        torch = _torch()
+        try:
+            return torch.tensor(value, device=ctx.device)
+        except (TypeError, ValueError) as e:
+            raise RunError(
+                f"const: cannot make a tensor of {value!r}: {e}", hint="use a list of numbers of equal lengths"
+            ) from None
+    return _copy.deepcopy(value)
+
+
+def fill(ctx: OpContext, shape: list[int], value: float | int | bool = 0.0, dtype: str = "float32"):
+    torch = _torch()
+    return torch.full(tuple(shape), value, dtype=getattr(torch, dtype), device=ctx.device)
+
+
+def randn(ctx: OpContext, shape: list[int], mean: float = 0.0, std: float = 1.0):
+    torch = _torch()
+    x = torch.randn(tuple(shape), generator=ctx.generator)
+    if std != 1.0:
+        x.mul_(std)
+    if mean != 0.0:
+        x.add_(mean)
+    return x.to(ctx.device)
+
+
+def copy(ctx: OpContext, a: Any) -> Any:
+    clone = getattr(a, "clone", None)
+    if callable(clone) and type(a).__module__.startswith("torch"):
+        return clone()
+    return _copy.deepcopy(a)
+
+
+def add(ctx: OpContext, *xs: Any) -> Any:
+    if len(xs) == 2:
+        return xs[0] + xs[1]
+    return reduce(operator.add, xs)
+
+
+def mul(ctx: OpContext, *xs: Any) -> Any:
+    if len(xs) == 2:
+        return xs[0] * xs[1]
+    return reduce(operator.mul, xs)
+
+
+def sub(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a - b
+
+
+def div(ctx: OpContext, a: Any, b: Any) -> Any:
+    try:
+        return a / b
+    except ZeroDivisionError:
+        raise RunError("div: division by zero", hint="guard the divisor with an `if`") from None
+
+
+def ge(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a >= b
+
+
+def gt(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a > b
+
+
+def le(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a <= b
+
+
+def lt(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a < b
+
+
+def eq(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a == b
+
+
+def ne(ctx: OpContext, a: Any, b: Any) -> Any:
+    return a != b
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "dtype")
+
+
+def and_(ctx: OpContext, *xs: Any) -> Any:
+    if any(_is_tensor(x) for x in xs):
+        torch = _torch()
+        return reduce(lambda a, b: torch.logical_and(torch.as_tensor(a), torch.as_tensor(b)), xs)
+    return all(truthy(x) for x in xs)
+
+
+def or_(ctx: OpContext, *xs: Any) -> Any:
+    if any(_is_tensor(x) for x in xs):
+        torch = _torch()
+        return reduce(lambda a, b: torch.logical_or(torch.as_tensor(a), torch.as_tensor(b)), xs)
+    return any(truthy(x) for x in xs)
+
+
+def not_(ctx: OpContext, a: Any) -> Any:
+    if _is_tensor(a) and a.numel() != 1:
+        return _torch().logical_not(a)
+    return not truthy(a)
+
+
+def truthy(value: Any) -> bool:
+    """Truth of a blob: a one-element tensor by its value; a larger tensor is an error."""
+    if _is_tensor(value):
+        if value.numel() != 1:
+            raise RunError(
+                f"a tensor of shape {tuple(value.shape)} has no single truth value",
+                hint="reduce it first (e.g. with `call`) or compare a scalar",
+            )
+        return bool(value.item())
+    return bool(value)
+
+
+# -- log, save, load, call ------------------------------------------------------------
+
+
+def plain(value: Any) -> Any:
+    """A JSON-able form of a value for logs and .json files."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if _is_tensor(value):
+        return plain(value.item() if value.numel() == 1 else value.detach().cpu().tolist())
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # numpy
+        return plain(value.tolist())
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    return repr(value) if len(repr(value)) < 200 else f"<{type(value).__name__}>"
+
+
+def log(ctx: OpContext, *values: Any, msg: str | None = None, _names: tuple[str, ...] = ()) -> None:
+    record = {name: plain(v) for name, v in zip(_names, values)}
+    if ctx.log is not None:
+        ctx.log(record, msg)
+    else:
+        print(" ".join([msg or ""] + [f"{k}={v}" for k, v in record.items()]).strip())
+
+
+log.wants_names = True  # type: ignore[attr-defined]
+
+
+def _state_of(value: Any) -> Any:
+    state_dict = getattr(value, "state_dict", None)
+    return state_dict() if callable(state_dict) else value
+
+
+def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) -> None:
+    target = ctx.resolve_write(path)
+    suffix = target.suffix.lower()
+    named = dict(zip(_names, values))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    if suffix == ".json":
+        tmp.write_text(json.dumps({k: plain(v) for k, v in named.items()}, indent=2) + "\n")
+    elif suffix == ".safetensors":
+        from jobrun.runner.safetensors_io import write_safetensors
+
+        write_safetensors(tmp, _flat_tensors(named))
+    elif suffix == ".pt":
+        torch = _torch()
+        torch.save({k: _state_of(v) for k, v in named.items()}, tmp)
+    else:
+        raise RunError(f"save: unknown file type {suffix or '(none)'!r} for {path}",
+                       hint="use .json, .safetensors or .pt")
+    tmp.replace(target)
+
+
+save.wants_names = True  # type: ignore[attr-defined]
+
+
+def _flat_tensors(named: dict[str, Any]) -> dict[str, Any]:
+    torch = _torch()
+    out: dict[str, Any] = {}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value.detach().cpu().contiguous()
+            continue
+        state = _state_of(value)
+        if not isinstance(state, dict):
+            raise RunError(f"save: blob {name!r} is a {type(value).__name__}, not a tensor or module",
+                           hint="save it to a .json file instead")
+        for key, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise RunError(f"save: {name}.{key} is not a tensor", hint="use .pt for mixed state")
+            out[f"{name}.{key}"] = t.detach().cpu().contiguous()
+    return out
+
+
+def load(ctx: OpContext, path: str, _out_names: tuple[str, ...] = ()) -> Any:
+    source = ctx.resolve_read(path)
+    if not source.exists():
+        raise RunError(f"load: no such file {source}", hint="check `path` (relative to the plan's directory)")
+    suffix = source.suffix.lower()
+    if suffix == ".json":
+        data = json.loads(source.read_text())
+    elif suffix == ".safetensors":
+        from jobrun.runner.safetensors_io import read_safetensors
+
+        data = _nest(read_safetensors(source), _out_names)
+    elif suffix == ".pt":
+        torch = _torch()
+        data = torch.load(source, map_location="cpu", weights_only=True)
+    else:
+        raise RunError(f"load: unknown file type {suffix!r} for {path}", hint="use .json, .safetensors or .pt")
+    missing = [n for n in _out_names if n not in data]
+    if missing:
+        raise RunError(f"load: {source.name} has no {', '.join(missing)}",
+                       hint=f"it holds: {', '.join(sorted(data)) or 'nothing'}")
+    results = tuple(data[n] for n in _out_names)
+    return results[0] if len(results) == 1 else results
+
+
+load.wants_out_names = True  # type: ignore[attr-defined]
+
+
+def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """Tensors saved as `<blob>.<key>` (a module's state) come back as one dict per blob."""
+    out: dict[str, Any] = dict(flat)
+    for name in names:
+        if name in flat:
+            continue
+        prefix = name + "."
+        state = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+        if state:
+            out[name] = state
+    return out
+
+
+def call(ctx: OpContext, *args: Any, fn: str, **kwargs: Any) -> Any:
+    from jobrun.ops.registry import import_callable
+
+    func = import_callable(fn, what="call")
+    if not callable(func):
+        raise RunError(f"call: {fn!r} is not callable")
+    return func(*args, **kwargs)
+
+
+def resolve_path(ctx: OpContext, path: str) -> Path:
+    return ctx.resolve_write(path)

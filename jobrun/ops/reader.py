@@ -1,0 +1,266 @@
+"""The `reader` and `read` ops: batches over in-memory fields, data-parallel aware.
+
+A :class:`Reader` walks the first dimension of its fields in *global* batches of
+``batch_size`` records. With ``world_size = R`` replicas, rank ``r`` returns its own
+contiguous slice of every global batch (split like ``torch.tensor_split``), so the ranks
+together cover each global batch exactly and ``replicas: 1`` and ``replicas: 2`` see the
+same global batches. ``batch_size: 1`` yields single unbatched records; those cannot be
+split, so every rank reads the same record (the gradient and evaluation means computed
+by the training ops are unchanged by such replication).
+
+The reader's state is a few integers (pass, position, shuffle seed), so checkpoints are
+tiny and a shuffled pass is recomputed from its seed on load, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from jobrun.errors import RunError
+from jobrun.ops.context import OpContext
+
+_ORDINAL_KEY = "reader.ordinal"
+_STATE_KEYS = ("pass", "position", "seed", "length")
+
+
+def _mix(*parts: object) -> int:
+    """A stable 63-bit seed from its parts (Python's hash() is randomised per process)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _field_length(index: int, field: Any) -> int:
+    if isinstance(field, torch.Tensor | np.ndarray):
+        if field.ndim == 0:
+            raise RunError(
+                f"reader input {index} is a scalar; a reader iterates the first dimension",
+                hint="pass a tensor, array or list with one entry per record",
+            )
+        return int(field.shape[0])
+    if isinstance(field, Sequence) and not isinstance(field, str | bytes):
+        return len(field)
+    raise RunError(
+        f"reader input {index} is a {type(field).__name__}; "
+        "expected a tensor, a numpy array or a list",
+        hint="load the data with data.load/data.synthetic or build it as a list",
+    )
+
+
+def _rank_bounds(length: int, rank: int, world: int) -> tuple[int, int]:
+    """This rank's [lo, hi) of a batch of `length`, like torch.tensor_split."""
+    base, extra = divmod(length, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+class Reader:
+    """Iterates global batches of its fields; see the module docstring.
+
+    Hot-path note: `read` does integer arithmetic and one slice per field; the shuffled
+    order of a pass is computed once when the pass starts.
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[Any],
+        *,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        passes: int = 1,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        if not fields:
+            raise RunError("reader needs at least one input", hint="in: [x, y]")
+        _check_int("batch_size", batch_size, minimum=1)
+        _check_int("passes", passes, minimum=0)
+        lengths = [_field_length(i, f) for i, f in enumerate(fields)]
+        if len(set(lengths)) > 1:
+            raise RunError(
+                f"reader inputs have different lengths {lengths}",
+                hint="every input must have one entry per record (same first dimension)",
+            )
+        self.fields = tuple(fields)
+        self.length = lengths[0]
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.passes = passes
+        self.drop_last = bool(drop_last)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.seed = seed
+        self.pass_index = 0
+        self.position = 0  # records of the current pass already read
+        self._order: torch.Tensor | None = None  # the current pass's permutation
+        self._order_pass = -1
+
+    # -- geometry -----------------------------------------------------------------
+
+    @property
+    def pass_end(self) -> int:
+        """Records read per pass (a short final batch is skipped with drop_last)."""
+        if self.drop_last and self.batch_size > 1:
+            return self.length - self.length % self.batch_size
+        return self.length
+
+    @property
+    def batches_per_pass(self) -> int:
+        return -(-self.pass_end // self.batch_size)
+
+    @property
+    def finished(self) -> bool:
+        return self.passes > 0 and self.pass_index >= self.passes
+
+    # -- reading ------------------------------------------------------------------
+
+    def read(self) -> tuple[Any, ...]:
+        """The next batch as (*fields, done); see the `read` op."""
+        if self.finished or self.position >= self.pass_end:
+            return self._end_of_pass()
+        start = self.position
+        stop = min(start + self.batch_size, self.pass_end)
+        self.position = stop
+        order = self._pass_order() if self.shuffle else None
+        return (*self._take(start, stop, order), False)
+
+    def _end_of_pass(self) -> tuple[Any, ...]:
+        if not self.finished:
+            self.pass_index += 1
+            self.position = 0
+        return (*([None] * len(self.fields)), True)
+
+    def full_pass(self) -> Iterator[tuple[Any, ...]]:
+        """This rank's slices of every global batch of one pass, in stored order.
+
+        Leaves the reading position alone (used by `evaluate`).
+        """
+        for start in range(0, self.pass_end, self.batch_size):
+            yield self._take(start, min(start + self.batch_size, self.pass_end), None)
+
+    def _pass_order(self) -> torch.Tensor:
+        if self._order_pass != self.pass_index:
+            gen = torch.Generator().manual_seed(_mix(self.seed, self.pass_index))
+            self._order = torch.randperm(self.length, generator=gen)
+            self._order_pass = self.pass_index
+        return self._order  # type: ignore[return-value]
+
+    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> tuple[Any, ...]:
+        if self.batch_size == 1:
+            # An unbatched record cannot be split: every rank reads the same one.
+            i = start if order is None else int(order[start])
+            return tuple(self._record(f, i) for f in self.fields)
+        lo, hi = _rank_bounds(stop - start, self.rank, self.world_size)
+        if order is None:
+            return tuple(self._slice(f, start + lo, start + hi) for f in self.fields)
+        idx = order[start + lo : start + hi]
+        return tuple(self._gather(f, idx) for f in self.fields)
+
+    def _record(self, field: Any, i: int) -> Any:
+        value = field[i]
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    def _slice(self, field: Any, lo: int, hi: int) -> Any:
+        value = field[lo:hi]
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    def _gather(self, field: Any, idx: torch.Tensor) -> Any:
+        if isinstance(field, torch.Tensor):
+            return field[idx.to(field.device)].to(self.device)
+        if isinstance(field, np.ndarray):
+            return field[idx.numpy()]
+        return [field[i] for i in idx.tolist()]
+
+    # -- checkpointing ------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain ints: the permutation of a pass is recomputed from `seed` on load."""
+        return {
+            "pass": self.pass_index,
+            "position": self.position,
+            "seed": self.seed,
+            "length": self.length,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise RunError(
+                f"reader state is missing {missing}",
+                hint="the checkpoint was not written by this version of jobrun's reader",
+            )
+        values = {k: _as_int(k, state[k]) for k in _STATE_KEYS}
+        if values["length"] != self.length:
+            raise RunError(
+                f"the reader's data changed: the checkpoint was taken over "
+                f"{values['length']} records, the reader now has {self.length}",
+                hint="resume with the same data the run started with, or start a new run",
+            )
+        if values["pass"] < 0 or not 0 <= values["position"] <= self.length:
+            raise RunError(f"reader state is out of range: {values}")
+        self.pass_index = values["pass"]
+        self.position = values["position"]
+        self.seed = values["seed"]
+        self._order_pass = -1  # recompute the permutation lazily
+
+    def __repr__(self) -> str:
+        return (
+            f"Reader(length={self.length}, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, passes={self.passes}, pass={self.pass_index}, "
+            f"position={self.position}, rank={self.rank}/{self.world_size})"
+        )
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RunError(f"reader: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise RunError(f"reader state field {name!r} is not an integer: {value!r}")
+    return int(value)
+
+
+def reader_op(
+    ctx: OpContext,
+    *fields: Any,
+    batch_size: int = 1,
+    shuffle: bool = False,
+    passes: int = 1,
+    drop_last: bool = False,
+) -> Reader:
+    """`reader`: fields... -> r. The shuffle seed depends on (seed, node, creation order)."""
+    ordinal = ctx._state.get(_ORDINAL_KEY, 0)
+    ctx._state[_ORDINAL_KEY] = ordinal + 1
+    return Reader(
+        fields,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        passes=passes,
+        drop_last=drop_last,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        seed=_mix(ctx.seed, ctx.node, ordinal),
+    )
+
+
+def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
+    """`read`: r -> fields..., done."""
+    if not isinstance(reader, Reader):
+        raise RunError(
+            f"read expects a reader, got a {type(reader).__name__}",
+            hint="create one with `reader: {in: [x, y], out: r}`",
+        )
+    return reader.read()

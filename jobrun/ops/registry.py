@@ -1,0 +1,171 @@
+"""The op registry: core signatures, the torch library's, and users' entry points.
+
+Everything here is data; implementations are imported only when a job runs
+(:func:`resolve_impl`). Users add ops through the `jobrun.ops` entry-point group: an
+entry point names an OpSpec, a sequence of them, or a function returning either.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from functools import lru_cache
+from typing import Any
+
+from jobrun.errors import RunError
+from jobrun.ops.spec import OpSpec, arg
+
+_C = "jobrun.ops.core:"
+_NUM = ("or", "number", "bool")
+_DTYPE = ("choice", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
+
+
+def _binary(name: str, doc: str, impl: str, variadic: bool = False) -> OpSpec:
+    return OpSpec(
+        name,
+        doc,
+        _C + impl,
+        inputs=("a", "b"),
+        outputs=("c",),
+        max_inputs=None if variadic else "fixed",
+        example=f"- {name}: {{in: [a, b], out: c}}",
+    )
+
+
+CORE_SPECS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "const", "A constant: a scalar stays a Python scalar, a list becomes a tensor.",
+        _C + "const", outputs=("x",), args=(arg("value", "any", doc="the value"),),
+        example="- const: {out: lr, value: 0.1}",
+    ),
+    OpSpec(
+        "fill", "A tensor of the given shape filled with one value.", _C + "fill",
+        outputs=("x",),
+        args=(arg("shape", "shape"), arg("value", _NUM, 0.0), arg("dtype", _DTYPE, "float32")),
+        example="- fill: {out: w, shape: [8], value: 1.0}",
+    ),
+    OpSpec(
+        "randn", "Normal random tensor from the node's seeded generator.", _C + "randn",
+        outputs=("x",),
+        args=(arg("shape", "shape"), arg("mean", "number", 0.0), arg("std", "number", 1.0)),
+        example="- randn: {out: noise, shape: [4, 4], std: 0.01}",
+    ),
+    OpSpec("copy", "Copy a blob (tensors are cloned).", _C + "copy", inputs=("a",), outputs=("b",),
+           example="- copy: {in: a, out: b}"),
+    _binary("add", "Elementwise sum of any number of inputs.", "add", variadic=True),
+    _binary("sub", "Elementwise a - b.", "sub"),
+    _binary("mul", "Elementwise product of any number of inputs.", "mul", variadic=True),
+    _binary("div", "Elementwise a / b.", "div"),
+    _binary("ge", "a >= b: a bool for scalars, a bool tensor for tensors.", "ge"),
+    _binary("gt", "a > b.", "gt"),
+    _binary("le", "a <= b.", "le"),
+    _binary("lt", "a < b.", "lt"),
+    _binary("eq", "a == b.", "eq"),
+    _binary("ne", "a != b.", "ne"),
+    _binary("and", "Logical and of truthy values (any number of inputs).", "and_", variadic=True),
+    _binary("or", "Logical or of truthy values (any number of inputs).", "or_", variadic=True),
+    OpSpec("not", "Logical not of a truthy value.", _C + "not_", inputs=("a",), outputs=("b",),
+           example="- not: {in: done, out: going}"),
+    OpSpec(
+        "reader", "Iterate the first dimension of its inputs, batch by batch; its position is checkpointed.",
+        "jobrun.ops.reader:reader_op", inputs=("fields",), outputs=("r",), max_inputs=None,
+        args=(
+            arg("batch_size", "int", 1, "global batch size; 1 = one record, unbatched"),
+            arg("shuffle", "bool", False, "a new seeded permutation every pass"),
+            arg("passes", "int", 1, "passes over the data; 0 = forever"),
+            arg("drop_last", "bool", False, "drop a short final batch"),
+        ),
+        example="- reader: {in: [x, y], out: data, batch_size: 32, shuffle: true}",
+    ),
+    OpSpec(
+        "read", "Next record/batch and `done` (true once at the end of each pass, fields null).",
+        "jobrun.ops.reader:read_op", inputs=("r",), outputs=("fields", "done"), min_outputs=1,
+        max_outputs=None, example="- read: {in: data, out: [xb, yb, done]}",
+    ),
+    OpSpec(
+        "log", "Print values and append them to the run's metrics.jsonl.", _C + "log",
+        inputs=("values",), min_inputs=0, max_inputs=None, args=(arg("msg", ("or", "str", "null"), None),),
+        example="- log: {in: [loss, acc], msg: epoch done}",
+    ),
+    OpSpec(
+        "save", "Write blobs to a file (.json, .safetensors or .pt), relative to the run directory.",
+        _C + "save", inputs=("blobs",), min_inputs=1, max_inputs=None, args=(arg("path", "str"),),
+        example="- save: {in: [model], path: model.safetensors}",
+    ),
+    OpSpec(
+        "load", "Read blobs from a file written by `save`, relative to the plan's directory.",
+        _C + "load", outputs=("blobs",), min_outputs=1, max_outputs=None, args=(arg("path", "str"),),
+        example="- load: {out: [w], path: weights.safetensors}",
+    ),
+    OpSpec(
+        "call", "Call user code `pkg.mod:func` with the inputs as positional arguments.",
+        _C + "call", inputs=("args",), outputs=("results",), min_inputs=0, max_inputs=None,
+        min_outputs=0, max_outputs=None, args=(arg("fn", "str", doc='"package.module:function"'),),
+        extra_args=True, example='- call: {fn: "mypkg.metrics:f1", in: [pred, y], out: f1}',
+    ),
+)
+
+
+@lru_cache(maxsize=1)
+def registry() -> dict[str, OpSpec]:
+    """All known ops by name: core, training, then users' entry points."""
+    from jobrun.ops.train_specs import TRAIN_SPECS
+
+    ops: dict[str, OpSpec] = {}
+    for spec in (*CORE_SPECS, *TRAIN_SPECS):
+        ops[spec.name] = spec
+    for spec in _entry_point_specs():
+        ops.setdefault(spec.name, spec)
+    return ops
+
+
+def _entry_point_specs() -> Iterable[OpSpec]:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="jobrun.ops"):
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken plug-in must not break `jobrun print`
+            import warnings
+
+            warnings.warn(f"jobrun: cannot load op plug-in {ep.name!r} ({ep.value}): {e}", stacklevel=2)
+            continue
+        if callable(obj) and not isinstance(obj, OpSpec):
+            obj = obj()
+        for spec in [obj] if isinstance(obj, OpSpec) else list(obj):
+            if isinstance(spec, OpSpec):
+                yield spec if spec.category != "core" else _as_user(spec)
+
+
+def _as_user(spec: OpSpec) -> OpSpec:
+    from dataclasses import replace
+
+    return replace(spec, category="user")
+
+
+def resolve_impl(spec: OpSpec) -> Callable[..., Any]:
+    """Import an op's implementation (torch is imported here, at run time only)."""
+    return import_callable(spec.impl, what=f"op {spec.name!r}")
+
+
+def import_callable(path: str, what: str = "function") -> Callable[..., Any]:
+    """Import "pkg.mod:attr" (or "pkg.mod.attr") and return the attribute."""
+    mod_name, sep, attr = path.partition(":")
+    if not sep:
+        mod_name, _, attr = path.rpartition(".")
+    if not mod_name or not attr:
+        raise RunError(f"{what}: {path!r} is not an import path", hint='write "package.module:name"')
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise RunError(
+            f"{what}: cannot import module {mod_name!r}: {e}",
+            hint="is the package installed, and its directory on PYTHONPATH?",
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RunError(f"{what}: module {mod_name!r} has no attribute {attr!r}") from None
+    return obj

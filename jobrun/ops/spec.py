@@ -1,0 +1,80 @@
+"""Op signatures as frozen data: what `print`, `analyze` and `ops` know without torch.
+
+An :class:`OpSpec` names an op's inputs, outputs and typed arguments, a one-line doc and
+the import path of its implementation ("module:function"), resolved only when a job runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Argument types understood by the compiler's checks:
+#   "int", "float" (an int is accepted too), "number" (int or float), "bool", "str",
+#   "list", "dict", "shape" (list of ints >= 0), "any", "duration",
+#   ("choice", "a", "b", ...) - one of the listed strings,
+#   ("or", T1, T2, ...) - any of the listed types; "null" allows None.
+ArgType = Any
+
+REQUIRED = object()  # default marker: the argument must be given
+
+
+@dataclass(frozen=True, slots=True)
+class ArgSpec:
+    name: str
+    type: ArgType = "any"
+    default: Any = REQUIRED
+    doc: str = ""
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """One op's signature.
+
+    ``inputs``/``outputs`` name the fixed positions. ``min_inputs``/``max_inputs`` (and
+    the same for outputs) bound how many a call may give; ``None`` as a maximum means any
+    number ("add" sums any number of inputs). ``extra_args`` lets a call pass keys the
+    spec does not list (``optimizer`` hands them to torch).
+    """
+
+    name: str
+    doc: str
+    impl: str  # "package.module:function"
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    args: tuple[ArgSpec, ...] = ()
+    min_inputs: int | None = None  # default: len(inputs)
+    max_inputs: int | None | str = "fixed"  # "fixed": len(inputs); None: unbounded
+    min_outputs: int | None = None
+    max_outputs: int | None | str = "fixed"
+    extra_args: bool = False
+    # Outputs created as new blobs; False for ops like `read` whose last output is 'done'.
+    category: str = "core"  # "core", "training", "user"
+    example: str = ""
+    _arg_index: dict[str, ArgSpec] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_arg_index", {a.name: a for a in self.args})
+
+    def arg(self, name: str) -> ArgSpec | None:
+        return self._arg_index.get(name)
+
+    @property
+    def input_bounds(self) -> tuple[int, int | None]:
+        lo = len(self.inputs) if self.min_inputs is None else self.min_inputs
+        hi = len(self.inputs) if self.max_inputs == "fixed" else self.max_inputs
+        return lo, hi  # type: ignore[return-value]
+
+    @property
+    def output_bounds(self) -> tuple[int, int | None]:
+        lo = len(self.outputs) if self.min_outputs is None else self.min_outputs
+        hi = len(self.outputs) if self.max_outputs == "fixed" else self.max_outputs
+        return lo, hi  # type: ignore[return-value]
+
+
+def arg(name: str, type: ArgType = "any", default: Any = REQUIRED, doc: str = "") -> ArgSpec:
+    return ArgSpec(name, type, default, doc)

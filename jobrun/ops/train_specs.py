@@ -1,0 +1,181 @@
+"""Signatures of the training ops: data only, no torch (implementations: jobrun.ops.train).
+
+`reader`/`read` are core ops and are declared in :mod:`jobrun.ops.registry`.
+"""
+
+from __future__ import annotations
+
+from jobrun.ops.spec import OpSpec, arg
+
+_T = "jobrun.ops.train:"
+_LOSS_DOC = "cross_entropy, mse, or a dotted path to a callable(pred, y) giving the batch mean"
+_STR_OR_NULL = ("or", "str", "null")
+_LIST_OR_NULL = ("or", "list", "null")
+
+
+def _training(name: str, doc: str, impl: str, example: str, **fields) -> OpSpec:
+    return OpSpec(name, doc, _T + impl, category="training", example=example, **fields)
+
+
+TRAIN_SPECS: tuple[OpSpec, ...] = (
+    _training(
+        "data.synthetic",
+        "A seeded toy data set: class clusters or a noisy linear teacher (float32 x).",
+        "data_synthetic",
+        "- data.synthetic: {out: [x, y], task: classification, n: 512, features: 8, classes: 3}",
+        outputs=("x", "y"),
+        args=(
+            arg("task", ("choice", "classification", "regression"), doc="what y is"),
+            arg("n", "int", doc="number of records"),
+            arg("features", "int", doc="columns of x"),
+            arg("classes", ("or", "int", "null"), None, "number of classes (classification)"),
+            arg("noise", "number", 0.1, "standard deviation of the noise added"),
+            arg("seed", "int", 0, "the data depend on this seed only, on every machine"),
+        ),
+    ),
+    _training(
+        "data.load",
+        "Arrays from .npz, .npy, .csv, .safetensors or .pt, as CPU tensors, one per output.",
+        "data_load",
+        "- data.load: {out: [x, y], path: data/train.npz, keys: [x, y]}",
+        outputs=("arrays",),
+        min_outputs=1,
+        max_outputs=None,
+        args=(
+            arg("path", "str", doc="file to read, relative to the plan's directory"),
+            arg(
+                "keys", _LIST_OR_NULL, None, "arrays to load, in output order (npz/safetensors/pt)"
+            ),
+            arg("columns", _LIST_OR_NULL, None, "csv: one output per item; a list item gives 2-D"),
+            arg("header", ("or", "bool", "null"), None, "csv: first row is names (null: detect)"),
+            arg("delimiter", "str", ",", "csv field separator"),
+            arg(
+                "float_dtype",
+                ("or", ("choice", "float32", "float64", "float16", "bfloat16"), "null"),
+                "float32",
+                "floating arrays are cast to this; null keeps the stored type",
+            ),
+        ),
+    ),
+    _training(
+        "build",
+        "Instantiate any `target` with `args` and keyword arguments (nested targets too).",
+        "build",
+        "- build: {out: model, target: torch.nn.Linear, args: [8, 2], bias: true}",
+        inputs=("inputs",),
+        outputs=("obj",),
+        min_inputs=0,
+        max_inputs=None,
+        extra_args=True,
+        args=(
+            arg("target", "str", doc='"pkg.mod:Class" or dotted "pkg.mod.Class"'),
+            arg("args", _LIST_OR_NULL, None, "positional arguments after the inputs"),
+        ),
+    ),
+    _training(
+        "model.mlp",
+        "A multi-layer perceptron: Linear layers with an activation (and dropout) between.",
+        "model_mlp",
+        "- model.mlp: {out: model, sizes: [8, 32, 3], activation: relu}",
+        outputs=("model",),
+        args=(
+            arg("sizes", "shape", doc="[in, hidden..., out]"),
+            arg("activation", ("choice", "relu", "gelu", "tanh"), "relu", "between layers"),
+            arg("dropout", "number", 0.0, "dropout probability after each activation"),
+        ),
+    ),
+    _training(
+        "optimizer",
+        "An optimizer over the model's parameters; other keys go to its constructor.",
+        "optimizer",
+        "- optimizer: {in: model, out: opt, target: torch.optim.SGD, lr: 0.1, momentum: 0.9}",
+        inputs=("model",),
+        outputs=("opt",),
+        extra_args=True,
+        args=(arg("target", "str", "torch.optim.SGD", "dotted path of the optimizer class"),),
+    ),
+    _training(
+        "scheduler",
+        "A learning-rate scheduler over an optimizer; other keys go to its constructor.",
+        "scheduler",
+        "- scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 5}",
+        inputs=("opt",),
+        outputs=("sched",),
+        extra_args=True,
+        args=(arg("target", "str", doc="dotted path, e.g. torch.optim.lr_scheduler.StepLR"),),
+    ),
+    _training(
+        "scheduler.step",
+        "Advance a scheduler; a second input is the metric for ReduceLROnPlateau.",
+        "scheduler_step",
+        "- scheduler.step: {in: sched}",
+        inputs=("sched", "metric"),
+        min_inputs=1,
+    ),
+    _training(
+        "train.step",
+        "One optimizer step on a batch; loss is the global-batch mean, equal on all ranks.",
+        "train_step",
+        "- train.step: {in: [model, opt, xb, yb], out: loss, loss: cross_entropy}",
+        inputs=("model", "opt", "x", "y"),
+        outputs=("loss",),
+        args=(
+            arg("loss", "str", "cross_entropy", _LOSS_DOC),
+            arg("clip_grad_norm", ("or", "number", "null"), None, "clip the gradient norm to this"),
+            arg("accumulate", "int", 1, "micro-batches per step (same step, less memory)"),
+            arg(
+                "amp",
+                ("or", ("choice", "bf16", "fp16"), "null"),
+                None,
+                "mixed precision, CUDA only",
+            ),
+        ),
+    ),
+    _training(
+        "evaluate",
+        "Mean loss and accuracy over one full pass of a reader, no gradients, all ranks.",
+        "evaluate",
+        "- evaluate: {in: [model, test], out: [test_loss, test_acc]}",
+        inputs=("model", "reader"),
+        outputs=("loss", "accuracy"),
+        args=(arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),),
+    ),
+    _training(
+        "export",
+        "Write an inference-only program of the model with torch.export; outputs its path.",
+        "export",
+        "- export: {in: [model, xb], out: exported, path: model.pt2}",
+        inputs=("model", "example_input"),
+        outputs=("path",),
+        args=(
+            arg("path", "str", "model.pt2", "file to write, relative to the run directory"),
+            arg("dynamic_batch", "bool", True, "let the first dimension vary"),
+        ),
+    ),
+    _training(
+        "dist.allreduce",
+        "Reduce a tensor or number over data-parallel ranks (identity with one rank).",
+        "dist_allreduce",
+        "- dist.allreduce: {in: correct, out: total, op: sum}",
+        inputs=("x",),
+        outputs=("y",),
+        args=(arg("op", ("choice", "sum", "mean", "max", "min"), "sum", "the reduction"),),
+    ),
+    _training(
+        "dist.broadcast",
+        "Rank `src`'s tensor or number, on every rank.",
+        "dist_broadcast",
+        "- dist.broadcast: {in: x, out: y, src: 0}",
+        inputs=("x",),
+        outputs=("y",),
+        args=(arg("src", "int", 0, "the rank whose value is sent"),),
+    ),
+    _training(
+        "model.gather",
+        "A CPU copy of the model's full state dict on rank 0 (null on other ranks).",
+        "model_gather",
+        "- model.gather: {in: model, out: params}",
+        inputs=("model",),
+        outputs=("state",),
+    ),
+)

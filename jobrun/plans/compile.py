@@ -1,0 +1,495 @@
+"""Plain positioned data -> plan IR.
+
+The compiler checks structure: keys, types, names, durations and sizes. Anything wrong
+here is a PlanError (exit 2: the file cannot be read as a plan). Whether ops exist and
+their arguments fit is the analyzer's business, so that `analyze` can report every such
+problem at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from jobrun.errors import PlanError, Pos
+from jobrun.plans import ir
+from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc
+from jobrun.plans.resolve import apply_sets, substitute
+
+BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+DEVICE = re.compile(r"(auto|cpu|cuda|cuda:\d{1,3})\Z")
+DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)\s*\Z")
+
+TOP_KEYS = (
+    "job", "seed", "device", "replicas", "vars", "max_epochs", "stop_when", "checkpoint",
+    "init", "epoch", "download", "exit",
+)
+TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
+CHECKPOINT_KEYS = ("dir", "every", "keep", "upload")
+MAX_INSTANCES = 1024
+MAX_REPLICAS = 1024
+
+# The keys that make a step a control step, in the order they are recognised, and the
+# keys that only appear inside one (a step made of just `do:` lost its `loop:`).
+CONTROL_KEYS = ("loop", "stop_if", "if", "parallel", "report")
+_INNER_KEYS = {
+    "do": "`loop:`, `report:` or a parallel branch",
+    "then": "`if:`", "elif": "`if:`", "else": "`if:`", "as": "`loop:`",
+}
+_NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit, without '..'"
+_BLOB_RULE = "letters, digits and _ (not starting with a digit); scopes joined by '/', e.g. enc/w"
+
+
+def compile_file(
+    path: str | Path,
+    sets: list[str] | tuple[str, ...] = (),
+    run_dir: str | None = None,
+    plan_dir: str | None = None,
+) -> ir.Plan:
+    """Load, override, substitute and compile a plan file."""
+    with no_gc():
+        tree = load_file(path)
+        return compile_tree(tree, str(path), sets, run_dir=run_dir, plan_dir=plan_dir)
+
+
+def compile_text(
+    text: str,
+    filename: str = "<plan>",
+    sets: list[str] | tuple[str, ...] = (),
+    run_dir: str | None = None,
+    plan_dir: str | None = None,
+) -> ir.Plan:
+    with no_gc():
+        return compile_tree(load_text(text, filename), filename, sets, run_dir=run_dir, plan_dir=plan_dir)
+
+
+def compile_tree(
+    tree: PMap,
+    source: str,
+    sets: list[str] | tuple[str, ...] = (),
+    run_dir: str | None = None,
+    plan_dir: str | None = None,
+) -> ir.Plan:
+    """Apply `sets`, substitute vars and compile. `tree` is updated in place, so that it
+    holds the resolved plan afterwards (what a run stores)."""
+    with no_gc():
+        apply_sets(tree, sets)
+        comp = _Compiler(source)
+        comp.keys(tree, TOP_KEYS, "the plan")
+        job = _job_name(tree)
+        builtins = {
+            "plan_dir": plan_dir if plan_dir is not None else str(Path(source).parent),
+            "run_dir": run_dir if run_dir is not None else str(Path("runs") / job),
+        }
+        return comp.plan(substitute(tree, builtins))
+
+
+def _job_name(tree: PMap) -> str:
+    if "job" not in tree:
+        raise PlanError("plan has no `job` name", tree.pos, "add `job: my-job` at the top")
+    job = tree["job"]
+    pos = tree.at("job")
+    if not isinstance(job, str):
+        raise PlanError(f"the job name must be a string, not {kind_of(job)}", pos, "write e.g. job: mnist-mlp")
+    if "${" in job:
+        raise PlanError(
+            f"the job name {job!r} uses a variable", pos,
+            "write the name out (the run directory is named after it; --set job=NAME overrides it)",
+        )
+    if not NODE_NAME.match(job) or ".." in job:
+        raise PlanError(f"bad job name {job!r}", pos, f"a job name is {_NAME_RULE}")
+    return job
+
+
+def suggest(word: str, choices: Iterable[str]) -> str | None:
+    """'did you mean ...' naming up to two close choices ('epochs' -> epoch, max_epochs)."""
+    close = difflib.get_close_matches(word, list(choices), n=2, cutoff=0.6)
+    if not close:
+        return None
+    return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+class _Compiler:
+    def __init__(self, source: str):
+        self.source = source
+        self.good_blobs: set[str] = set()  # names already checked: big plans repeat them
+
+    # -- helpers ---------------------------------------------------------------------
+    def keys(self, m: PMap, allowed: tuple[str, ...], what: str) -> None:
+        for key in m:
+            if key not in allowed:
+                hint = suggest(key, allowed) or f"the keys of {what} are: {', '.join(allowed)}"
+                raise PlanError(f"unknown key {key!r} in {what}", m.key_at(key), hint)
+
+    def mapping(self, value: Any, pos: Pos, what: str, example: str) -> PMap:
+        if not isinstance(value, PMap):
+            raise PlanError(f"{what} must be a mapping, not {kind_of(value)}", pos, f"write e.g. {example}")
+        return value
+
+    def seq(self, value: Any, pos: Pos, what: str, example: str) -> PList:
+        if not isinstance(value, PList):
+            raise PlanError(f"{what} must be a list, not {kind_of(value)}", pos, f"write e.g. {example}")
+        return value
+
+    def int_(self, value: Any, pos: Pos, what: str, lo: int, hi: int | None = None) -> int:
+        bound = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            hint = f"write a whole number {bound}, without quotes, e.g. {what.rpartition('.')[2]}: {max(lo, 1)}"
+            raise PlanError(f"{what} must be an integer, not {kind_of(value)}", pos, hint)
+        if value < lo or (hi is not None and value > hi):
+            raise PlanError(f"{what} is {value}; it must be {bound}", pos, f"use a value {bound}")
+        return value
+
+    def blob(self, value: Any, pos: Pos, what: str) -> ir.BlobRef:
+        if value.__class__ is not str or value not in self.good_blobs:
+            self.check_blob(value, pos, what)
+        return ir.BlobRef(value, pos)
+
+    def check_blob(self, value: Any, pos: Pos, what: str) -> None:
+        if not isinstance(value, str):
+            raise PlanError(f"{what} must be a blob name, not {kind_of(value)}", pos, f"a blob name is {_BLOB_RULE}")
+        if not BLOB_NAME.match(value):
+            raise PlanError(f"bad blob name {value!r} in {what}", pos, f"a blob name is {_BLOB_RULE}")
+        self.good_blobs.add(value)
+
+    def blobs(self, value: Any, pos: Pos, what: str) -> tuple[ir.BlobRef, ...]:
+        if isinstance(value, PList):
+            return tuple([self.blob(v, value.at(i), what) for i, v in enumerate(value)])
+        if value is None:
+            return ()
+        return (self.blob(value, pos, what),)
+
+    def name(self, value: Any, pos: Pos, what: str) -> str:
+        if not isinstance(value, str):
+            raise PlanError(f"the {what} must be a string, not {kind_of(value)}", pos, f"a {what} is {_NAME_RULE}")
+        if not NODE_NAME.match(value) or ".." in value:
+            raise PlanError(f"bad {what} {value!r}", pos, f"a {what} is {_NAME_RULE}")
+        return value
+
+    # -- plan ------------------------------------------------------------------------
+    def plan(self, t: PMap) -> ir.Plan:
+        """The IR of a substituted tree whose top-level keys were checked."""
+        job = t["job"]
+        seed = self.int_(t.get("seed", 0), t.at("seed"), "seed", 0, 2**63 - 1)
+        device = t.get("device", "auto")
+        if not isinstance(device, str) or not DEVICE.match(device):
+            raise PlanError(
+                f"bad device {device!r}" if isinstance(device, str) else f"device must be a string, not {kind_of(device)}",
+                t.at("device"), "use auto, cpu, cuda or cuda:N",
+            )
+        replicas = t.get("replicas", 1)
+        if isinstance(replicas, str):
+            if replicas != "auto":
+                raise PlanError(
+                    f"replicas must be a number or auto, not {kind_of(replicas)}", t.at("replicas"),
+                    f"write replicas: auto (one per GPU) or a number from 1 to {MAX_REPLICAS}",
+                )
+        else:
+            replicas = self.int_(replicas, t.at("replicas"), "replicas", 1, MAX_REPLICAS)
+        vars_ = t.get("vars") or {}
+        max_epochs = t.get("max_epochs")
+        if max_epochs is not None:
+            max_epochs = self.int_(max_epochs, t.at("max_epochs"), "max_epochs", 1)
+        stop_when = self.blobs(t.get("stop_when"), t.at("stop_when"), "stop_when")
+        ckpt = self.checkpoint(t["checkpoint"], t.at("checkpoint")) if t.get("checkpoint") is not None else None
+        if "epoch" not in t:
+            raise PlanError("plan has no `epoch` group", t.pos, "add `epoch:` with at least one task")
+        groups = {g: self.group(g, t.get(g), t.at(g), t.key_at(g)) for g in ir.GROUPS}
+        if not groups["epoch"].tasks:
+            raise PlanError(
+                "the `epoch` group has no tasks", t.at("epoch"),
+                "add a task under `epoch:`, e.g. `- task: train` with `do: [...]`",
+            )
+        return ir.Plan(
+            job=job, seed=seed, device=device, replicas=replicas, vars=dict(vars_),
+            max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
+            init=groups["init"], epoch=groups["epoch"], download=groups["download"],
+            exit=groups["exit"], source=self.source, pos=t.pos,
+        )
+
+    def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:
+        m = self.mapping(value, pos, "checkpoint", "checkpoint: {dir: checkpoints, every: 1}")
+        self.keys(m, CHECKPOINT_KEYS, "checkpoint")
+        d = m.get("dir", "checkpoints")
+        if not isinstance(d, str) or not d.strip():
+            raise PlanError(
+                f"checkpoint.dir must be a directory path, not {kind_of(d)}", m.at("dir"),
+                "write e.g. dir: checkpoints (relative to the run directory)",
+            )
+        every = self.int_(m.get("every", 1), m.at("every"), "checkpoint.every", 1)
+        keep = m.get("keep")
+        if keep is not None:
+            if isinstance(keep, int) and not isinstance(keep, bool) and keep < 1:
+                raise PlanError(
+                    f"checkpoint.keep is {keep}; it must be at least 1", m.at("keep"),
+                    "keep the last K epochs with keep: K, or all of them with keep: null",
+                )
+            keep = self.int_(keep, m.at("keep"), "checkpoint.keep", 1)
+        upload = m.get("upload")
+        if upload is not None and (not isinstance(upload, str) or not upload.strip()):
+            raise PlanError(
+                f"checkpoint.upload must be a directory path or null, not {kind_of(upload)}",
+                m.at("upload"), "write e.g. upload: /shared/ckpt",
+            )
+        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, pos=pos)
+
+    def group(self, name: str, value: Any, pos: Pos, key_pos: Pos) -> ir.Group:
+        if value is None:
+            return ir.Group(name, (), key_pos)
+        if isinstance(value, PMap) and "task" in value:
+            raise PlanError(
+                f"group `{name}` must be a list of tasks, not one mapping", pos,
+                f"start the task with a dash: `{name}:` then `  - task: {value['task']}`",
+            )
+        tasks = self.seq(value, pos, f"group `{name}`", f"{name}: [{{task: t, do: [...]}}]")
+        out: list[ir.Task] = []
+        seen: dict[str, Pos] = {}
+        for i, item in enumerate(tasks):
+            task = self.task(name, item, tasks.at(i))
+            if task.name in seen:
+                first = seen[task.name]
+                raise PlanError(
+                    f"task {task.name!r} appears twice in group `{name}` (first at line {first.line}, column {first.col})",
+                    task.pos,
+                    "give each task of a group its own name",
+                )
+            seen[task.name] = task.pos
+            out.append(task)
+        return ir.Group(name, tuple(out), key_pos)
+
+    def task(self, group: str, value: Any, pos: Pos) -> ir.Task:
+        m = self.mapping(value, pos, f"a task of `{group}`", "- task: train\n    do: [...]")
+        if "task" not in m:
+            raise PlanError(f"a task of `{group}` has no `task` name", m.pos, "add `task: NAME`")
+        name = self.name(m["task"], m.at("task"), "task name")
+        where = f"task {name!r}"
+        self.keys(m, TASK_KEYS, where)
+        node = self.name(m.get("node", "local"), m.at("node"), "node name")
+        ws = m.get("workspace", "global" if group == "init" else "private")
+        if not isinstance(ws, str) or ws not in ("global", "private"):
+            raise PlanError(f"bad workspace {ws!r} in {where}", m.at("workspace"), "use global or private")
+        instances = self.int_(m.get("instances", 1), m.at("instances"), "instances", 1, MAX_INSTANCES)
+        if "do" not in m:
+            raise PlanError(f"{where} has no `do` steps", m.key_at("task"), "add `do: [STEP, ...]`")
+        return ir.Task(
+            name=name, group=group, node=node, workspace=ws, instances=instances,
+            init=self.block(m.get("init"), m.at("init"), f"{where} init"),
+            do=self.block(m["do"], m.at("do"), f"{where} do"),
+            exit=self.block(m.get("exit"), m.at("exit"), f"{where} exit"),
+            outputs=self.blobs(m.get("outputs"), m.at("outputs"), "outputs"),
+            pos=m.pos,
+        )
+
+    # -- steps -----------------------------------------------------------------------
+    def block(self, value: Any, pos: Pos, what: str) -> tuple[ir.Step, ...]:
+        if value is None:
+            return ()
+        if value.__class__ is not PList:
+            self.seq(value, pos, what, "do: [{add: {in: [a, b], out: c}}]")
+        step = self.step
+        return tuple([step(s, value, i) for i, s in enumerate(value)])
+
+    def step(self, value: Any, parent: PList, i: int) -> ir.Step:
+        # The step's own position is computed only for errors: an op call is placed at
+        # its name, a control step at its keyword.
+        if value.__class__ is PMap and len(value) == 1:
+            (name,) = value
+            if name not in CONTROL_KEYS and name not in _INNER_KEYS:
+                return self.op(value, name)
+        if value.__class__ is not PMap:
+            if isinstance(value, str):
+                raise PlanError(
+                    f"step {value!r} is a bare word",
+                    parent.at(i),
+                    f"an op call is a mapping: `- {value}: {{in: ..., out: ...}}`",
+                )
+            self.mapping(value, parent.at(i), "a step", "- add: {in: [a, b], out: c}")
+        m: PMap = value
+        for key in CONTROL_KEYS:
+            if key in m:
+                return getattr(self, "step_" + key)(m)
+        if not m:
+            raise PlanError(
+                "empty step", parent.at(i), "write an op call (- add: {in: [a, b], out: c}) or a control step"
+            )
+        inner = next((k for k in m if k in _INNER_KEYS), None)
+        if inner is not None:
+            raise PlanError(
+                f"`{inner}:` belongs to {_INNER_KEYS[inner]}, which this step lacks",
+                m.key_at(inner),
+                f"add the missing key to this step, or indent `{inner}:` under it",
+            )
+        keys = list(m)
+        raise PlanError(
+            f"an op call has exactly one key (the op's name); this step has {len(keys)}: {', '.join(keys)}",
+            m.key_at(keys[1]),
+            "put the arguments inside the op's mapping: `- add: {in: [a, b], out: c}`",
+        )
+
+    def op(self, m: PMap, name: str) -> ir.OpCall:
+        pos = m.key_at(name)
+        if not OP_NAME.match(name):
+            raise PlanError(f"bad op name {name!r}", pos, "op names are words joined by '.', e.g. train.step")
+        body = m[name]
+        if body is None:
+            body = PMap(m.at(name))
+        elif body.__class__ is not PMap:
+            if isinstance(body, str | int | float) and not isinstance(body, bool):
+                hint = f"write `- {name}: {{in: {body}}}`, or `{{out: {body}}}`"
+            else:
+                hint = f"write `- {name}: {{in: [a], out: b}}`"
+            self.mapping(body, m.at(name), f"the arguments of `{name}`", hint.removeprefix("write "))
+        ins: tuple[ir.Input, ...] = ()
+        outs: tuple[ir.BlobRef, ...] = ()
+        args: list[tuple[str, Any]] = []
+        for key, value in body.items():
+            if key == "in":
+                ins = self.inputs(name, value, body)
+            elif key == "out":
+                what = f"`out` of `{name}`"
+                if value.__class__ is PList:
+                    outs = tuple([self.blob(v, value.at(i), what) for i, v in enumerate(value)])
+                elif value is not None:
+                    outs = (self.blob(value, body.at("out"), what),)
+            else:
+                args.append((key, value))
+        arg_pos = tuple([(k, body.at(k)) for k, _ in args]) if args else ()
+        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos)
+
+    def inputs(self, op: str, value: Any, body: PMap) -> tuple[ir.Input, ...]:
+        if value.__class__ is PList:
+            good = self.good_blobs
+            return tuple([
+                ir.BlobRef(v, value.at(i)) if v.__class__ is str and v in good else self.input(op, v, value.at(i))
+                for i, v in enumerate(value)
+            ])
+        if value is None:
+            return ()
+        return (self.input(op, value, body.at("in")),)
+
+    def input(self, op: str, item: Any, pos: Pos) -> ir.Input:
+        if item.__class__ is str:
+            return self.blob(item, pos, f"`in` of `{op}`")
+        if isinstance(item, bool | int | float):
+            return ir.Literal(item, pos)
+        if item is None:
+            raise PlanError(f"`in` of `{op}` has a null", pos, "give a blob name or a number")
+        raise PlanError(
+            f"an input of `{op}` must be a blob name or a number, not {kind_of(item)}", pos,
+            "`in` takes a blob name, a number, or a flat list of them: in: [a, 1]",
+        )
+
+    def step_loop(self, m: PMap) -> ir.Loop:
+        self.keys(m, ("loop", "as", "do"), "a loop")
+        raw, pos = m["loop"], m.at("loop")
+        count: int | ir.BlobRef | None
+        if raw is None:
+            count = None
+        elif isinstance(raw, bool) or isinstance(raw, float):
+            raise PlanError(
+                f"loop count must be a whole number, a blob name or null, not {kind_of(raw)}", pos,
+                "write e.g. loop: 10, loop: n_steps or loop: null (until stop_if)",
+            )
+        elif isinstance(raw, int):
+            count = self.int_(raw, pos, "loop count", 0)
+        elif isinstance(raw, str):
+            if raw.strip().lstrip("+-").replace(".", "", 1).isdigit():
+                raise PlanError(
+                    f"loop count {raw!r} is a quoted string, not a number", pos,
+                    "write a whole number without quotes, e.g. loop: 10",
+                )
+            count = self.blob(raw, pos, "loop count")
+        else:
+            raise PlanError(
+                f"loop count must be a whole number, a blob name or null, not {kind_of(raw)}", pos,
+                "write e.g. loop: 10",
+            )
+        index = self.blob(m["as"], m.at("as"), "loop `as`") if m.get("as") is not None else None
+        if "do" not in m:
+            raise PlanError("loop has no `do` steps", m.key_at("loop"), "add `do: [STEP, ...]` to the loop")
+        return ir.Loop(count, index, self.block(m["do"], m.at("do"), "loop do"), m.key_at("loop"))
+
+    def step_stop_if(self, m: PMap) -> ir.StopIf:
+        self.keys(m, ("stop_if",), "stop_if")
+        return ir.StopIf(self.blob(m["stop_if"], m.at("stop_if"), "stop_if"), m.key_at("stop_if"))
+
+    def step_if(self, m: PMap) -> ir.If:
+        self.keys(m, ("if", "then", "elif", "else"), "an if")
+        if "then" not in m:
+            raise PlanError("`if` has no `then` steps", m.key_at("if"), "add `then: [STEP, ...]` to the if")
+        branches = [
+            ir.IfBranch(
+                self.blob(m["if"], m.at("if"), "if"),
+                self.block(m["then"], m.at("then"), "then"),
+                m.key_at("if"),
+            )
+        ]
+        if m.get("elif") is not None:
+            elifs = self.seq(m["elif"], m.at("elif"), "elif", "elif: [{if: c2, then: [...]}]")
+            for i, item in enumerate(elifs):
+                e = self.mapping(item, elifs.at(i), "an elif", "{if: c2, then: [...]}")
+                self.keys(e, ("if", "then"), "an elif")
+                if "if" not in e or "then" not in e:
+                    raise PlanError("an elif needs `if` and `then`", e.pos, "write {if: c2, then: [...]}")
+                branches.append(
+                    ir.IfBranch(
+                        self.blob(e["if"], e.at("if"), "elif"),
+                        self.block(e["then"], e.at("then"), "then"),
+                        e.key_at("if"),
+                    )
+                )
+        orelse = self.block(m["else"], m.at("else"), "else") if "else" in m else None
+        return ir.If(tuple(branches), orelse, m.key_at("if"))
+
+    def step_parallel(self, m: PMap) -> ir.Parallel:
+        self.keys(m, ("parallel",), "parallel")
+        items = self.seq(m["parallel"], m.at("parallel"), "parallel", "parallel: [{do: [...]}, {do: [...]}]")
+        branches = []
+        names: dict[str, Pos] = {}
+        for i, item in enumerate(items):
+            b = self.mapping(item, items.at(i), "a parallel branch", "{name: left, do: [...]}")
+            self.keys(b, ("name", "do"), "a parallel branch")
+            if "do" not in b:
+                raise PlanError("a parallel branch has no `do` steps", b.pos, "add `do: [STEP, ...]`")
+            bname = None
+            if b.get("name") is not None:
+                bname = self.name(b["name"], b.at("name"), "branch name")
+                if bname in names:
+                    raise PlanError(
+                        f"two parallel branches are named {bname!r} (first at line {names[bname].line})",
+                        b.at("name"), "give each branch its own name",
+                    )
+                names[bname] = b.at("name")
+            branches.append(ir.Branch(bname, self.block(b["do"], b.at("do"), "branch do"), b.pos))
+        return ir.Parallel(tuple(branches), m.key_at("parallel"))
+
+    def step_report(self, m: PMap) -> ir.Report:
+        self.keys(m, ("report", "do"), "a report")
+        period, text = parse_duration(m["report"], m.at("report"))
+        if "do" not in m:
+            raise PlanError("report has no `do` steps", m.key_at("report"), "add `do: [STEP, ...]` to the report")
+        return ir.Report(period, text, self.block(m["do"], m.at("do"), "report do"), m.key_at("report"))
+
+
+def parse_duration(raw: Any, pos: Pos) -> tuple[float, str]:
+    """'500ms' / '2s' / '1.5s' -> (seconds, text as written)."""
+    match = DURATION.match(raw) if isinstance(raw, str) else None
+    if not match:
+        shown = repr(raw) if isinstance(raw, str) else kind_of(raw)
+        unitless = isinstance(raw, int | float) and not isinstance(raw, bool) or (
+            isinstance(raw, str) and raw.strip().replace(".", "", 1).isdigit()
+        )
+        hint = (
+            f"add a unit: {raw}s or {raw}ms" if unitless else "write a duration with a unit: 500ms or 2s"
+        )
+        raise PlanError(f"bad report duration {shown}", pos, hint)
+    number, unit = float(match.group(1)), match.group(2)
+    seconds = number / 1000 if unit == "ms" else number
+    if not 0.001 <= seconds <= 86400:
+        raise PlanError(f"report period {raw!r} is out of range", pos, "use 1ms to 86400s")
+    return seconds, raw.strip()

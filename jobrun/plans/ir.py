@@ -1,0 +1,176 @@
+"""The plan IR: small frozen dataclasses, every node carrying its source position.
+
+The compiler builds it from YAML; the analyzer, the printer and the executor read it
+through :mod:`jobrun.plans.visit`. It never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from jobrun.errors import Pos
+
+GROUPS = ("init", "epoch", "download", "exit")
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """An input that names a blob."""
+
+    name: str
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Literal:
+    """An input given as a number or boolean literal (`mul: {in: [i, 10]}`)."""
+
+    value: Any
+    pos: Pos
+
+
+Input = Union[BlobRef, Literal]
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    op: str
+    ins: tuple[Input, ...]
+    outs: tuple[BlobRef, ...]
+    args: tuple[tuple[str, Any], ...]  # in source order
+    pos: Pos
+    arg_pos: tuple[tuple[str, Pos], ...] = ()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.args)
+
+    def pos_of(self, key: str) -> Pos:
+        for k, p in self.arg_pos:
+            if k == key:
+                return p
+        return self.pos
+
+
+@dataclass(frozen=True, slots=True)
+class Loop:
+    """`loop: N | blob | null` with an optional `as` index blob."""
+
+    count: int | BlobRef | None
+    index: BlobRef | None
+    body: tuple[Step, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class StopIf:
+    cond: BlobRef
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class IfBranch:
+    cond: BlobRef
+    body: tuple[Step, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class If:
+    """`if`/`elif`.../`else`: branches are tried in order."""
+
+    branches: tuple[IfBranch, ...]
+    orelse: tuple[Step, ...] | None
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    name: str | None
+    body: tuple[Step, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    branches: tuple[Branch, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """Runs `body` every `period` seconds in the background, and once at the end."""
+
+    period: float
+    period_text: str
+    body: tuple[Step, ...]
+    pos: Pos
+
+
+Step = Union[OpCall, Loop, StopIf, If, Parallel, Report]
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    name: str
+    group: str
+    node: str
+    workspace: str  # "global" | "private"
+    instances: int
+    init: tuple[Step, ...]
+    do: tuple[Step, ...]
+    exit: tuple[Step, ...]
+    outputs: tuple[BlobRef, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    name: str
+    tasks: tuple[Task, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    dir: str = "checkpoints"
+    every: int = 1
+    keep: int | None = None
+    upload: str | None = None
+    pos: Pos | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    job: str
+    seed: int
+    device: str
+    replicas: int | str  # an int >= 1 or "auto"
+    vars: dict[str, Any]
+    max_epochs: int | None
+    stop_when: tuple[BlobRef, ...]
+    checkpoint: Checkpoint | None
+    init: Group
+    epoch: Group
+    download: Group
+    exit: Group
+    source: str
+    pos: Pos
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        return (self.init, self.epoch, self.download, self.exit)
+
+    def tasks(self):
+        for g in self.groups:
+            yield from g.tasks
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node a task runs on, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for t in self.tasks():
+            seen.setdefault(t.node, None)
+        return tuple(seen) or ("local",)

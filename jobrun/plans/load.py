@@ -1,0 +1,665 @@
+"""YAML text -> plain data that remembers where every value came from.
+
+Only plain YAML is accepted: mappings, sequences, strings, ints, finite floats, booleans
+and null. Tags, timestamps, merge keys, duplicate keys, NaN/inf and oversized or
+alias-expanding input are refused with a message that points at the file, line and column.
+The loader knows nothing of plans; :mod:`jobrun.plans.compile` gives the data its meaning.
+
+The tree is built straight from libyaml's parse events in one loop rather than through
+PyYAML's composer: the C composer recurses once per nesting level and crashes the process
+on input nested some ten thousand levels deep, and its node graph would be walked a second
+time anyway. Positions are kept as the parser's marks and turned into :class:`Pos` objects
+only when someone asks for them, because building a Pos per value costs more than parsing.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.events import (
+    AliasEvent,
+    DocumentStartEvent,
+    MappingEndEvent,
+    MappingStartEvent,
+    ScalarEvent,
+    SequenceEndEvent,
+    SequenceStartEvent,
+    StreamEndEvent,
+)
+
+from jobrun.errors import PlanError, Pos
+
+MAX_FILE_BYTES = 64 * 1024 * 1024
+MAX_NODES = 5_000_000  # values in one plan, aliases expanded
+MAX_ALIAS_NODES = 200_000  # values created by expanding aliases: stops "billion laughs" fast
+MAX_DEPTH = 100
+MAX_INT = 2**63 - 1
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_RESOLVERS: dict[Any, list[tuple[str, re.Pattern[str]]]] = yaml.resolver.Resolver.yaml_implicit_resolvers
+_constructor = yaml.constructor.SafeConstructor()
+
+_YAML = "tag:yaml.org,2002:"
+_STR = _YAML + "str"
+_INT = _YAML + "int"
+_FLOAT = _YAML + "float"
+_BOOL = _YAML + "bool"
+_NULL = _YAML + "null"
+_SEQ = _YAML + "seq"
+_MAP = _YAML + "map"
+_TIMESTAMP = _YAML + "timestamp"
+# Tags that only say "the default kind": `!` (non-specific) and the core ones.
+_MAP_TAGS = (None, "!", _MAP)
+_SEQ_TAGS = (None, "!", _SEQ)
+_SCALAR_TYPES = {_INT: "an integer", _FLOAT: "a number", _BOOL: "a boolean", _NULL: "null"}
+
+# Characters YAML refuses (C0 controls but tab/newline/CR, DEL, C1 but NEL, surrogates,
+# U+FFFE/U+FFFF). Checked up front so that the error has a line and column: libyaml only
+# reports a byte offset for them.
+_BAD_CHAR = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+_HUGE = 30  # integers and strings longer than this are shortened in messages
+
+
+if getattr(Pos, "__slots__", None) == ("file", "line", "col"):
+    # Pos is a frozen dataclass: its __init__ sets each field through
+    # object.__setattr__, which takes twice as long as filling the slots directly, and a
+    # big plan needs hundreds of thousands of positions. Same object, equality and hash.
+    _new_pos = object.__new__
+    _set_file = Pos.file.__set__  # type: ignore[attr-defined]
+    _set_line = Pos.line.__set__  # type: ignore[attr-defined]
+    _set_col = Pos.col.__set__  # type: ignore[attr-defined]
+
+    def _mark_pos(file: str, mark: Any) -> Pos:
+        p = _new_pos(Pos)
+        _set_file(p, file)
+        _set_line(p, mark.line + 1)
+        _set_col(p, mark.column + 1)
+        return p
+
+else:  # Pos changed shape: use its constructor
+
+    def _mark_pos(file: str, mark: Any) -> Pos:
+        return Pos(file, mark.line + 1, mark.column + 1)
+
+
+class PMap(dict):
+    """A mapping with the position of itself, of each key and of each value.
+
+    `pos`, `key_pos` and `val_pos` read like plain attributes; a loaded PMap computes them
+    from the parser's marks on first use. `at(key)` gives a value's position without
+    building the whole `val_pos` dict.
+    """
+
+    __slots__ = ("_file", "_mark", "_pos", "_kmarks", "_vmarks", "_key_pos", "_val_pos")
+
+    def __init__(self, pos: Pos):
+        super().__init__()
+        self._pos: Pos | None = pos
+        self._file = pos.file
+        self._mark: Any = None
+        self._kmarks: dict[str, Any] | None = None
+        self._vmarks: dict[str, Any] | None = None
+        self._key_pos: dict[str, Pos] | None = {}
+        self._val_pos: dict[str, Pos] | None = {}
+
+    @classmethod
+    def _loaded(cls, file: str, mark: Any) -> PMap:
+        # dict.__new__ skips __init__: the loader fills the slots itself, for speed.
+        m = dict.__new__(cls)
+        m._file = file
+        m._mark = mark
+        m._pos = None
+        m._kmarks = {}
+        m._vmarks = {}
+        m._key_pos = None
+        m._val_pos = None
+        return m
+
+    @property
+    def pos(self) -> Pos:
+        if self._pos is None:
+            self._pos = _mark_pos(self._file, self._mark)
+        return self._pos
+
+    @pos.setter
+    def pos(self, value: Pos) -> None:
+        self._pos = value
+
+    @property
+    def key_pos(self) -> dict[str, Pos]:
+        """Position of each key (a dict you may update)."""
+        if self._key_pos is None:
+            f = self._file
+            self._key_pos = {k: _mark_pos(f, m) for k, m in (self._kmarks or {}).items()}
+        return self._key_pos
+
+    @key_pos.setter
+    def key_pos(self, value: dict[str, Pos]) -> None:
+        self._key_pos = value
+
+    @property
+    def val_pos(self) -> dict[str, Pos]:
+        """Position of each value (a dict you may update)."""
+        if self._val_pos is None:
+            f = self._file
+            self._val_pos = {k: _mark_pos(f, m) for k, m in (self._vmarks or {}).items()}
+        return self._val_pos
+
+    @val_pos.setter
+    def val_pos(self, value: dict[str, Pos]) -> None:
+        self._val_pos = value
+
+    def at(self, key: str) -> Pos:
+        """Position of the value under `key` (or of the mapping when it is absent)."""
+        if self._val_pos is not None:
+            p = self._val_pos.get(key)
+        else:
+            mark = self._vmarks.get(key) if self._vmarks else None
+            p = _mark_pos(self._file, mark) if mark is not None else None
+        return p if p is not None else self.pos
+
+    def key_at(self, key: str) -> Pos:
+        """Position of `key` itself (or of the mapping when it is absent)."""
+        if self._key_pos is not None:
+            p = self._key_pos.get(key)
+        else:
+            mark = self._kmarks.get(key) if self._kmarks else None
+            p = _mark_pos(self._file, mark) if mark is not None else None
+        return p if p is not None else self.pos
+
+
+class PList(list):
+    """A list with the position of itself and of each item."""
+
+    __slots__ = ("_file", "_mark", "_pos", "_marks", "_item_pos")
+
+    def __init__(self, pos: Pos):
+        super().__init__()
+        self._pos: Pos | None = pos
+        self._file = pos.file
+        self._mark: Any = None
+        self._marks: list[Any] | None = None
+        self._item_pos: list[Pos] | None = []
+
+    @classmethod
+    def _loaded(cls, file: str, mark: Any) -> PList:
+        lst = list.__new__(cls)
+        lst._file = file
+        lst._mark = mark
+        lst._pos = None
+        lst._marks = []
+        lst._item_pos = None
+        return lst
+
+    @property
+    def pos(self) -> Pos:
+        if self._pos is None:
+            self._pos = _mark_pos(self._file, self._mark)
+        return self._pos
+
+    @pos.setter
+    def pos(self, value: Pos) -> None:
+        self._pos = value
+
+    @property
+    def item_pos(self) -> list[Pos]:
+        """Position of each item (a list you may update)."""
+        if self._item_pos is None:
+            f = self._file
+            self._item_pos = [_mark_pos(f, m) for m in self._marks or ()]
+        return self._item_pos
+
+    @item_pos.setter
+    def item_pos(self, value: list[Pos]) -> None:
+        self._item_pos = value
+
+    def at(self, i: int) -> Pos:
+        if self._item_pos is not None:
+            if 0 <= i < len(self._item_pos):
+                return self._item_pos[i]
+        elif self._marks and 0 <= i < len(self._marks):
+            return _mark_pos(self._file, self._marks[i])
+        return self.pos
+
+
+def clone(value: Any, budget: list[int] | None = None) -> Any:
+    """A copy of a loaded value: new containers (positions kept), shared scalars.
+
+    `budget` is a one-item list counting down the containers and items it may still
+    create; a PlanError-free ValueError is raised when it runs out, so that callers can
+    report where the expansion came from.
+    """
+    if budget is not None:
+        budget[0] -= len(value) + 1 if isinstance(value, list | dict) else 1
+        if budget[0] < 0:
+            raise _BudgetExceeded
+    if isinstance(value, PMap):
+        m = dict.__new__(PMap)
+        m._file, m._mark, m._pos = value._file, value._mark, value._pos
+        # Marks never change once loaded, so copies share them; materialized position
+        # dicts may be edited (`--set`), so copies get their own.
+        m._kmarks, m._vmarks = value._kmarks, value._vmarks
+        m._key_pos = None if value._key_pos is None else dict(value._key_pos)
+        m._val_pos = None if value._val_pos is None else dict(value._val_pos)
+        for k, v in value.items():
+            dict.__setitem__(m, k, clone(v, budget) if isinstance(v, list | dict) else v)
+        return m
+    if isinstance(value, PList):
+        lst = list.__new__(PList)
+        lst._file, lst._mark, lst._pos = value._file, value._mark, value._pos
+        lst._marks = value._marks
+        lst._item_pos = None if value._item_pos is None else list(value._item_pos)
+        list.extend(lst, [clone(v, budget) if isinstance(v, list | dict) else v for v in value])
+        return lst
+    if isinstance(value, dict):
+        return {k: clone(v, budget) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clone(v, budget) for v in value]
+    return value
+
+
+class _BudgetExceeded(Exception):
+    """Raised by `clone` when its budget runs out (callers turn it into a PlanError)."""
+
+
+def load_file(path: str | Path) -> PMap:
+    """Read and parse a plan file; every failure is a PlanError (exit code 2)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise PlanError(
+                f"plan file is {size} bytes, more than the {MAX_FILE_BYTES} allowed",
+                Pos(str(path)),
+                "split the data out of the plan (load it with data.load)",
+            )
+        data = p.read_bytes()
+    except PlanError:
+        raise
+    except FileNotFoundError:
+        raise PlanError(f"no such plan file: {path}", hint="check the path") from None
+    except IsADirectoryError:
+        raise PlanError(f"{path} is a directory, not a plan file", hint="give a .yaml file") from None
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        line = data.count(b"\n", 0, e.start) + 1
+        col = len(data[line_start : e.start].decode("utf-8", "replace")) + 1
+        raise PlanError(
+            f"plan file is not UTF-8 text (byte 0x{data[e.start]:02x} cannot start or continue a character)",
+            Pos(str(path), line, col),
+            "save the file as UTF-8",
+        ) from None
+    return load_text(text, str(path))
+
+
+def load_text(text: str, filename: str = "<plan>") -> PMap:
+    """Parse YAML text whose top level must be a mapping."""
+    value, mark = _Builder(filename).build(text)
+    if value is _EMPTY or value is None:
+        raise PlanError("plan file is empty", Pos(filename, 1, 1), "start with `job: NAME`")
+    if not isinstance(value, PMap):
+        raise PlanError(
+            f"a plan must be a mapping of keys (job, epoch, ...), not {kind_of(value)}",
+            _mark_pos(filename, mark),
+            "start the file with `job: NAME`",
+        )
+    return value
+
+
+def parse_value(text: str, filename: str) -> Any:
+    """Parse one YAML value of any kind (a `--set` value); empty text is null."""
+    value, _ = _Builder(filename).build(text)
+    return None if value is _EMPTY else value
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building a big acyclic tree.
+
+    Loading a plan allocates about a million objects that all stay alive; every
+    allocation threshold reached would make the collector walk them all again, which
+    made loading a large plan several times slower.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+_EMPTY = object()  # no document at all
+_NOKEY = object()  # the innermost mapping waits for a key
+_MISS = object()
+
+
+class _Bad:
+    """A scalar that cannot be a plan value: the error, minus its position."""
+
+    __slots__ = ("message", "hint")
+
+    def __init__(self, message: str, hint: str | None = None):
+        self.message = message
+        self.hint = hint
+
+
+class _Builder:
+    """Builds PMap/PList trees from parse events, checking each value as it comes."""
+
+    def __init__(self, filename: str):
+        self.file = filename
+        self.plain: dict[str, Any] = {}  # plain scalar text -> value (or _Bad)
+        self.alias_budget = [MAX_ALIAS_NODES]
+
+    def error(self, message: str, mark: Any, hint: str | None = None) -> PlanError:
+        return PlanError(message, _mark_pos(self.file, mark), hint)
+
+    def build(self, text: str) -> tuple[Any, Any]:
+        """(top value or _EMPTY, its mark)."""
+        if len(text) > MAX_FILE_BYTES:
+            raise PlanError("plan text is too large", Pos(self.file))
+        bad = _BAD_CHAR.search(text)
+        if bad is not None:
+            raise self.bad_char(text, bad.start())
+        loader = _Loader(text)
+        try:
+            with no_gc():
+                return self.events(loader)
+        except yaml.MarkedYAMLError as e:
+            raise self.yaml_error(e, text) from None
+        except yaml.YAMLError as e:  # no position (should not happen after the checks above)
+            raise PlanError(f"invalid YAML: {e}", Pos(self.file)) from None
+        finally:
+            loader.dispose()
+
+    def bad_char(self, text: str, index: int) -> PlanError:
+        line = text.count("\n", 0, index) + 1
+        col = index - (text.rfind("\n", 0, index) + 1) + 1
+        ch = text[index]
+        what = "a NUL character" if ch == "\x00" else f"the character U+{ord(ch):04X}"
+        return PlanError(
+            f"plan contains {what}, which YAML does not allow",
+            Pos(self.file, line, col),
+            "remove it; inside a double-quoted string write it as an escape (\\x01, \\u0001)",
+        )
+
+    def yaml_error(self, e: yaml.MarkedYAMLError, text: str) -> PlanError:
+        mark = e.problem_mark or e.context_mark
+        pos = _mark_pos(self.file, mark) if mark is not None else Pos(self.file)
+        what = e.problem or e.context or "invalid YAML"
+        hint = "check indentation, colons and quotes"
+        if mark is not None:
+            lines = text.splitlines()
+            line = lines[mark.line] if mark.line < len(lines) else ""
+            if "\t" in line[: mark.column + 1] or (
+                "cannot start any token" in what and line[mark.column : mark.column + 1] == "\t"
+            ):
+                what = "a tab character; YAML indents with spaces only"
+                hint = "replace the tab by spaces"
+        if e.context and e.context_mark is not None and e.problem_mark is not None:
+            cm = e.context_mark
+            opener = {"flow sequence": "'['", "flow mapping": "'{'"}
+            kind = next((v for k, v in opener.items() if k in e.context), None)
+            if kind and ("expected ','" in what or "stream end" in what):
+                what = f"{what} to close the {kind} at line {cm.line + 1}, column {cm.column + 1}"
+                hint = "close it, or separate its items with commas"
+            elif e.context_mark.line != e.problem_mark.line:
+                what = f"{what} ({e.context} at line {cm.line + 1}, column {cm.column + 1})"
+        return PlanError(f"invalid YAML: {what}", pos, hint)
+
+    def events(self, loader: Any) -> tuple[Any, Any]:
+        # One flat loop over the events, with the innermost open container and whether
+        # it is a mapping kept in locals: this is the hot path of loading a big plan.
+        get = loader.get_event
+        file = self.file
+        plain = self.plain
+        anchors: dict[str, Any] = {}
+        stack: list[Any] = []  # open containers, innermost last
+        top: Any = None  # stack[-1]
+        in_map = False  # top is a PMap
+        key: Any = _NOKEY  # pending key of the innermost mapping
+        kmark: Any = None
+        root: Any = _EMPTY
+        root_mark: Any = None
+        docs = 0
+        nodes = 0
+        while True:
+            ev = get()
+            cls = ev.__class__
+            if cls is ScalarEvent:
+                mark = ev.start_mark
+                if in_map and key is _NOKEY:
+                    # A key is taken as written (so `2020-01-01:` or `.nan:` are fine).
+                    text = ev.value
+                    if ev.tag is None and ev.anchor is None and text != "<<" and text not in top:
+                        key = text
+                    else:
+                        key = self.key(ev, top, mark)
+                        if ev.anchor is not None:
+                            anchors[ev.anchor] = text
+                    kmark = mark
+                    continue
+                tag = ev.tag
+                if tag is None and ev.implicit[0]:
+                    value = plain.get(ev.value, _MISS)
+                    if value is _MISS:
+                        value = plain[ev.value] = self.resolve_plain(ev.value)
+                    if value.__class__ is _Bad:
+                        raise self.error(value.message, mark, value.hint)
+                elif tag is None or tag == "!" or tag == _STR:
+                    value = ev.value
+                else:
+                    value = self.tagged(tag, ev.value)
+                    if value.__class__ is _Bad:
+                        raise self.error(value.message, mark, value.hint)
+                if ev.anchor is not None:
+                    anchors[ev.anchor] = value
+            elif cls is MappingStartEvent or cls is SequenceStartEvent:
+                mark = ev.start_mark
+                if in_map and key is _NOKEY:
+                    raise self.key_error(cls, mark)
+                if cls is MappingStartEvent:
+                    if ev.tag not in _MAP_TAGS:
+                        raise self.tag_error(ev.tag, mark)
+                    value = PMap._loaded(file, mark)
+                else:
+                    if ev.tag not in _SEQ_TAGS:
+                        raise self.tag_error(ev.tag, mark)
+                    value = PList._loaded(file, mark)
+                if len(stack) >= MAX_DEPTH:
+                    raise self.error(
+                        f"plan is nested more than {MAX_DEPTH} levels deep", mark,
+                        "flatten the plan (a loop body can be a list of steps, not a deeper nesting)",
+                    )
+                if ev.anchor is not None:
+                    anchors[ev.anchor] = value
+            elif cls is MappingEndEvent or cls is SequenceEndEvent:
+                stack.pop()
+                top = stack[-1] if stack else None
+                in_map = top.__class__ is PMap
+                continue
+            elif cls is AliasEvent:
+                mark = ev.start_mark
+                if in_map and key is _NOKEY:
+                    raise self.key_error(cls, mark)
+                value = self.alias(ev.anchor, anchors, stack, mark)
+            elif cls is DocumentStartEvent:
+                docs += 1
+                if docs > 1:
+                    raise self.error(
+                        "a plan file holds one YAML document, but a second one starts here",
+                        ev.start_mark, "remove the `---` line (and what follows, or merge it)",
+                    )
+                continue
+            elif cls is StreamEndEvent or ev is None:
+                break
+            else:  # stream start, document end
+                continue
+
+            nodes += 1
+            if nodes > MAX_NODES:
+                raise self.error(
+                    f"plan has more than {MAX_NODES} values", mark,
+                    "move data out of the plan (load it with data.load)",
+                )
+            if in_map:
+                top[key] = value
+                top._kmarks[key] = kmark
+                top._vmarks[key] = mark
+                key = _NOKEY
+            elif top is not None:
+                top.append(value)
+                top._marks.append(mark)
+            else:
+                root, root_mark = value, mark
+            if cls is MappingStartEvent:
+                stack.append(value)
+                top, in_map = value, True
+            elif cls is SequenceStartEvent:
+                stack.append(value)
+                top, in_map = value, False
+        return root, root_mark
+
+    def key_error(self, cls: Any, mark: Any) -> PlanError:
+        what = "an alias" if cls is AliasEvent else "a list or mapping"
+        return self.error(f"a mapping key must be a plain word, not {what}", mark, "write `name: value`")
+
+    def key(self, ev: Any, top: PMap, mark: Any) -> str:
+        """The text of a scalar key, checked (the loop's fast path takes plain new keys)."""
+        if ev.tag not in (None, "!", _STR) and ev.tag not in _SCALAR_TYPES:
+            raise self.tag_error(ev.tag, mark)
+        # The key's text as written: `on:` stays "on", not True, and `1:` is "1".
+        text = ev.value
+        if text == "<<" and ev.implicit[0]:
+            raise self.error(
+                "YAML merge keys (<<) are not supported", mark, "write the keys out in full"
+            )
+        if text in top:
+            first = top.key_at(text)
+            raise self.error(
+                f"duplicate key {_short(text)!r} (first at line {first.line}, column {first.col})",
+                mark, "remove one of them",
+            )
+        return text
+
+    def alias(self, name: str, anchors: dict[str, Any], stack: list[Any], mark: Any) -> Any:
+        if name not in anchors:
+            raise self.error(f"alias *{name} has no anchor &{name} before it", mark, "define the anchor first")
+        target = anchors[name]
+        if any(c is target for c in stack):
+            raise self.error(
+                f"recursive YAML alias *{name}: it refers to a value that contains it", mark,
+                "remove the alias cycle",
+            )
+        try:
+            return clone(target, self.alias_budget)
+        except _BudgetExceeded:
+            raise self.error(
+                f"aliases expand to more than {MAX_ALIAS_NODES} values (a 'billion laughs' document?)",
+                mark, "write the plan without deeply repeated aliases",
+            ) from None
+
+    def resolve_plain(self, text: str) -> Any:
+        """The value of an untagged plain scalar, by YAML 1.1's implicit rules."""
+        for tag, regexp in _RESOLVERS.get(text[:1], ()):
+            if regexp.match(text):
+                break
+        else:
+            return text
+        if tag in _SCALAR_TYPES:
+            return self.construct(tag, text)
+        if tag == _TIMESTAMP:
+            return _Bad(f"{text!r} reads as a date; plans take no dates", f'quote it: "{text}"')
+        # `<<` and `=` as values (merge and value tags) mean nothing special here.
+        return text
+
+    def tagged(self, tag: str, text: str) -> Any:
+        if tag in _SCALAR_TYPES:
+            return self.construct(tag, text)
+        if tag == _TIMESTAMP:
+            return _Bad(f"{_show_tag(tag)} {text!r}: plans take no dates", f'write a string: "{text}"')
+        return _Bad(*_tag_message(tag))
+
+    def construct(self, tag: str, text: str) -> Any:
+        node = yaml.ScalarNode(tag, text)
+        try:
+            if tag == _INT:
+                value = _constructor.construct_yaml_int(node)
+            elif tag == _FLOAT:
+                value = _constructor.construct_yaml_float(node)
+            elif tag == _BOOL:
+                value = _constructor.construct_yaml_bool(node)
+            else:
+                return None
+        except (ValueError, KeyError, IndexError):
+            if tag == _INT and len(text) > _HUGE and text.lstrip("+-").replace("_", "").isdigit():
+                return _Bad(f"integer {_short(text)} is too large", f"use a value up to {MAX_INT}")
+            return _Bad(
+                f"{_short(text)!r} is not {_SCALAR_TYPES[tag]} (tag {_show_tag(tag)})",
+                "remove the tag or fix the value",
+            )
+        if tag == _INT and abs(value) > MAX_INT:
+            return _Bad(f"integer {_short(text)} is too large", f"use a value from {-MAX_INT} to {MAX_INT}")
+        if tag == _FLOAT and not math.isfinite(value):
+            return _Bad(
+                f"{text} is not a finite number", "use a finite value; quote it if you meant a string"
+            )
+        return value
+
+    def tag_error(self, tag: str, mark: Any) -> PlanError:
+        message, hint = _tag_message(tag)
+        return self.error(message, mark, hint)
+
+
+def _tag_message(tag: str) -> tuple[str, str]:
+    return (
+        f"YAML tag {_show_tag(tag)} is not allowed: plans are plain data",
+        "remove the tag (plans cannot construct Python objects, sets or binary data)",
+    )
+
+
+def _show_tag(tag: str) -> str:
+    return "!!" + tag[len(_YAML) :] if tag.startswith(_YAML) else tag
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _HUGE else text[:20] + f"...({len(text)} characters)"
+
+
+def kind_of(value: Any) -> str:
+    """How a value reads in a message: 'null', 'the number 3', 'a list', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the string {value!r}" if len(value) < 40 else "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def to_plain(value: Any) -> Any:
+    """Drop positions: PMap/PList -> dict/list (used to store and dump resolved plans)."""
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_plain(v) for v in value]
+    return value

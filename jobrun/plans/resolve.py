@@ -1,0 +1,237 @@
+"""Before compiling: `--set KEY=VALUE` overrides and `${var}` substitution.
+
+Both work on the positioned data of :mod:`jobrun.plans.load`, so a value that came from
+an override or a variable still points at a place the user can find.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from jobrun.errors import PlanError, Pos, did_you_mean
+from jobrun.plans.load import (
+    MAX_ALIAS_NODES,
+    PList,
+    PMap,
+    _BudgetExceeded,
+    clone,
+    kind_of,
+    parse_value,
+    to_plain,
+)
+
+VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_REF = re.compile(r"\$(\$?)\{([^}]*)\}")
+BUILTINS = ("plan_dir", "run_dir")
+# A string may not grow past this by substitution: vars that repeat vars that repeat
+# vars would otherwise fill the memory ("billion laughs" without aliases).
+MAX_TEXT = 1_000_000
+
+
+def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
+    """Apply `KEY=VALUE` overrides in order; KEY is a dotted path, VALUE a YAML scalar.
+
+    A list item is addressed by its index (`epoch.0.do.1.loop=20`); missing mappings on
+    the way are created (`vars.lr=0.05` works in a plan without `vars`).
+    """
+    for item in sets:
+        where = Pos(f"--set {item}")
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise PlanError(
+                f"--set {item!r} is not KEY=VALUE", where, "write e.g. --set max_epochs=3"
+            )
+        value = parse_value(raw, f"--set {key}")
+        parts = key.strip().split(".")
+        if any(not p.strip() for p in parts):
+            raise PlanError(
+                f"--set key {key!r} has an empty part", where, "write a dotted path, e.g. vars.lr"
+            )
+        _set_path(tree, [p.strip() for p in parts], value, where)
+
+
+def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
+    node = tree
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        shown = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            # isascii: str.isdigit() is also true for '²', which int() refuses.
+            if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
+                raise PlanError(
+                    f"--set: {shown!r} does not exist ({'.'.join(parts[:depth]) or 'the plan'} "
+                    f"is a list of {len(node)} items)",
+                    where,
+                    f"use an index from 0 to {len(node) - 1}" if node else "the list is empty",
+                )
+            idx = int(part)
+            if last:
+                node[idx] = value
+                if isinstance(node, PList):
+                    _pad(node.item_pos, len(node), node.pos)[idx] = where
+                return
+            node = node[idx]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+                if isinstance(node, PMap):
+                    node.val_pos[part] = where
+                    node.key_pos.setdefault(part, where)
+                return
+            if node.get(part) is None:
+                node[part] = PMap(where)
+                if isinstance(node, PMap):
+                    node.val_pos[part] = where
+                    node.key_pos.setdefault(part, where)
+            node = node[part]
+        else:
+            parent = ".".join(parts[:depth])
+            raise PlanError(
+                f"--set: {parent!r} is {kind_of(node)}, not a mapping or list, so it has no {part!r}",
+                where,
+                f"set {parent!r} itself (--set {parent}=VALUE)",
+            )
+
+
+def _pad(positions: list[Pos], n: int, fill: Pos) -> list[Pos]:
+    while len(positions) < n:
+        positions.append(fill)
+    return positions
+
+
+def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
+    """Replace `${name}` in every string value by the var's value (`$${` escapes it).
+
+    A string that is exactly `${name}` takes the var's value with its type. Vars may use
+    the built-ins and vars defined above them. Works in place and returns `tree`.
+    """
+    env: dict[str, Any] = dict(builtins)
+    budget = [MAX_ALIAS_NODES]
+    raw_vars = tree.get("vars")
+    if raw_vars is not None:
+        if not isinstance(raw_vars, dict):
+            raise PlanError(
+                f"`vars` must be a mapping of names to values, not {kind_of(raw_vars)}",
+                _at(tree, "vars"),
+                "write vars: {lr: 0.1}",
+            )
+        later = list(raw_vars)
+        for name, value in raw_vars.items():
+            later.remove(name)
+            kpos = raw_vars.key_at(name) if isinstance(raw_vars, PMap) else _at(tree, "vars")
+            if not VAR_NAME.match(name):
+                raise PlanError(
+                    f"bad var name {name!r}", kpos,
+                    "a var name is letters, digits and _, not starting with a digit",
+                )
+            if name in BUILTINS:
+                raise PlanError(
+                    f"var {name!r} is built in and cannot be redefined", kpos, "rename your var"
+                )
+            ctx = _Ctx(env, budget, later, name)
+            resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None)
+            raw_vars[name] = env[name] = resolved
+    ctx = _Ctx(env, budget, [], None)
+    for key, value in tree.items():
+        if key != "vars":
+            tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None)
+    return tree
+
+
+class _Ctx:
+    """What a substitution may use: the vars so far, the clone budget, for hints."""
+
+    __slots__ = ("env", "budget", "later", "defining")
+
+    def __init__(self, env: dict[str, Any], budget: list[int], later: list[str], defining: str | None):
+        self.env = env
+        self.budget = budget
+        self.later = later  # vars defined below the one being defined
+        self.defining = defining
+
+
+def _at(container: Any, key: Any) -> Pos:
+    if isinstance(container, PMap | PList):
+        return container.at(key)
+    return Pos("<plan>")
+
+
+def _subst(value: Any, ctx: _Ctx, pos: Pos | None = None) -> Any:
+    """`value` with its references replaced; containers are updated in place.
+
+    Positions are looked up only for strings that hold a reference: building one for
+    every value of a big plan would cost more than the walk itself.
+    """
+    if value.__class__ is str:
+        return _subst_str(value, ctx, pos or Pos("<plan>")) if "${" in value else value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v.__class__ is str:
+                if "${" in v:
+                    value[k] = _subst_str(v, ctx, _at(value, k))
+            elif isinstance(v, list | dict):
+                _subst(v, ctx)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if v.__class__ is str:
+                if "${" in v:
+                    value[i] = _subst_str(v, ctx, _at(value, i))
+            elif isinstance(v, list | dict):
+                _subst(v, ctx)
+    return value
+
+
+def _subst_str(text: str, ctx: _Ctx, pos: Pos) -> Any:
+    whole = _REF.fullmatch(text)
+    if whole and not whole.group(1):
+        value = _lookup(whole.group(2), ctx, pos)
+        if not isinstance(value, list | dict):
+            return value
+        try:
+            return clone(value, ctx.budget)
+        except _BudgetExceeded:
+            raise PlanError(
+                f"vars expand to more than {MAX_ALIAS_NODES} values",
+                pos,
+                "do not nest list or mapping vars inside each other so many times",
+            ) from None
+
+    def repl(m: re.Match[str]) -> str:
+        if m.group(1):  # "$${x}" -> "${x}"
+            return "${" + m.group(2) + "}"
+        return _as_text(_lookup(m.group(2), ctx, pos))
+
+    out = _REF.sub(repl, text)
+    if len(out) > MAX_TEXT:
+        raise PlanError(
+            f"a string grows to {len(out)} characters by substituting vars (at most {MAX_TEXT})",
+            pos,
+            "do not repeat vars inside vars so many times",
+        )
+    return out
+
+
+def _lookup(name: str, ctx: _Ctx, pos: Pos) -> Any:
+    name = name.strip()
+    if name in ctx.env:
+        return ctx.env[name]
+    if name == ctx.defining:
+        hint = f"a var cannot use itself; give {name!r} a value"
+    elif name in ctx.later:
+        hint = f"{name!r} is defined below; a var may only use the vars defined above it"
+    else:
+        known = ", ".join(sorted(ctx.env))
+        hint = did_you_mean(name, ctx.env) or f"define it under `vars:` (known: {known})"
+    raise PlanError(f"undefined variable ${{{name}}}", pos, hint)
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, list | dict):
+        return json.dumps(to_plain(value))
+    return str(value)

@@ -1,0 +1,508 @@
+"""A JSON Schema (draft 2020-12) of the plan file, for editors and external checks.
+
+    schema = plan_schema()          # `jobrun schema` prints it
+
+It is derived, not written out: the keys come from the compiler's key lists
+(TOP_KEYS, TASK_KEYS, CHECKPOINT_KEYS), the name patterns from its regular expressions and
+every op step from the op registry, with its arguments typed from their ArgSpec. So a new
+op (a user's plug-in included) or a new key shows up here without editing this file.
+
+Values are checked as written in the file, before `${var}` substitution: wherever a number
+or boolean is expected, a string that is exactly `${name}` is accepted too, and a name may
+be built from vars (`enc_${i}`). Whether ops exist and their arguments fit is checked
+here too, as `jobrun analyze` does; what only the analyzer can see (data flow, races,
+stop conditions) is not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from jobrun import __version__
+from jobrun.ops.spec import REQUIRED, ArgSpec, ArgType, OpSpec
+from jobrun.plans import compile as plan_compile
+from jobrun.plans.resolve import BUILTINS, VAR_NAME
+
+SCHEMA_ID = "urn:jobrun:plan-schema"
+DRAFT = "https://json-schema.org/draft/2020-12/schema"
+VAR_EXACT = r"^\$\{[^}]+\}$"  # takes the var's type after substitution
+VAR_INSIDE = r"\$\{[^}]+\}"  # a string built from vars: only its result can be checked
+
+VAR = {"$ref": "#/$defs/var"}
+BLOB = {"$ref": "#/$defs/blob"}
+BLOCK = {"$ref": "#/$defs/block"}
+NAME = {"$ref": "#/$defs/name"}
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema of a plan file, with descriptions for every key and op."""
+    from jobrun.ops.registry import registry
+
+    ops = registry()
+    defs: dict[str, Any] = {
+        **_name_defs(),
+        "task": _task(),
+        "checkpoint": _checkpoint(),
+        "block": {
+            "description": "A list of steps, run in order.",
+            "type": ["array", "null"],
+            "items": {"$ref": "#/$defs/step"},
+        },
+        "step": _step(),
+        **_control_defs(),
+        "op_call": _op_call(ops),
+        "input": {
+            "description": "A blob name, or a number or boolean literal.",
+            "anyOf": [BLOB, {"type": ["number", "boolean"]}, VAR],
+        },
+        **{_op_def(name): op_schema(spec) for name, spec in ops.items()},
+    }
+    return {
+        "$schema": DRAFT,
+        "$id": SCHEMA_ID,
+        "title": "jobrun plan",
+        "description": (
+            f"A jobrun {__version__} plan: a training job as four task groups (init, epoch, "
+            "download, exit) of steps that call ops on named blobs. Check it with "
+            "`jobrun analyze`, read it with `jobrun print`."
+        ),
+        "type": "object",
+        "properties": _keyed(plan_compile.TOP_KEYS, _top_properties()),
+        "required": ["job", "epoch"],
+        "additionalProperties": False,
+        "$defs": defs,
+    }
+
+
+def _keyed(keys: tuple[str, ...], known: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    # The compiler's key list is the truth: a key it gains before this module learns about
+    # it is still allowed (with no checks), never refused.
+    return {key: known.get(key, {"description": f"`{key}` (not described yet)"}) for key in keys}
+
+
+def _anchored(rx: re.Pattern[str]) -> str:
+    """A compiler regex (used with .match and ending in \\Z) as an ECMA-262 pattern."""
+    body = rx.pattern.removesuffix(r"\Z")
+    return f"^{body}$"
+
+
+def _int(description: str, minimum: int | None = None, maximum: int | None = None) -> dict[str, Any]:
+    number: dict[str, Any] = {"type": "integer"}
+    if minimum is not None:
+        number["minimum"] = minimum
+    if maximum is not None:
+        number["maximum"] = maximum
+    return {"description": description, "anyOf": [number, VAR]}
+
+
+def _names(description: str) -> dict[str, Any]:
+    return {"description": description, "anyOf": [BLOB, {"type": "array", "items": BLOB}]}
+
+
+# -- names and vars ----------------------------------------------------------------------
+
+
+def _name_defs() -> dict[str, Any]:
+    no_dots = {"not": {"pattern": r"\.\."}}
+    return {
+        "var": {
+            "description": "A `${name}` reference to a var, replaced by its value (and type).",
+            "type": "string",
+            "pattern": VAR_EXACT,
+        },
+        "blob": {
+            "description": (
+                "A blob name: letters, digits and _ (not first), scopes joined by '/' (enc/w)."
+            ),
+            "type": "string",
+            "anyOf": [
+                {"pattern": _anchored(plan_compile.BLOB_NAME)},
+                {"pattern": VAR_INSIDE},
+            ],
+        },
+        "name": {
+            "description": (
+                "A task, node or branch name: 1-64 letters, digits, '_', '.', '-', starting "
+                "with a letter or digit, no '..'."
+            ),
+            "type": "string",
+            "anyOf": [
+                {"pattern": _anchored(plan_compile.NODE_NAME), **no_dots},
+                {"pattern": VAR_INSIDE},
+            ],
+        },
+        "duration": {
+            "description": "A duration with its unit: 500ms, 2s, 1.5s.",
+            "type": "string",
+            "anyOf": [{"pattern": _anchored(plan_compile.DURATION)}, {"pattern": VAR_INSIDE}],
+        },
+    }
+
+
+# -- plan, task, checkpoint ------------------------------------------------------------
+
+
+def _group(name: str, description: str, required: bool = False) -> dict[str, Any]:
+    group: dict[str, Any] = {
+        "description": description,
+        "type": "array" if required else ["array", "null"],
+        "items": {"$ref": "#/$defs/task"},
+    }
+    if required:
+        group["minItems"] = 1
+    return group
+
+
+def _top_properties() -> dict[str, dict[str, Any]]:
+    return {
+        "job": {
+            "description": "The job's name (also the default run directory, runs/<job>).",
+            "type": "string",
+            "pattern": _anchored(plan_compile.NODE_NAME),
+            "not": {"pattern": r"\.\."},  # vars are not substituted in the job name
+        },
+        "seed": _int("Seeds torch, numpy and random on every node and rank (default 0).", 0, 2**63 - 1),
+        "device": {
+            "description": "auto (cuda if available), cpu, cuda or cuda:N (default auto).",
+            "type": "string",
+            "anyOf": [{"pattern": _anchored(plan_compile.DEVICE)}, {"pattern": VAR_INSIDE}],
+            "default": "auto",
+        },
+        "replicas": {
+            "description": "Data-parallel processes on this host; auto = one per GPU, else 1.",
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "maximum": plan_compile.MAX_REPLICAS},
+                {"const": "auto"},
+                VAR,
+            ],
+            "default": 1,
+        },
+        "vars": {
+            "description": (
+                'Values for "${name}" in any string of the plan; a value that is exactly '
+                '"${name}" takes the var\'s type. Built in: '
+                + ", ".join(f"${{{b}}}" for b in BUILTINS) + "."
+            ),
+            "type": ["object", "null"],
+            "propertyNames": {"pattern": _anchored(VAR_NAME), "not": {"enum": list(BUILTINS)}},
+        },
+        "max_epochs": {
+            "description": "Stop after this epoch. A plan needs max_epochs or stop_when.",
+            "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
+        },
+        "stop_when": {
+            "description": (
+                "Outputs of epoch tasks; training stops after an epoch in which one is truthy."
+            ),
+            "anyOf": [BLOB, {"type": "array", "items": BLOB}, {"type": "null"}],
+        },
+        "checkpoint": {
+            "description": "Checkpoint every few epochs; without it no checkpoints are written.",
+            "anyOf": [{"$ref": "#/$defs/checkpoint"}, {"type": "null"}],
+        },
+        "init": _group("init", "Tasks run once before the first epoch (workspace global by default)."),
+        "epoch": _group("epoch", "Tasks run every epoch, until a stop condition holds.", True),
+        "download": _group(
+            "download", "Tasks run once after the last epoch (e.g. gather parameters)."
+        ),
+        "exit": _group("exit", "Tasks run once at the very end (e.g. save the model)."),
+    }
+
+
+def _task() -> dict[str, Any]:
+    known = {
+        "task": {**NAME, "description": "The task's name, unique within its group."},
+        "node": {**NAME, "description": "The node (machine and workspace) it runs on.", "default": "local"},
+        "workspace": {
+            "description": (
+                "global: the node's workspace; private: a child workspace whose new blobs "
+                "are dropped at the end, except `outputs` (default: global in init, else private)."
+            ),
+            "anyOf": [{"enum": ["global", "private"]}, VAR],
+        },
+        "instances": _int(
+            "Concurrent copies of `do` sharing the task's workspace (default 1).",
+            1,
+            plan_compile.MAX_INSTANCES,
+        ),
+        "init": {**BLOCK, "description": "Steps run once before `do` (before all instances)."},
+        "do": {**BLOCK, "description": "The task's steps."},
+        "exit": {**BLOCK, "description": "Steps run once after `do`, also after stop_if."},
+        "outputs": _names("Blobs handed to the runner when the task ends (stop_when reads them)."),
+    }
+    return {
+        "description": "A body of steps that runs on one node.",
+        "type": "object",
+        "properties": _keyed(plan_compile.TASK_KEYS, known),
+        "required": ["task", "do"],
+        "additionalProperties": False,
+    }
+
+
+def _checkpoint() -> dict[str, Any]:
+    known = {
+        "dir": {
+            "description": "Checkpoint directory, relative to the run directory.",
+            "type": "string",
+            "pattern": r"\S",
+            "default": "checkpoints",
+        },
+        "every": _int("Save every this many epochs (default 1).", 1),
+        "keep": {
+            "description": "Keep the last K epochs (null: all).",
+            "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
+        },
+        "upload": {
+            "description": "After training, copy each node's last checkpoint to <upload>/<node>.",
+            "anyOf": [{"type": "string", "pattern": r"\S"}, {"type": "null"}],
+        },
+    }
+    return {
+        "description": "Checkpoint settings.",
+        "type": "object",
+        "properties": _keyed(plan_compile.CHECKPOINT_KEYS, known),
+        "additionalProperties": False,
+    }
+
+
+# -- steps -----------------------------------------------------------------------------
+
+
+def _step() -> dict[str, Any]:
+    """A step: the first control key present picks the kind, as in the compiler; else an op."""
+    keys = plan_compile.CONTROL_KEYS
+    rules: list[dict[str, Any]] = [
+        {"if": {"required": [key]}, "then": {"$ref": f"#/$defs/{key}"}} for key in keys
+    ]
+    rules.append({
+        "if": {"not": {"anyOf": [{"required": [key]} for key in keys]}},
+        "then": {"$ref": "#/$defs/op_call"},
+    })
+    return {
+        "description": "An op call `- OP: {in: ..., out: ..., ARG: ...}` or a control step.",
+        "type": "object",
+        "minProperties": 1,
+        "allOf": rules,
+    }
+
+
+def _control_defs() -> dict[str, Any]:
+    known = {
+        "loop": _control(
+            "Repeat `do` a number of times, or until a stop_if inside it fires.",
+            {
+                "loop": {
+                    "description": "An integer, a blob holding one, or null: until stop_if.",
+                    "anyOf": [{"type": "integer", "minimum": 0}, BLOB, {"type": "null"}, VAR],
+                },
+                "as": {
+                    "description": "Blob receiving the 0-based iteration index.",
+                    "anyOf": [BLOB, {"type": "null"}],
+                },
+                "do": {**BLOCK, "description": "The loop's body."},
+            },
+            ["loop", "do"],
+        ),
+        "stop_if": _control(
+            "Truthy -> leave the innermost loop now; outside any loop, end the task's `do`.",
+            {"stop_if": {**BLOB, "description": "The blob tested."}},
+            ["stop_if"],
+        ),
+        "if": _control(
+            "Run the first branch whose blob is truthy, else the `else` steps.",
+            {
+                "if": {**BLOB, "description": "The blob tested."},
+                "then": {**BLOCK, "description": "Steps run when it is truthy."},
+                "elif": {
+                    "description": "Further conditions, tried in order.",
+                    "type": ["array", "null"],
+                    "items": _control(
+                        "One more condition and its steps.",
+                        {
+                            "if": {**BLOB, "description": "The blob tested."},
+                            "then": {**BLOCK, "description": "Steps run when it is truthy."},
+                        },
+                        ["if", "then"],
+                    ),
+                },
+                "else": {**BLOCK, "description": "Steps run when no condition is truthy."},
+            },
+            ["if", "then"],
+        ),
+        "parallel": _control(
+            "Branches that run concurrently; a blob must not be created by two of them.",
+            {
+                "parallel": {
+                    "description": "The branches.",
+                    "type": "array",
+                    "items": _control(
+                        "One branch.",
+                        {
+                            "name": {
+                                "description": "Optional branch name, shown by `jobrun print`.",
+                                "anyOf": [NAME, {"type": "null"}],
+                            },
+                            "do": {**BLOCK, "description": "The branch's steps."},
+                        },
+                        ["do"],
+                    ),
+                },
+            },
+            ["parallel"],
+        ),
+        "report": _control(
+            "Run `do` every period in the background while the rest of the block runs, and "
+            "once more when it ends.",
+            {
+                "report": {"$ref": "#/$defs/duration", "description": "The period: 500ms, 2s."},
+                "do": {**BLOCK, "description": "The steps run every period."},
+            },
+            ["report", "do"],
+        ),
+    }
+    # A control key the compiler gains before this module learns about it stays allowed.
+    return {
+        key: known.get(key, {"description": f"`{key}:` (not described yet)"})
+        for key in plan_compile.CONTROL_KEYS
+    }
+
+
+def _control(description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "description": description,
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+# -- ops -------------------------------------------------------------------------------
+
+
+def _op_def(name: str) -> str:
+    return f"op:{name}"
+
+
+def _op_call(ops: dict[str, OpSpec]) -> dict[str, Any]:
+    return {
+        "description": "An op call: one key, the op's name, holding its arguments.",
+        "type": "object",
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": {name: {"$ref": f"#/$defs/{_op_def(name)}"} for name in ops},
+        "additionalProperties": False,  # an unknown op
+    }
+
+
+def op_schema(spec: OpSpec) -> dict[str, Any]:
+    """The schema of one op's mapping: `in`, `out` and its typed arguments."""
+    in_lo, in_hi = spec.input_bounds
+    out_lo, out_hi = spec.output_bounds
+    properties = {
+        "in": _slots("in", spec.inputs, in_lo, in_hi, {"$ref": "#/$defs/input"}),
+        "out": _slots("out", spec.outputs, out_lo, out_hi, BLOB),
+        **{a.name: arg_schema(a) for a in spec.args},
+    }
+    required = [k for k, lo in (("in", in_lo), ("out", out_lo)) if lo > 0]
+    required += [a.name for a in spec.args if a.required]
+    schema: dict[str, Any] = {
+        "title": spec.name,
+        "description": spec.doc + (f"\nExample: {spec.example}" if spec.example else ""),
+        # `- copy:` with nothing after it is an empty call, unless something is required.
+        "type": "object" if required else ["object", "null"],
+        "properties": properties,
+        "additionalProperties": spec.extra_args,
+    }
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _slots(
+    key: str, names: tuple[str, ...], lo: int, hi: int | None, item: dict[str, Any]
+) -> dict[str, Any]:
+    """`in`/`out`: one item or a list of them, as many as the op takes (null: none)."""
+    if hi == 0:
+        return {"description": f"This op takes no `{key}`.", "type": ["array", "null"], "maxItems": 0}
+    many: dict[str, Any] = {"type": "array", "items": item, "minItems": lo}
+    if hi is not None:
+        many["maxItems"] = hi
+    shown = ", ".join(names) + (", ..." if hi is None else "")
+    count = f"{lo}" if lo == hi else f"{lo} or more" if hi is None else f"{lo} to {hi}"
+    alternatives = [many]
+    if lo <= 1 and (hi is None or hi >= 1):
+        alternatives.append(item)
+    if lo == 0:
+        alternatives.append({"type": "null"})
+    return {"description": f"{count}: {shown}", "anyOf": alternatives}
+
+
+def arg_schema(a: ArgSpec) -> dict[str, Any]:
+    """One argument's schema from its ArgSpec type, with its doc and default."""
+    schema = type_schema(a.type)
+    note = f"{type_text(a.type)}" + ("; required" if a.required else f"; default {_json(a.default)}")
+    schema["description"] = f"{a.doc} ({note})" if a.doc else note
+    if not a.required and _is_json(a.default):
+        schema["default"] = json.loads(json.dumps(a.default))  # tuples become lists
+    return schema
+
+
+def type_schema(t: ArgType) -> dict[str, Any]:
+    """An ArgSpec type (see jobrun.ops.spec) as a schema that also accepts "${var}"."""
+    alternatives = _alternatives(t)
+    if any(not alt for alt in alternatives):
+        return {}  # "any" among them
+    if not any(alt.get("type") == "string" and "pattern" not in alt for alt in alternatives):
+        alternatives.append(VAR)  # a plain string already accepts "${var}"
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+
+
+_SIMPLE: dict[str, dict[str, Any]] = {
+    "int": {"type": "integer"},
+    "float": {"type": "number"},
+    "number": {"type": "number"},
+    "bool": {"type": "boolean"},
+    "str": {"type": "string"},
+    "list": {"type": "array"},
+    "dict": {"type": "object"},
+    "shape": {"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 0}, VAR]}},
+    "any": {},
+    "null": {"type": "null"},
+    "duration": {"$ref": "#/$defs/duration"},
+}
+
+
+def _alternatives(t: ArgType) -> list[dict[str, Any]]:
+    if isinstance(t, tuple) and t and t[0] == "or":
+        return [alt for sub in t[1:] for alt in _alternatives(sub)]
+    if isinstance(t, tuple) and t and t[0] == "choice":
+        return [{"enum": list(t[1:])}]
+    if isinstance(t, str) and t in _SIMPLE:
+        return [dict(_SIMPLE[t])]
+    return [{}]  # a type this module does not know (a plug-in's): accept anything
+
+
+def type_text(t: ArgType) -> str:
+    """An ArgSpec type in words: `int`, `relu|gelu|tanh`, `number or null`."""
+    if isinstance(t, tuple) and t and t[0] == "or":
+        return " or ".join(type_text(sub) for sub in t[1:])
+    if isinstance(t, tuple) and t and t[0] == "choice":
+        return "|".join(str(c) for c in t[1:])
+    return str(t)
+
+
+def _is_json(value: Any) -> bool:
+    if value is REQUIRED:
+        return False
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value) if _is_json(value) else repr(value)

@@ -1,0 +1,47 @@
+"""One visitor mechanism shared by the analyzer, the printer and the executor's compiler.
+
+`visit(node)` dispatches to `visit_<ClassName>`; `generic_visit` walks the steps a node
+holds. Subclasses override what they care about and call `generic_visit` for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobrun.plans import ir
+
+
+def children(node: Any) -> tuple[tuple[ir.Step, ...], ...]:
+    """The blocks of steps directly inside a node, in source order."""
+    if isinstance(node, ir.Loop | ir.Report | ir.IfBranch | ir.Branch):
+        return (node.body,)
+    if isinstance(node, ir.If):
+        blocks = tuple(b.body for b in node.branches)
+        return blocks + ((node.orelse,) if node.orelse is not None else ())
+    if isinstance(node, ir.Parallel):
+        return tuple(b.body for b in node.branches)
+    if isinstance(node, ir.Task):
+        return (node.init, node.do, node.exit)
+    return ()
+
+
+class Visitor:
+    def visit(self, node: Any) -> Any:
+        method = getattr(self, "visit_" + type(node).__name__, None)
+        return method(node) if method is not None else self.generic_visit(node)
+
+    def visit_block(self, steps: tuple[ir.Step, ...]) -> None:
+        for step in steps:
+            self.visit(step)
+
+    def generic_visit(self, node: Any) -> Any:
+        if isinstance(node, ir.Plan):
+            for group in node.groups:
+                self.visit(group)
+        elif isinstance(node, ir.Group):
+            for task in node.tasks:
+                self.visit(task)
+        else:
+            for block in children(node):
+                self.visit_block(block)
+        return None

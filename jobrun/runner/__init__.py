@@ -1,0 +1,1 @@
+"""Running plans: the checkpoint store and what it needs."""

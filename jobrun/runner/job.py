@@ -1,0 +1,402 @@
+"""The job runner: init, checkpoint 0, epochs until a stop condition, then download, exit.
+
+    run init                       (on resume: init rebuilds the objects, then every
+    save checkpoint 0               node's blobs and RNG state are restored from E)
+    for epoch = 1, 2, ...:
+        run the epoch group; fetch the task outputs
+        save checkpoint `epoch` (every N epochs, and always the last)
+        stop when a stop_when output is truthy or epoch == max_epochs
+    upload the last checkpoints; run download; run exit
+
+Every rank of a data-parallel job runs this same loop on its own device.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
+from jobrun.ops.context import OpContext
+from jobrun.ops.core import truthy
+from jobrun.plans import ir
+from jobrun.runner import checkpoint as store
+from jobrun.runner.codec import SavedState, UnsupportedValue
+from jobrun.runner.display import Display
+from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
+from jobrun.runner.rundir import METRICS_FILE, Metrics, update_run_info
+
+RNG_KEY = "jobrun:rng"
+
+
+@dataclass
+class JobConfig:
+    plan: ir.Plan
+    run_dir: Path
+    plan_dir: Path
+    device: str
+    rank: int = 0
+    world_size: int = 1
+    resume_epoch: int | None = None
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+    ckpt: str = ""
+
+
+class JobRunner:
+    def __init__(self, cfg: JobConfig, display: Display | None = None):
+        self.cfg = cfg
+        self.plan = cfg.plan
+        self.rank = cfg.rank
+        self.main_rank = cfg.rank == 0
+        self.display = display or Display(enabled=self.main_rank)
+        self.metrics = Metrics(cfg.run_dir / METRICS_FILE if self.main_rank else None)
+        self.epoch = 0
+        self.group = "init"
+        self.save_failures: list[str] = []
+        self.unsaved: set[str] = set()
+        self._saving = False
+        self._pending_signal: int | None = None
+        ck = self.plan.checkpoint
+        self.ckpt_dir = _under(cfg.run_dir, ck.dir) if ck else None
+        self.nodes = {name: self._node(name) for name in self.plan.nodes}
+        self.groups = {
+            g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
+        }
+        for node in self.nodes.values():
+            for tctx in node.task_ctxs:
+                tctx.log = self._logger(tctx)
+
+    # -- set-up ---------------------------------------------------------------------
+    def _node(self, name: str) -> NodeRuntime:
+        c = self.cfg
+        ctx = OpContext(
+            node=name, rank=c.rank, world_size=c.world_size, seed=self.plan.seed, device=c.device,
+            plan_dir=c.plan_dir, run_dir=c.run_dir,
+        )
+        _ = ctx.generator  # created now so every task's context shares it
+        return NodeRuntime(name, ctx)
+
+    def _logger(self, tctx: OpContext):
+        def log(values: dict[str, Any], msg: str | None) -> None:
+            if not self.main_rank:
+                return
+            self.metrics.write({
+                "epoch": self.epoch, "group": self.group, "task": tctx.task, "node": tctx.node,
+                "msg": msg, "values": values,
+            })
+            shown = " ".join(f"{k}={_short(v)}" for k, v in values.items())
+            self.display.line(f"  [{self.group} {self.epoch} {tctx.task}] {msg + ': ' if msg else ''}{shown}")
+
+        return log
+
+    # -- the loop -------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the whole job; return the process exit code."""
+        with self._signals(), self.display.live(self.plan.job):
+            try:
+                stop = self._start()
+                while not stop:
+                    stop = self._epoch(self.epoch + 1)
+                self._finish()
+            finally:
+                self.metrics.close()
+        self._summary()
+        return 0
+
+    def _start(self) -> bool:
+        self._run_group("init")
+        resume = self.cfg.resume_epoch
+        if resume is None:
+            self._save(0, stop=False)
+            return False
+        meta = self._restore(resume)
+        self.epoch = resume
+        self.display.line(f"resumed from checkpoint epoch {resume}")
+        return bool(meta.get("stop"))
+
+    def _epoch(self, epoch: int) -> bool:
+        self.epoch = epoch
+        for node in self.nodes.values():
+            for tctx in node.task_ctxs:
+                tctx.epoch = epoch
+        t0 = time.perf_counter()
+        outputs = self._run_group("epoch")
+        stop = self._should_stop(outputs, epoch)
+        result = EpochResult(epoch, outputs, time.perf_counter() - t0)
+        ck = self.plan.checkpoint
+        if ck is not None and (epoch % ck.every == 0 or stop):
+            result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
+        self.display.epoch_line(result, self.plan.max_epochs)
+        return stop
+
+    def _should_stop(self, outputs: dict[str, dict[str, Any]], epoch: int) -> bool:
+        names = {ref.name for ref in self.plan.stop_when}
+        for task_outputs in outputs.values():
+            for name, value in task_outputs.items():
+                if name in names and truthy(value):
+                    return True
+        return self.plan.max_epochs is not None and epoch >= self.plan.max_epochs
+
+    def _finish(self) -> None:
+        ck = self.plan.checkpoint
+        if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
+            dest = _under(self.cfg.run_dir, ck.upload)
+            for node in self.nodes:
+                try:
+                    path = store.upload(self.ckpt_dir, node, self._last_saved, dest)
+                    self.display.line(f"uploaded {node} epoch {self._last_saved} to {path}")
+                except (JobrunError, OSError) as e:
+                    self._warn(f"upload of node {node!r} failed: {e}")
+        self._run_group("download")
+        self._run_group("exit")
+        if self.main_rank:
+            update_run_info(self.cfg.run_dir, status="finished", last_epoch=self.epoch,
+                            finished=time.time())
+
+    def _run_group(self, name: str) -> dict[str, dict[str, Any]]:
+        self.group = name
+        tasks = self.groups[name]
+        self.display.status(f"{name} {self.epoch}" if name == "epoch" else name)
+        if not tasks:
+            return {}
+        if len(tasks) == 1:
+            return {tasks[0].task.name: tasks[0].run()}
+        results: dict[str, dict[str, Any]] = {}
+
+        def runner(t: CompiledTask):
+            return lambda: results.__setitem__(t.task.name, t.run())
+
+        _run_concurrently([runner(t) for t in tasks], f"group {name}")
+        return {t.task.name: results[t.task.name] for t in tasks}
+
+    # -- checkpoints ----------------------------------------------------------------
+    _last_saved = 0
+
+    def _save(self, epoch: int, stop: bool, outputs: dict | None = None) -> str:
+        if self.ckpt_dir is None:
+            return ""
+        meta = {"epoch": epoch, "stop": stop, "job": self.plan.job,
+                "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in (outputs or {}).items()}}
+        total_bytes, total_s = 0, 0.0
+        self._saving = True
+        try:
+            for name, node in self.nodes.items():
+                t0 = time.perf_counter()
+                try:
+                    result = self._save_node(node, epoch, meta)
+                except (CheckpointError, OSError) as e:
+                    self._warn(f"checkpoint of epoch {epoch} (node {name!r}) was NOT saved: {e}")
+                    return "ckpt FAILED"
+                seconds = time.perf_counter() - t0
+                total_bytes += result.bytes
+                total_s += seconds
+                if self.main_rank:
+                    self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
+                                        "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
+            self._last_saved = epoch
+            keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+            if keep and self.main_rank:
+                store.prune(self.ckpt_dir, keep, list(self.nodes))
+        finally:
+            self._saving = False
+            if self._pending_signal is not None:
+                raise Interrupted(self._pending_signal)
+        return f"ckpt {_size(total_bytes)} in {total_s * 1000:.0f} ms"
+
+    def _save_node(self, node: NodeRuntime, epoch: int, meta: dict[str, Any]):
+        blobs = {k: v for k, v in node.globals.items() if k not in self.unsaved}
+        blobs[RNG_KEY] = _rng_state(node.ctx)
+
+        def unsupported(e: UnsupportedValue) -> None:
+            if e.blob == RNG_KEY:
+                raise e
+            self.unsaved.add(e.blob)
+            self.display.warn(f"blob {e.blob!r} on node {node.name!r} cannot be checkpointed "
+                              f"({e.message}); resume rebuilds it with init")
+
+        prepared = store.prepare(blobs, {**meta, "world_size": self.cfg.world_size},
+                                 on_unsupported=unsupported)
+        return store.write(prepared, self.ckpt_dir, node.name, epoch,
+                           rank=self.rank, world_size=self.cfg.world_size)
+
+    def _restore(self, epoch: int) -> dict[str, Any]:
+        if self.ckpt_dir is None:
+            raise CheckpointError("this plan has no `checkpoint` block, so there is nothing to resume")
+        meta: dict[str, Any] = {}
+        for name, node in self.nodes.items():
+            t0 = time.perf_counter()
+            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=self.rank)
+            saved_world = meta.get("world_size") if isinstance(meta, dict) else None
+            if saved_world not in (None, self.cfg.world_size):
+                raise CheckpointError(
+                    f"checkpoint epoch {epoch} was written by {saved_world} replicas; this run has "
+                    f"{self.cfg.world_size}", hint=f"resume with {saved_world} replicas")
+            rng = blobs.pop(RNG_KEY, None)
+            for blob, saved in blobs.items():
+                self._restore_blob(node, blob, saved, epoch)
+            if rng is not None:
+                _set_rng_state(node.ctx, rng)
+            if self.main_rank:
+                self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
+                                    "rank": self.rank, "seconds": round(time.perf_counter() - t0, 6)})
+        return meta
+
+    def _restore_blob(self, node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
+        live = node.globals.get(blob)
+        if isinstance(saved, SavedState):
+            loader = getattr(live, "load_state_dict", None)
+            if loader is None:
+                raise CheckpointError(
+                    f"checkpoint epoch {epoch} holds the state of a {saved.type_name} for blob "
+                    f"{blob!r} on node {node.name!r}, but init did not create one",
+                    hint="init must build every object the epochs use (the plan changed?)",
+                )
+            loader(saved.state)
+            return
+        node.globals[blob] = _to_device(saved, node.ctx.device)
+
+    def _warn(self, message: str) -> None:
+        self.save_failures.append(message)
+        self.display.warn(message)
+        if self.main_rank:
+            self.metrics.write({"epoch": self.epoch, "event": "warning", "message": message})
+
+    def _summary(self) -> None:
+        last = f", last checkpoint epoch {self._last_saved}" if self.ckpt_dir else ""
+        self.display.line(f"job {self.plan.job!r} finished after epoch {self.epoch}{last}")
+        for message in self.save_failures:
+            self.display.warn(message)
+
+    # -- signals ----------------------------------------------------------------------
+    @contextmanager
+    def _signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._saving:
+                self._pending_signal = signum  # finish the save first: never a half checkpoint
+                return
+            raise Interrupted(signum)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _under(run_dir: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else run_dir / p
+
+
+def _rng_state(ctx: OpContext) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "node": ctx.generator.get_state(),
+        # readers made inside epoch tasks number themselves from this counter
+        "ctx_state": {k: v for k, v in ctx._state.items() if isinstance(v, int | float | str)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(ctx: OpContext, state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state(tuple(np_state))
+    torch.set_rng_state(_as_byte_tensor(state["torch"]))
+    ctx.generator.set_state(_as_byte_tensor(state["node"]))
+    ctx._state.update(state.get("ctx_state", {}))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_as_byte_tensor(s) for s in state["cuda"]])
+
+
+def _as_byte_tensor(x: Any):
+    import torch
+
+    # A private, aligned copy: a tensor read from a checkpoint may view an unaligned buffer.
+    return x.clone() if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.uint8)
+
+
+def _to_device(value: Any, device: str) -> Any:
+    if device == "cpu":
+        return value
+    to = getattr(value, "to", None)
+    if to is not None and type(value).__module__.startswith("torch"):
+        return to(device)
+    return value
+
+
+def _short(value: Any) -> Any:
+    from jobrun.ops.core import plain
+
+    v = plain(value)
+    if isinstance(v, float):
+        return float(f"{v:.6g}")
+    if isinstance(v, list) and len(v) > 8:
+        return f"<list len={len(v)}>"
+    return v
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def configure_threads() -> None:
+    # Deterministic CPU results across runs and resumes need a fixed thread count.
+    import torch
+
+    n = os.environ.get("JOBRUN_THREADS")
+    if n:
+        torch.set_num_threads(int(n))
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()
+
+
+__all__ = ["JobConfig", "JobRunner", "Interrupted", "RunError", "seed_everything"]

@@ -1,0 +1,587 @@
+"""Our own reader and writer of the safetensors format (no pickle, no extra dependency).
+
+The format (https://github.com/huggingface/safetensors), all integers little-endian:
+
+* 8 bytes: N, the length of the header, an unsigned 64-bit integer;
+* N bytes: a UTF-8 JSON object ``{name: {"dtype": "F32", "shape": [2, 3],
+  "data_offsets": [begin, end]}, ..., "__metadata__": {str: str}}``, padded with spaces
+  so that the data starts at a multiple of 8;
+* the data: every tensor's bytes, row-major and little-endian, at ``data_offsets``
+  (relative to the start of the data), covering the data with no gap and no overlap.
+
+Checkpoints are untrusted input, so the reader validates the whole header before it
+allocates anything for the data. numpy is the only hard import: torch is imported only
+when torch tensors are written or asked for, so tools that only inspect checkpoints
+(``read_header``, ``read_safetensors(..., as_numpy=True)``) never load it.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn
+
+import numpy as np
+
+from jobrun.errors import CheckpointError
+
+MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+MAX_DIMS = 64
+_MAX_DIM = (1 << 63) - 1
+# Pieces smaller than this are batched into one write or read (fewer system calls);
+# bigger ones go straight between the file and the tensor's own memory.
+_SMALL = 1 << 20
+_SLICE = 16 << 20  # reads of big tensors go in slices of this size, hashed one by one
+
+_HINT = "the file is damaged or is not a safetensors file; restore it or delete this checkpoint"
+
+
+@dataclass(frozen=True, slots=True)
+class _DType:
+    code: str  # the safetensors name
+    itemsize: int
+    numpy: str  # the numpy dtype of as_numpy reads ("<u2" for bfloat16: numpy has none)
+    torch: str  # the attribute of the torch module
+
+
+_DTYPES: dict[str, _DType] = {
+    d.code: d
+    for d in (
+        _DType("BOOL", 1, "|b1", "bool"),
+        _DType("U8", 1, "|u1", "uint8"),
+        _DType("I8", 1, "|i1", "int8"),
+        _DType("U16", 2, "<u2", "uint16"),
+        _DType("I16", 2, "<i2", "int16"),
+        _DType("F16", 2, "<f2", "float16"),
+        _DType("BF16", 2, "<u2", "bfloat16"),
+        _DType("U32", 4, "<u4", "uint32"),
+        _DType("I32", 4, "<i4", "int32"),
+        _DType("F32", 4, "<f4", "float32"),
+        _DType("U64", 8, "<u8", "uint64"),
+        _DType("I64", 8, "<i8", "int64"),
+        _DType("F64", 8, "<f8", "float64"),
+        _DType("C64", 8, "<c8", "complex64"),
+        _DType("F8_E4M3", 1, "|u1", "float8_e4m3fn"),
+        _DType("F8_E5M2", 1, "|u1", "float8_e5m2"),
+        _DType("F8_E4M3FNUZ", 1, "|u1", "float8_e4m3fnuz"),
+        _DType("F8_E5M2FNUZ", 1, "|u1", "float8_e5m2fnuz"),
+    )
+}
+
+# numpy dtypes with a safetensors code, by (kind, itemsize).
+_NUMPY_CODES: dict[tuple[str, int], str] = {
+    ("b", 1): "BOOL",
+    ("u", 1): "U8",
+    ("i", 1): "I8",
+    ("u", 2): "U16",
+    ("i", 2): "I16",
+    ("f", 2): "F16",
+    ("u", 4): "U32",
+    ("i", 4): "I32",
+    ("f", 4): "F32",
+    ("u", 8): "U64",
+    ("i", 8): "I64",
+    ("f", 8): "F64",
+    ("c", 8): "C64",
+}
+
+
+@functools.cache
+def _torch_codes() -> dict[Any, str]:
+    import torch
+
+    return {getattr(torch, d.torch): d.code for d in _DTYPES.values() if hasattr(torch, d.torch)}
+
+
+def dtype_code(value: Any) -> str | None:
+    """The safetensors dtype of a numpy array or torch tensor; None when it has none."""
+    if isinstance(value, np.ndarray):
+        return _NUMPY_CODES.get((value.dtype.kind, value.dtype.itemsize))
+    torch = sys.modules.get("torch")  # no tensor can exist before torch is imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _torch_codes().get(value.dtype)
+    return None
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@dataclass(slots=True)
+class _Piece:
+    name: str
+    code: str
+    shape: list[int]
+    data: memoryview  # the tensor's bytes as they lie in memory: 1-D, format "B"
+
+
+def _numpy_piece(name: str, a: np.ndarray) -> _Piece:
+    code = dtype_code(a)
+    if code is None:
+        raise TypeError(f"tensor {name!r}: numpy dtype {a.dtype} has no safetensors equivalent")
+    shape = [int(n) for n in a.shape]
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big"):
+        a = a.astype(a.dtype.newbyteorder("<"))  # the format is little-endian
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")
+    return _Piece(name, code, shape, memoryview(a.reshape(-1).view(np.uint8)))
+
+
+def _torch_piece(name: str, t: Any) -> _Piece:
+    import torch
+
+    code = _torch_codes().get(t.dtype)
+    if code is None:
+        raise TypeError(f"tensor {name!r}: torch dtype {t.dtype} has no safetensors equivalent")
+    _require_little_endian()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg().contiguous()
+    # A uint8 view of the tensor's own memory (bfloat16 included): no copy.
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return _Piece(name, code, list(t.shape), memoryview(raw))
+
+
+def _piece(name: Any, value: Any) -> _Piece:
+    if not isinstance(name, str) or name == "__metadata__":
+        raise ValueError(f"bad tensor name {name!r}: a str other than '__metadata__' is needed")
+    if isinstance(value, np.ndarray):
+        return _numpy_piece(name, value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _torch_piece(name, value)
+    raise TypeError(f"tensor {name!r}: expected a torch.Tensor or numpy.ndarray, got {type(value)}")
+
+
+def _header_bytes(
+    pieces: list[_Piece], offsets: dict[str, tuple[int, int]], metadata: Mapping[str, str] | None
+) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("safetensors metadata must map str to str")
+        header["__metadata__"] = dict(metadata)
+    for p in sorted(pieces, key=lambda p: p.name):
+        header[p.name] = {"dtype": p.code, "shape": p.shape, "data_offsets": list(offsets[p.name])}
+    raw = json.dumps(header, separators=(",", ":")).encode("ascii")
+    raw += b" " * (-len(raw) % 8)  # the data must start at a multiple of 8
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header of {len(raw)} bytes is over the limit")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(
+    fileobj_or_path: str | os.PathLike[str] | BinaryIO,
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    hasher: Any = None,
+) -> int:
+    """Write ``tensors`` (name -> torch.Tensor or numpy.ndarray) in safetensors format.
+
+    Each tensor's bytes go to the file straight from its memory (a tensor that is not a
+    contiguous CPU tensor is made one first). ``hasher`` (a hashlib object), when given,
+    is updated with exactly the bytes written, on a helper thread so that hashing
+    overlaps with writing. A given file object is neither flushed nor closed; an
+    unbuffered one (``open(p, "wb", buffering=0)``) avoids a copy. Returns the number
+    of bytes written.
+    """
+    pieces = [_piece(name, value) for name, value in tensors.items()]
+    # Data order: bigger items first, so every tensor starts at a multiple of its item
+    # size and readers can view it in place.
+    layout = sorted(pieces, key=lambda p: (-_DTYPES[p.code].itemsize, p.name))
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for p in layout:
+        offsets[p.name] = (pos, pos + p.data.nbytes)
+        pos += p.data.nbytes
+    head = _header_bytes(pieces, offsets, metadata)
+    if isinstance(fileobj_or_path, str | os.PathLike):
+        with open(fileobj_or_path, "wb", buffering=0) as f:
+            return _write_pieces(f, head, layout, hasher)
+    return _write_pieces(fileobj_or_path, head, layout, hasher)
+
+
+class _Hashing:
+    """Feeds a hashlib object in order, on a helper thread once pieces get big.
+
+    hashlib releases the GIL, so hashing one piece overlaps with writing (or reading)
+    it or the next one: SHA-256 runs at about disk speed, so taking turns would nearly
+    halve the throughput. One worker keeps the updates in order.
+    """
+
+    def __init__(self, hasher: Any) -> None:
+        self._hasher = hasher
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+
+    def update(self, data: Any) -> None:
+        if self._hasher is None:
+            return
+        if self._pool is None and len(data) < _SMALL:
+            self._hasher.update(data)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jobrun-sha256")
+        self._pending.append(self._pool.submit(self._hasher.update, data))
+
+    def finish(self) -> None:
+        """Wait until every update is done (re-raising a failure); safe to call twice."""
+        pool, pending = self._pool, self._pending
+        self._pool, self._pending = None, []
+        if pool is None:
+            return
+        try:
+            for fut in pending:
+                fut.result()
+        finally:
+            pool.shutdown(wait=True)
+
+
+def _write_fully(f: Any, data: memoryview) -> None:
+    while len(data):
+        n = f.write(data)
+        if n is None:  # a non-blocking file that would block
+            raise BlockingIOError("file is in non-blocking mode")
+        data = data[n:]
+
+
+class _Sink:
+    """Writes pieces in order: small ones batched into one write, big ones directly."""
+
+    def __init__(self, f: Any, hasher: Any) -> None:
+        self._f = f
+        self._hashing = _Hashing(hasher)
+        self._stage = bytearray()
+        self.total = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        if len(data) < _SMALL:
+            self._stage += data
+            if len(self._stage) >= _SMALL:
+                self._flush_stage()
+            return
+        self._flush_stage()
+        self._emit(memoryview(data))
+
+    def _flush_stage(self) -> None:
+        if self._stage:
+            # Hand the buffer over (the hasher thread may still read it) and start anew.
+            stage, self._stage = self._stage, bytearray()
+            self._emit(memoryview(stage))
+
+    def _emit(self, data: memoryview) -> None:
+        self._hashing.update(data)
+        _write_fully(self._f, data)
+        self.total += len(data)
+
+    def close(self) -> int:
+        self._flush_stage()
+        self._hashing.finish()
+        return self.total
+
+    def abort(self) -> None:
+        self._hashing.finish()
+
+
+def _write_pieces(f: Any, head: bytes, layout: list[_Piece], hasher: Any) -> int:
+    sink = _Sink(f, hasher)
+    try:
+        sink.write(head)
+        for p in layout:
+            sink.write(p.data)
+        return sink.close()
+    finally:
+        sink.abort()  # joins the hasher thread on every path
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    dtype: _DType
+    shape: list[int]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def _corrupt(name: str, what: str) -> NoReturn:
+    raise CheckpointError(f"{name}: corrupt safetensors file: {what}", hint=_HINT)
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise CheckpointError(
+            "torch tensors are only supported on little-endian machines",
+            hint="use as_numpy=True to read checkpoints on this machine",
+        )
+
+
+def _readinto_exact(f: Any, buf: memoryview, name: str) -> None:
+    got = 0
+    while got < len(buf):
+        n = f.readinto(buf[got:])
+        if not n:
+            _corrupt(name, f"file ended {len(buf) - got} bytes early (truncated while reading?)")
+        got += n
+
+
+def _read_exact(f: Any, n: int, name: str) -> bytearray:
+    buf = bytearray(n)
+    _readinto_exact(f, memoryview(buf), name)
+    return buf
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in a JSON object")
+    return out
+
+
+def _reject_constant(word: str) -> NoReturn:
+    raise ValueError(f"{word} is not valid JSON")
+
+
+def _parse_header_json(raw: bytes | bytearray, name: str) -> dict[str, Any]:
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        _corrupt(name, "header is not UTF-8")
+    if not text.startswith("{"):
+        _corrupt(name, "header is not a JSON object")
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        _corrupt(name, f"header is not valid JSON ({e})")
+    if not isinstance(header, dict):
+        _corrupt(name, "header is not a JSON object")
+    return header
+
+
+def _is_count(x: Any, limit: int = _MAX_DIM) -> bool:
+    return type(x) is int and 0 <= x <= limit
+
+
+def _entry(name: str, key: str, info: Any, data_len: int) -> _Entry:
+    where = f"tensor {key!r}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        _corrupt(name, f"{where}: needs exactly 'dtype', 'shape' and 'data_offsets'")
+    code, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    dtype = _DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        _corrupt(name, f"{where}: unknown dtype {code!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(map(_is_count, shape)):
+        _corrupt(name, f"{where}: bad shape {shape!r}")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(map(_is_count, offs))):
+        _corrupt(name, f"{where}: bad data_offsets {offs!r}")
+    begin, end = offs
+    if begin > end or end > data_len:
+        _corrupt(
+            name, f"{where}: data_offsets {offs} outside the {data_len} bytes of data (truncated?)"
+        )
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        _corrupt(
+            name,
+            f"{where}: {end - begin} bytes of data for shape {shape} of {code} "
+            f"({expected} expected)",
+        )
+    return _Entry(key, dtype, shape, begin, end)
+
+
+def _validate(header: dict[str, Any], data_len: int, name: str) -> list[_Entry]:
+    """The header's tensors sorted by offset; raises unless they tile the data exactly."""
+    entries: list[_Entry] = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                _corrupt(name, "__metadata__ must map strings to strings")
+            continue
+        entries.append(_entry(name, key, info, data_len))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin < pos:
+            _corrupt(name, f"tensor {e.name!r} overlaps the one before it")
+        if e.begin > pos:
+            _corrupt(name, f"{e.begin - pos} bytes before tensor {e.name!r} belong to no tensor")
+        pos = e.end
+    if pos != data_len:
+        _corrupt(name, f"{data_len - pos} bytes after the last tensor belong to no tensor")
+    return entries
+
+
+def _read_header(
+    f: Any, size: int, name: str, hashing: _Hashing
+) -> tuple[dict[str, Any], list[_Entry]]:
+    if size < 8:
+        _corrupt(name, f"only {size} bytes long, shorter than the 8-byte length prefix")
+    prefix = _read_exact(f, 8, name)
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        _corrupt(name, f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > size:
+        _corrupt(name, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
+    raw = _read_exact(f, n, name)
+    hashing.update(prefix)
+    hashing.update(raw)
+    header = _parse_header_json(raw, name)
+    return header, _validate(header, size - 8 - n, name)
+
+
+class _NumpyBackend:
+    """Arrays over numpy buffers; never imports torch."""
+
+    def alloc(self, n: int) -> tuple[np.ndarray, memoryview]:
+        buf = np.empty(n, np.uint8)  # not zero-filled: the read fills it
+        return buf, memoryview(buf)
+
+    def view(self, buf: np.ndarray, rel: int, e: _Entry, name: str) -> np.ndarray:
+        dt = np.dtype(e.dtype.numpy)
+        if e.nbytes == 0:
+            return np.empty(e.shape, dt)
+        raw = buf[rel : rel + e.nbytes]
+        if rel % e.dtype.itemsize:  # another writer's unaligned layout: copy, keep aligned
+            raw = raw.copy()
+        if e.dtype.code == "BOOL" and raw.max() > 1:
+            _corrupt(name, f"tensor {e.name!r}: a bool holds a byte other than 0 or 1")
+        return raw.view(dt).reshape(e.shape)
+
+
+class _TorchBackend:
+    """Plain CPU tensors, each owning its memory (a big one is read right into it)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        _require_little_endian()
+        self.torch = torch
+
+    def alloc(self, n: int) -> tuple[Any, memoryview]:
+        buf = self.torch.empty(n, dtype=self.torch.uint8)  # not zero-filled
+        return buf, memoryview(buf.numpy())
+
+    def view(self, buf: Any, rel: int, e: _Entry, name: str) -> Any:
+        dtype = getattr(self.torch, e.dtype.torch, None)
+        if dtype is None:
+            raise CheckpointError(
+                f"{name}: tensor {e.name!r} has dtype {e.dtype.code}, which this torch lacks",
+                hint="upgrade torch, or read it with as_numpy=True",
+            )
+        if e.nbytes == 0:
+            return self.torch.empty(e.shape, dtype=dtype)
+        raw = buf[rel : rel + e.nbytes]
+        if e.nbytes != buf.numel():
+            # A small tensor read with others: copy it out, so every tensor owns its
+            # memory at offset 0 (some torch calls, e.g. Generator.set_state, ignore
+            # storage offsets; torch.save would write the whole shared buffer).
+            raw = raw.clone()
+        if e.dtype.code == "BOOL" and bool((raw > 1).any()):
+            _corrupt(name, f"tensor {e.name!r}: a bool holds a byte other than 0 or 1")
+        return raw.view(dtype).reshape(e.shape)
+
+
+def _read_data(
+    f: Any, entries: list[_Entry], backend: Any, hashing: _Hashing, name: str
+) -> dict[str, Any]:
+    """Read the data in file order: each big tensor straight into its own buffer, runs of
+    small ones with one read into a shared buffer (fewer system calls)."""
+    out: dict[str, Any] = {}
+
+    def flush(group: list[_Entry]) -> None:
+        if not group:
+            return
+        start = group[0].begin
+        buf, mv = backend.alloc(group[-1].end - start)
+        # In slices, so hashing one overlaps with reading the next.
+        for at in range(0, len(mv), _SLICE):
+            part = mv[at : at + _SLICE]
+            _readinto_exact(f, part, name)
+            hashing.update(part)
+        for e in group:
+            out[e.name] = backend.view(buf, e.begin - start, e, name)
+
+    group: list[_Entry] = []
+    for e in entries:
+        if e.nbytes >= _SMALL:
+            flush(group)
+            group = []
+            flush([e])
+        else:
+            group.append(e)
+            if e.end - group[0].begin >= _SMALL:
+                flush(group)
+                group = []
+    flush(group)
+    return out
+
+
+def _read(f: Any, size: int, name: str, as_numpy: bool, hasher: Any) -> dict[str, Any]:
+    hashing = _Hashing(hasher)
+    try:
+        header, entries = _read_header(f, size, name, hashing)
+        backend = _NumpyBackend() if as_numpy else _TorchBackend()
+        out = _read_data(f, entries, backend, hashing, name)
+        hashing.finish()
+    finally:
+        hashing.finish()
+    return {e.name: out[e.name] for e in sorted(entries, key=lambda e: e.name)}
+
+
+def _read_error(path: Path, e: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"cannot read {path}: {e.strerror or e}",
+        hint="check that the file exists and is readable",
+    )
+
+
+def read_safetensors(
+    path_or_bytes: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    *,
+    as_numpy: bool = False,
+    hasher: Any = None,
+) -> dict[str, Any]:
+    """Read a safetensors file (or its bytes) into a dict, sorted by name.
+
+    By default the values are CPU torch tensors, each owning its memory: a big one is
+    read straight into it, tensors under 1 MiB are read in runs and copied out. With ``as_numpy=True`` they are numpy
+    arrays and torch is never imported; numpy has no bfloat16 or float8, so those come
+    back as their raw bits (uint16 for BF16, uint8 for F8_*). ``hasher`` (a hashlib
+    object), when given, is updated with every byte of the file, read once. Any problem
+    raises CheckpointError naming the file.
+    """
+    if isinstance(path_or_bytes, bytes | bytearray | memoryview):
+        data = memoryview(path_or_bytes).cast("B")
+        return _read(io.BytesIO(data), data.nbytes, "<bytes>", as_numpy, hasher)
+    path = Path(path_or_bytes)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return _read(f, os.fstat(f.fileno()).st_size, str(path), as_numpy, hasher)
+    except OSError as e:
+        raise _read_error(path, e) from e
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The validated JSON header of a safetensors file (``__metadata__`` included)."""
+    path = Path(path)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            header, _ = _read_header(f, os.fstat(f.fileno()).st_size, str(path), _Hashing(None))
+    except OSError as e:
+        raise _read_error(path, e) from e
+    return header

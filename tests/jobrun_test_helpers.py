@@ -1,0 +1,40 @@
+"""Functions that test plans reach through `call` (tests/ is on sys.path under pytest)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+_lock = threading.Lock()
+
+
+def append(items: list, value) -> list:
+    with _lock:
+        items.append(value)
+    return items
+
+
+def new_list() -> list:
+    return []
+
+
+def length(items: list) -> int:
+    return len(items)
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def fail(message: str = "boom") -> None:
+    raise ValueError(message)
+
+
+def touch(path: str) -> None:
+    with open(path, "a"):
+        pass
+
+
+def pid() -> int:
+    return os.getpid()

@@ -1,0 +1,524 @@
+"""The checkpoint store: layout, verification, crash safety, listing, pruning, upload."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from jobrun.errors import CheckpointError
+from jobrun.runner import checkpoint as ck
+from jobrun.runner.codec import SavedState, restore
+
+
+def workspace(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {
+        "model": model,
+        "opt": opt,
+        "rng": torch.Generator().manual_seed(seed),
+        "step": 10 + seed,
+        "history": [0.5, float("nan"), (1, 2)],
+        "emb": torch.randn(5, 2).to(torch.bfloat16),
+        "table": np.arange(6, dtype=np.int32).reshape(2, 3),
+    }
+
+
+def files_of(rdir: Path) -> set[str]:
+    return {p.name for p in rdir.iterdir()}
+
+
+def hidden_entries(path: Path) -> list[str]:
+    return [p.name for p in path.rglob(".*")]
+
+
+# -------------------------------------------------------------------- save and load
+
+
+def test_save_load_round_trip_and_layout(tmp_path: Path) -> None:
+    ws = workspace()
+    res = ck.save(ws, {"loss": 0.25}, tmp_path, "train", 3)
+    rdir = tmp_path / "train.3" / "rank-0"
+    assert res.path == rdir
+    assert files_of(rdir) == {"tensors.safetensors", "values.json", "MANIFEST.json", "COMMIT"}
+    assert res.bytes == sum((rdir / n).stat().st_size for n in files_of(rdir) if n != "COMMIT")
+    assert res.seconds > 0
+
+    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
+    assert manifest["format"] == ck.FORMAT and manifest["version"] == ck.FORMAT_VERSION
+    assert (manifest["node"], manifest["epoch"], manifest["rank"]) == ("train", 3, 0)
+    assert manifest["world_size"] == 1 and manifest["meta"] == {"loss": 0.25}
+    assert abs(manifest["created"] - time.time()) < 60
+    for name in ("tensors.safetensors", "values.json"):
+        data = (rdir / name).read_bytes()
+        assert manifest["files"][name] == {
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    commit = json.loads((rdir / "COMMIT").read_bytes())
+    assert (
+        commit["manifest_sha256"]
+        == hashlib.sha256((rdir / "MANIFEST.json").read_bytes()).hexdigest()
+    )
+    assert (commit["node"], commit["epoch"], commit["rank"], commit["world_size"]) == (
+        "train",
+        3,
+        0,
+        1,
+    )
+
+    blobs, meta = ck.load(tmp_path, "train", 3)
+    assert meta == {"loss": 0.25}
+    assert blobs["step"] == 10 and blobs["history"][2] == (1, 2)
+    assert torch.equal(blobs["emb"], ws["emb"]) and blobs["emb"].dtype == torch.bfloat16
+    assert np.array_equal(blobs["table"], ws["table"])
+    model = torch.nn.Linear(4, 3)
+    restore(model, blobs["model"])
+    assert torch.equal(model.weight, ws["model"].weight)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    restore(opt, blobs["opt"])
+    assert torch.equal(
+        opt.state_dict()["state"][0]["exp_avg"], ws["opt"].state_dict()["state"][0]["exp_avg"]
+    )
+    rng = torch.Generator()
+    restore(rng, blobs["rng"])
+    assert torch.equal(torch.rand(3, generator=rng), torch.rand(3, generator=ws["rng"]))
+    assert ck.verify(tmp_path, "train", 3) == []
+
+
+def test_load_as_numpy(tmp_path: Path) -> None:
+    ws = workspace()
+    ck.save(ws, {}, tmp_path, "n", 0)
+    blobs, _ = ck.load(tmp_path, "n", 0, as_numpy=True)
+    assert isinstance(blobs["model"], SavedState)
+    assert np.array_equal(blobs["model"].state["weight"], ws["model"].weight.detach().numpy())
+    assert blobs["emb"].dtype == np.uint16  # bfloat16 bits
+
+
+def test_prepare_copies_so_training_can_go_on(tmp_path: Path) -> None:
+    w = torch.zeros(3)
+    prepared = ck.prepare({"w": w}, {"epoch": 1})
+    assert prepared.tensor_bytes == 12
+    w.add_(5)  # training mutates the live tensor before the write
+    res = ck.write(prepared, tmp_path, "n", 1)
+    assert res.path.name == "rank-0"
+    blobs, meta = ck.load(tmp_path, "n", 1)
+    assert torch.equal(blobs["w"], torch.zeros(3)) and meta == {"epoch": 1}
+
+
+def test_unsupported_blobs_are_skipped_when_asked(tmp_path: Path) -> None:
+    seen = []
+    prepared = ck.prepare({"a": 1, "bad": object()}, on_unsupported=seen.append)
+    assert [e.blob for e in seen] == ["bad"] and prepared.skipped == ["bad"]
+    ck.write(prepared, tmp_path, "n", 0)
+    assert ck.load(tmp_path, "n", 0)[0] == {"a": 1}
+    with pytest.raises(CheckpointError, match="bad"):
+        ck.prepare({"bad": object()})
+    with pytest.raises(CheckpointError, match="JSON"):
+        ck.prepare({"a": 1}, {"meta": object()})
+
+
+def test_resave_of_the_same_epoch_replaces_it(tmp_path: Path) -> None:
+    ck.save({"v": 1}, {}, tmp_path, "n", 2)
+    ck.save({"v": 2}, {}, tmp_path, "n", 2)
+    assert ck.load(tmp_path, "n", 2)[0] == {"v": 2}
+    assert hidden_entries(tmp_path) == []
+
+
+def test_failed_resave_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
+    ck.save({"v": 1}, {}, tmp_path, "n", 2)
+    real = os.replace
+
+    def fail_commit(src, dst):
+        if Path(dst).name == "COMMIT":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_commit)
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        ck.save({"v": 2}, {}, tmp_path, "n", 2)
+    monkeypatch.undo()
+    assert ck.load(tmp_path, "n", 2)[0] == {"v": 1}
+    assert hidden_entries(tmp_path) == []
+
+
+def test_multi_rank_save(tmp_path: Path) -> None:
+    for r in range(3):
+        ck.save(
+            {"r": r, "t": torch.full((2,), float(r))}, {}, tmp_path, "n", 0, rank=r, world_size=3
+        )
+    assert ck.verify(tmp_path, "n", 0) == []
+    assert ck.load(tmp_path, "n", 0, rank=2)[0]["r"] == 2
+    [info] = ck.list_checkpoints(tmp_path)
+    assert info.nodes["n"].ranks == [0, 1, 2] and info.nodes["n"].world_size == 3 and info.ok
+
+
+# -------------------------------------------------------------------- corruption
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    ck.save({"w": torch.arange(1000.0), "note": "x"}, {}, tmp_path, "n", 0)
+    ck.save({"w": torch.arange(1000.0) * 2, "note": "y"}, {}, tmp_path, "n", 1)
+    return tmp_path
+
+
+def expect_problem(ckpt: Path, epoch: int, pattern: str) -> None:
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        ck.load(ckpt, "n", epoch)
+    assert info.value.hint
+    problems = ck.verify(ckpt, "n", epoch)
+    assert problems and any(pytest.importorskip("re").search(pattern, p) for p in problems)
+    latest, skipped = ck.latest_complete_epoch(ckpt, ["n"], 1)
+    assert latest == 0 and [e for e, _ in skipped] == [1]
+
+
+def test_truncated_file(saved: Path) -> None:
+    path = saved / "n.1" / "rank-0" / "tensors.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    expect_problem(saved, 1, r"tensors\.safetensors is truncated: \d+ bytes, \d+ expected")
+    assert not ck.list_checkpoints(saved)[1].ok  # sizes are checked cheaply
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_one_flipped_byte(saved: Path, where: str) -> None:
+    path = saved / "n.1" / "rank-0" / "tensors.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2 if where == "data" else 20] ^= 0x10
+    path.write_bytes(raw)
+    expect_problem(saved, 1, r"tensors\.safetensors: checksum mismatch")
+    # Listing does not hash: the flip is found by verify / latest_complete_epoch only.
+    assert ck.list_checkpoints(saved)[1].ok
+    assert ck.latest_complete_epoch(saved, ["n"], 1, verify_hashes=False) == (1, [])
+
+
+def test_flipped_byte_in_values(saved: Path) -> None:
+    path = saved / "n.1" / "rank-0" / "values.json"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x01
+    path.write_bytes(raw)
+    expect_problem(saved, 1, r"values\.json: checksum mismatch")
+
+
+def test_missing_commit(saved: Path) -> None:
+    (saved / "n.1" / "rank-0" / "COMMIT").unlink()
+    expect_problem(saved, 1, "incomplete save: no COMMIT marker")
+    [_, info] = ck.list_checkpoints(saved)
+    assert not info.ok and "incomplete save" in info.nodes["n"].problem
+
+
+def test_missing_file(saved: Path) -> None:
+    (saved / "n.1" / "rank-0" / "values.json").unlink()
+    expect_problem(saved, 1, r"values\.json is missing")
+
+
+def test_commit_not_matching_manifest(saved: Path) -> None:
+    path = saved / "n.1" / "rank-0" / "MANIFEST.json"
+    manifest = json.loads(path.read_bytes())
+    manifest["meta"] = {"tampered": True}
+    path.write_text(json.dumps(manifest))
+    expect_problem(saved, 1, "COMMIT does not match MANIFEST.json")
+
+
+def test_missing_rank(tmp_path: Path) -> None:
+    ck.save({"a": 1}, {}, tmp_path, "n", 0, rank=0, world_size=2)
+    ck.save({"a": 1}, {}, tmp_path, "n", 0, rank=1, world_size=2)
+    ck.save({"a": 2}, {}, tmp_path, "n", 1, rank=0, world_size=2)
+    with pytest.raises(CheckpointError, match=r"rank 1 is missing \(ranks found: 0\)"):
+        ck.load(tmp_path, "n", 1, rank=1)
+    assert any("rank 1 of 2 missing" in p for p in ck.verify(tmp_path, "n", 1))
+    assert ck.verify(tmp_path, "n", 1, rank=0) == []
+    latest, skipped = ck.latest_complete_epoch(tmp_path, ["n"], 2)
+    assert latest == 0 and skipped[0][0] == 1 and "rank 1 of 2 missing" in skipped[0][1]
+    latest, skipped = ck.latest_complete_epoch(tmp_path, ["n"], 4)
+    assert latest is None and "world size 2, not 4" in skipped[-1][1]
+
+
+def test_missing_epoch_and_copied_directories(saved: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint of node 'n' at epoch 7"):
+        ck.load(saved, "n", 7)
+    assert ck.verify(saved, "n", 7) and ck.verify(saved, "other", 0)
+    # A rank directory copied under another epoch's name is refused, not loaded.
+    (saved / "n.5").mkdir()
+    os.rename(saved / "n.1" / "rank-0", saved / "n.5" / "rank-0")
+    with pytest.raises(CheckpointError, match="epoch 1, not 5"):
+        ck.load(saved, "n", 5)
+
+
+# -------------------------------------------------------------------- crashes and errors
+
+
+def test_crash_at_rename_leaves_earlier_epochs_valid(saved: Path, monkeypatch) -> None:
+    real = os.replace
+
+    def crash(src, dst):
+        if Path(dst).name == "rank-0":
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        ck.save({"w": torch.ones(3)}, {}, saved, "n", 2)
+    monkeypatch.undo()
+    assert ck.latest_complete_epoch(saved, ["n"], 1)[0] == 1
+    assert ck.verify(saved, "n", 2)
+    assert hidden_entries(saved) == []  # temporaries removed
+    assert torch.equal(ck.load(saved, "n", 1)[0]["w"], torch.arange(1000.0) * 2)
+
+
+def test_exception_while_writing_is_reraised_after_cleanup(saved: Path, monkeypatch) -> None:
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "write_safetensors", boom)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save({"w": torch.ones(3)}, {}, saved, "n", 2)
+    assert hidden_entries(saved) == [] and ck.latest_complete_epoch(saved, ["n"], 1)[0] == 1
+
+
+class FullDisk:
+    """A file whose writes fail with ENOSPC after ``room`` bytes."""
+
+    def __init__(self, f, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+def test_no_space_left(saved: Path, monkeypatch) -> None:
+    real = ck._create
+    monkeypatch.setattr(ck, "_create", lambda path: FullDisk(real(path), 1000))
+    with pytest.raises(CheckpointError) as info:
+        ck.save({"w": torch.randn(10_000)}, {}, saved, "n", 2)
+    assert "no space left on device" in info.value.message
+    assert "n.2" in info.value.message and "free disk space" in info.value.hint
+    monkeypatch.undo()
+    assert hidden_entries(saved) == []
+    assert not (saved / "n.2" / "rank-0").exists()
+    assert ck.latest_complete_epoch(saved, ["n"], 1)[0] == 1
+
+
+def test_permission_denied(tmp_path: Path, monkeypatch) -> None:
+    real = os.mkdir
+
+    def denied(path, *args, **kwargs):
+        if ".tmp-rank-" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", denied)
+    with pytest.raises(CheckpointError) as info:
+        ck.save({"a": 1}, {}, tmp_path, "n", 0)
+    assert "permission denied" in info.value.message and "writable" in info.value.hint
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores chmod")
+def test_unwritable_directory(tmp_path: Path) -> None:
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(CheckpointError, match="permission denied"):
+            ck.save({"a": 1}, {}, tmp_path, "n", 0)
+    finally:
+        tmp_path.chmod(0o700)
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, re, sys, time
+    import numpy as np
+    from jobrun.runner import checkpoint
+
+    where, pause_at = sys.argv[1], sys.argv[2]
+    checkpoint.save({"w": np.zeros(10)}, {"epoch": 0}, where, "n", 0)
+    real_fsync = os.fsync
+
+    def pausing_fsync(fd):  # stop at one chosen fsync, for the parent to kill us there
+        if re.search(pause_at, os.readlink(f"/proc/self/fd/{fd}")):
+            print("paused", flush=True)
+            time.sleep(60)
+        real_fsync(fd)
+
+    os.fsync = pausing_fsync
+    big = np.random.default_rng(0).random(6_500_000)  # ~50 MB
+    checkpoint.save({"w": big, "more": [big[:10]]}, {"epoch": 1}, where, "n", 1)
+    print("done", flush=True)
+    """
+)
+
+KILL_POINTS = {
+    "data written, not synced": r"/tensors\.safetensors$",
+    "renamed, no COMMIT": r"/n\.1$",
+    "COMMIT being written": r"/\.COMMIT\.tmp-",
+}
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_sigkill_during_save(tmp_path: Path, point: str) -> None:
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_SAVE)
+    ckpt = tmp_path / "ckpt"
+    args = [sys.executable, str(script), str(ckpt), KILL_POINTS[point]]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "paused"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=20)
+    assert child.returncode == -signal.SIGKILL
+
+    assert ck.verify(ckpt, "n", 0) == []
+    assert ck.verify(ckpt, "n", 1)  # never reported valid
+    with pytest.raises(CheckpointError):
+        ck.load(ckpt, "n", 1)
+    latest, skipped = ck.latest_complete_epoch(ckpt, ["n"], 1)
+    assert latest == 0 and [e for e, _ in skipped] == [1]
+    assert [i.epoch for i in ck.list_checkpoints(ckpt) if i.ok] == [0]
+    # The next save of that epoch goes through despite the debris.
+    ck.save({"w": np.ones(3)}, {}, ckpt, "n", 1)
+    assert ck.latest_complete_epoch(ckpt, ["n"], 1) == (1, [])
+    assert np.array_equal(ck.load(ckpt, "n", 1, as_numpy=True)[0]["w"], np.ones(3))
+
+
+# -------------------------------------------------------------------- names
+
+
+BAD_NODES = ["../x", "a/b", "..", ".hidden", "a..b", "", "x" * 65, "-x", "a b", "n\x00", 3, None]
+
+
+@pytest.mark.parametrize("node", BAD_NODES, ids=repr)
+def test_node_names_that_could_escape_are_refused(tmp_path: Path, node: Any) -> None:
+    with pytest.raises(CheckpointError, match="bad node name"):
+        ck.save({"a": 1}, {}, tmp_path, node, 0)
+    with pytest.raises(CheckpointError, match="bad node name"):
+        ck.load(tmp_path, node, 0)
+    with pytest.raises(CheckpointError, match="bad node name"):
+        ck.verify(tmp_path, node, 0)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("epoch", [-1, True, 1.5, "3", None], ids=repr)
+def test_bad_epochs_are_refused(tmp_path: Path, epoch: Any) -> None:
+    with pytest.raises(CheckpointError, match="epoch"):
+        ck.save({"a": 1}, {}, tmp_path, "n", epoch)
+    with pytest.raises(CheckpointError, match="epoch"):
+        ck.load(tmp_path, "n", epoch)
+
+
+def test_bad_ranks_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="rank"):
+        ck.save({"a": 1}, {}, tmp_path, "n", 0, rank=2, world_size=2)
+    with pytest.raises(CheckpointError, match="rank"):
+        ck.save({"a": 1}, {}, tmp_path, "n", 0, rank=-1)
+
+
+# -------------------------------------------------------------------- listing, pruning, upload
+
+
+def test_list_checkpoints(tmp_path: Path) -> None:
+    assert ck.list_checkpoints(tmp_path / "nothing") == []
+    for e in (0, 1, 10):
+        ck.save({"w": torch.ones(4)}, {}, tmp_path, "a", e)
+        ck.save({"w": torch.ones(2)}, {}, tmp_path, "b.x", e)
+    (tmp_path / "b.x.10" / "rank-0" / "COMMIT").unlink()
+    (tmp_path / "not-a-checkpoint").mkdir()
+    (tmp_path / "a.01").mkdir()  # not a canonical epoch number
+    infos = ck.list_checkpoints(tmp_path)
+    assert [i.epoch for i in infos] == [0, 1, 10]
+    assert list(infos[0].nodes) == ["a", "b.x"]
+    a0 = infos[0].nodes["a"]
+    assert a0.ranks == [0] and a0.world_size == 1 and a0.ok and a0.problem is None
+    assert a0.bytes == sum(p.stat().st_size for p in (tmp_path / "a.0" / "rank-0").iterdir())
+    assert a0.created is not None and a0.seconds is not None
+    assert infos[2].nodes["a"].ok and not infos[2].nodes["b.x"].ok and not infos[2].ok
+    latest, skipped = ck.latest_complete_epoch(tmp_path, ["a", "b.x"], 1)
+    assert latest == 1 and skipped == [(10, skipped[0][1])] and "b.x" in skipped[0][1]
+    assert ck.latest_complete_epoch(tmp_path, ["a"], 1) == (10, [])
+    assert ck.latest_complete_epoch(tmp_path, ["zzz"], 1) == (None, [])
+
+
+def test_prune_keeps_the_newest_complete_epochs(tmp_path: Path) -> None:
+    for e in range(6):
+        ck.save({"e": e}, {}, tmp_path, "a", e)
+        ck.save({"e": e}, {}, tmp_path, "b", e)
+    (tmp_path / "b.5" / "rank-0" / "COMMIT").unlink()  # epoch 5 is incomplete
+    removed = ck.prune(tmp_path, 2, ["a", "b"])
+    assert removed == [0, 1, 2]
+    assert [i.epoch for i in ck.list_checkpoints(tmp_path)] == [3, 4, 5]
+    assert ck.latest_complete_epoch(tmp_path, ["a", "b"], 1)[0] == 4
+    assert ck.prune(tmp_path, 2, ["a", "b"]) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.3", "a.4", "a.5", "b.3", "b.4", "b.5"]
+    with pytest.raises(CheckpointError, match="keep"):
+        ck.prune(tmp_path, 0, ["a"])
+
+
+def test_upload(tmp_path: Path) -> None:
+    ckpt, dest = tmp_path / "ckpt", tmp_path / "exported"
+    for r in range(2):
+        ck.save({"r": r, "w": torch.full((3,), 1.0 + r)}, {}, ckpt, "n", 4, rank=r, world_size=2)
+    out = ck.upload(ckpt, "n", 4, dest)
+    assert out == dest / "n" and sorted(p.name for p in out.iterdir()) == ["rank-0", "rank-1"]
+    assert ck.verify_dir(out / "rank-1") == []
+    blobs, _ = ck.load_dir(out / "rank-1")
+    assert blobs["r"] == 1 and torch.equal(blobs["w"], torch.full((3,), 2.0))
+    ck.save({"r": 9}, {}, ckpt, "n", 5)
+    ck.upload(ckpt, "n", 5, dest)  # replaces the previous upload atomically
+    assert sorted(p.name for p in (dest / "n").iterdir()) == ["rank-0"]
+    assert ck.load_dir(dest / "n" / "rank-0")[0] == {"r": 9}
+    assert hidden_entries(dest) == []
+    (ckpt / "n.4" / "rank-0" / "COMMIT").unlink()
+    with pytest.raises(CheckpointError, match="cannot upload n.4"):
+        ck.upload(ckpt, "n", 4, dest)
+    with pytest.raises(CheckpointError, match="bad node name"):
+        ck.upload(ckpt, "../n", 4, dest)
+
+
+# -------------------------------------------------------------------- no torch for inspection
+
+
+def test_list_verify_and_numpy_load_do_not_import_torch(tmp_path: Path) -> None:
+    ck.save(workspace(), {"loss": 1.0}, tmp_path, "n", 0)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from jobrun.runner import checkpoint as ck
+        where = {str(tmp_path)!r}
+        assert [i.epoch for i in ck.list_checkpoints(where)] == [0]
+        assert ck.verify(where, "n", 0) == []
+        assert ck.latest_complete_epoch(where, ["n"], 1) == (0, [])
+        blobs, meta = ck.load(where, "n", 0, as_numpy=True)
+        assert meta == {{"loss": 1.0}} and blobs["step"] == 10
+        assert blobs["model"].state["weight"].shape == (3, 4)
+        assert "torch" not in sys.modules, "torch was imported"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

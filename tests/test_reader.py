@@ -1,0 +1,170 @@
+"""The `reader`/`read` ops: pass and done semantics, rank slices, shuffle, checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jobrun.errors import RunError
+from jobrun.ops.context import OpContext
+from jobrun.ops.reader import Reader, read_op, reader_op
+
+
+def _drain(ctx: OpContext, reader: Reader, reads: int) -> list:
+    """`reads` calls of `read`: a batch's first field as a list, or "done"."""
+    out = []
+    for _ in range(reads):
+        *fields, done = read_op(ctx, reader)
+        if done:
+            assert all(f is None for f in fields)
+            out.append("done")
+        else:
+            first = fields[0]
+            out.append(first.tolist() if isinstance(first, torch.Tensor) else first)
+    return out
+
+
+def _epoch_batches(ctx: OpContext, reader: Reader) -> list[list[int]]:
+    """The batches of one pass, up to (and consuming) its `done`."""
+    batches = []
+    while True:
+        *fields, done = read_op(ctx, reader)
+        if done:
+            return batches
+        batches.append(fields[0].tolist())
+
+
+def test_done_once_per_pass_then_stays_true_after_the_last():
+    ctx = OpContext()
+    r = reader_op(ctx, torch.arange(5), batch_size=2, passes=2)
+    assert _drain(ctx, r, 10) == [
+        [0, 1], [2, 3], [4], "done",
+        [0, 1], [2, 3], [4], "done",
+        "done", "done",
+    ]  # fmt: skip
+
+
+def test_drop_last_skips_the_short_batch():
+    ctx = OpContext()
+    r = reader_op(ctx, torch.arange(5), batch_size=2, drop_last=True)
+    assert _drain(ctx, r, 4) == [[0, 1], [2, 3], "done", "done"]
+    assert r.batches_per_pass == 2
+
+
+def test_passes_zero_reads_forever_with_done_once_per_pass():
+    ctx = OpContext()
+    r = reader_op(ctx, torch.arange(3), batch_size=2, passes=0)
+    assert _drain(ctx, r, 30) == [[0, 1], [2], "done"] * 10
+
+
+def test_batch_size_one_gives_unbatched_records_of_every_field_type():
+    ctx = OpContext()
+    x = torch.arange(6).reshape(3, 2)
+    r = reader_op(ctx, x, np.array([7, 8, 9]), ["a", "b", "c"])
+    xb, yb, name, done = read_op(ctx, r)
+    assert xb.tolist() == [0, 1] and int(yb) == 7 and name == "a" and done is False
+    assert _drain(ctx, r, 3) == [[2, 3], [4, 5], "done"]
+
+
+def test_numpy_and_list_fields_batch_with_their_own_type():
+    ctx = OpContext()
+    r = reader_op(ctx, np.arange(4), ["a", "b", "c", "d"], batch_size=3, shuffle=True)
+    arr, names, done = read_op(ctx, r)
+    assert isinstance(arr, np.ndarray) and isinstance(names, list)
+    assert [("abcd"[i]) for i in arr] == names and not done
+
+
+def test_an_empty_reader_is_done_at_once():
+    ctx = OpContext()
+    r = reader_op(ctx, torch.zeros(0, 3), batch_size=4, passes=2)
+    assert _drain(ctx, r, 3) == ["done", "done", "done"]
+
+
+@pytest.mark.parametrize(
+    ("n", "batch_size", "shuffle"),
+    [(12, 4, False), (7, 3, False), (9, 5, True), (5, 4, True)],
+)
+def test_rank_slices_concatenate_to_the_single_process_batches(n, batch_size, shuffle):
+    data = torch.arange(n)
+    single = OpContext(seed=3)
+    r1 = reader_op(single, data, batch_size=batch_size, shuffle=shuffle, passes=2)
+    ranks = [OpContext(seed=3, rank=k, world_size=2) for k in range(2)]
+    readers = [reader_op(c, data, batch_size=batch_size, shuffle=shuffle, passes=2) for c in ranks]
+    for _ in range(2):
+        expected = _epoch_batches(single, r1)
+        parts = [_epoch_batches(c, r) for c, r in zip(ranks, readers)]
+        assert [a + b for a, b in zip(*parts)] == expected
+        # tensor_split: the lower rank never gets fewer records.
+        assert all(len(a) >= len(b) for a, b in zip(*parts))
+    # A global batch of one record leaves rank 1 an empty slice.
+    if n % batch_size == 1:
+        assert parts[1][-1] == []
+
+
+def test_batch_size_one_is_replicated_on_every_rank():
+    ranks = [OpContext(rank=k, world_size=2) for k in range(2)]
+    readers = [reader_op(c, torch.arange(3)) for c in ranks]
+    assert _drain(ranks[0], readers[0], 4) == _drain(ranks[1], readers[1], 4)
+
+
+def test_shuffle_is_a_seeded_permutation_per_pass():
+    def first_two_passes(ctx: OpContext, ordinal_skip: int = 0) -> list[list[int]]:
+        for _ in range(ordinal_skip):
+            reader_op(ctx, torch.arange(2))
+        r = reader_op(ctx, torch.arange(20), batch_size=20, shuffle=True, passes=2)
+        return [_epoch_batches(ctx, r)[0] for _ in range(2)]
+
+    a = first_two_passes(OpContext(seed=1))
+    assert a == first_two_passes(OpContext(seed=1))
+    assert sorted(a[0]) == list(range(20)) and a[0] != a[1]
+    assert a != first_two_passes(OpContext(seed=2))
+    assert a != first_two_passes(OpContext(seed=1, node="other"))
+    assert a != first_two_passes(OpContext(seed=1), ordinal_skip=1)
+
+
+def test_state_dict_round_trip_resumes_the_same_sequence():
+    data = torch.arange(11)
+    ctx = OpContext(seed=5)
+    r = reader_op(ctx, data, batch_size=3, shuffle=True, passes=3)
+    _drain(ctx, r, 6)  # into the second pass
+    state = r.state_dict()
+    assert set(state) == {"pass", "position", "seed", "length"}
+    assert all(type(v) is int for v in state.values())
+    expected = _drain(ctx, r, 12)
+
+    fresh_ctx = OpContext(seed=99)  # a different seed: the state must carry the order
+    resumed = reader_op(fresh_ctx, data, batch_size=3, shuffle=True, passes=3)
+    resumed.load_state_dict(state)
+    assert _drain(fresh_ctx, resumed, 12) == expected
+
+
+def test_load_state_dict_refuses_changed_data():
+    ctx = OpContext()
+    state = reader_op(ctx, torch.arange(10), batch_size=2).state_dict()
+    with pytest.raises(RunError, match="data changed.*10 records.*now has 8"):
+        reader_op(ctx, torch.arange(8), batch_size=2).load_state_dict(state)
+    with pytest.raises(RunError, match="missing"):
+        reader_op(ctx, torch.arange(10)).load_state_dict({"pass": 0})
+
+
+def test_full_pass_is_unshuffled_and_leaves_the_position_alone():
+    ranks = [OpContext(rank=k, world_size=2) for k in range(2)]
+    readers = [reader_op(c, torch.arange(7), batch_size=3, shuffle=True) for c in ranks]
+    read_op(ranks[0], readers[0])
+    before = readers[0].state_dict()
+    batches = [[x.tolist() for (x,) in r.full_pass()] for r in readers]
+    assert batches == [[[0, 1], [3, 4], [6]], [[2], [5], []]]
+    assert readers[0].state_dict() == before
+
+
+def test_bad_inputs_are_clear_errors():
+    ctx = OpContext()
+    with pytest.raises(RunError, match="different lengths"):
+        reader_op(ctx, torch.arange(3), torch.arange(4))
+    with pytest.raises(RunError, match="batch_size"):
+        reader_op(ctx, torch.arange(3), batch_size=0)
+    with pytest.raises(RunError, match="scalar"):
+        reader_op(ctx, torch.tensor(1.0))
+    with pytest.raises(RunError, match="expects a reader"):
+        read_op(ctx, torch.arange(3))

@@ -1,0 +1,309 @@
+"""Our safetensors reader and writer: format, round trips, interop, strict validation."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from jobrun.errors import CheckpointError
+from jobrun.runner.safetensors_io import read_header, read_safetensors, write_safetensors
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    n = int(np.prod(shape)) if shape else 1
+    if dtype == torch.bool:
+        flat = torch.rand(n, generator=g) > 0.5
+    elif dtype.is_complex:
+        flat = torch.randn(n, dtype=dtype, generator=g)
+    elif dtype.is_floating_point:
+        flat = (torch.randn(n, generator=g) * 10).to(dtype)
+    else:
+        flat = torch.randint(0, 100, (n,), generator=g).to(dtype)
+    return flat.reshape(shape)
+
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # float8 has no equality kernel everywhere: compare the bits.
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1 and a.dtype not in (torch.bool, torch.uint8, torch.int8):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (3, 4)], ids=str)
+def test_round_trip_every_dtype_and_shape(tmp_path: Path, dtype, shape) -> None:
+    t = _sample(dtype, shape)
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"x": t, "pad": torch.ones(3, dtype=torch.int8)})
+    back = read_safetensors(path)
+    assert _same(back["x"], t)
+    assert torch.equal(back["pad"], torch.ones(3, dtype=torch.int8))
+
+
+def test_file_layout_follows_the_spec(tmp_path: Path) -> None:
+    tensors = {
+        "b": torch.arange(3, dtype=torch.int8),
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "c": torch.tensor(1.5, dtype=torch.float64),
+    }
+    path = tmp_path / "t.safetensors"
+    n = write_safetensors(path, tensors, {"k": "v"})
+    raw = path.read_bytes()
+    assert n == len(raw)
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    assert hlen % 8 == 0  # data starts 8-aligned
+    text = raw[8 : 8 + hlen].decode()
+    assert text == text.rstrip() + " " * (len(text) - len(text.rstrip()))  # space padding
+    header = json.loads(text)
+    assert list(header) == ["__metadata__", "a", "b", "c"]  # keys sorted
+    assert header["__metadata__"] == {"k": "v"}
+    assert header["a"] == {
+        "dtype": "F32",
+        "shape": [2, 3],
+        "data_offsets": header["a"]["data_offsets"],
+    }
+    data = raw[8 + hlen :]
+    for name, t in tensors.items():
+        begin, end = header[name]["data_offsets"]
+        assert begin % t.element_size() == 0  # aligned for in-place views
+        assert data[begin:end] == t.numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes()
+    assert read_header(path) == header
+
+
+def test_hasher_sees_exactly_the_bytes_written(tmp_path: Path) -> None:
+    tensors = {f"small{i}": torch.randn(10) for i in range(50)}
+    tensors["big"] = torch.randn(600_000)  # > 1 MiB: written straight from memory
+    h = hashlib.sha256()
+    path = tmp_path / "t.safetensors"
+    n = write_safetensors(path, tensors, hasher=h)
+    assert n == path.stat().st_size
+    assert h.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+    h2 = hashlib.sha256()
+    back = read_safetensors(path, hasher=h2)
+    assert h2.hexdigest() == h.hexdigest()
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_every_tensor_owns_its_memory(tmp_path: Path) -> None:
+    tensors = {"big": torch.randn(400_000), "s1": torch.randn(3), "s2": torch.randn(4)}
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, tensors)
+    back = read_safetensors(path)
+    for name, t in back.items():
+        assert t.storage_offset() == 0, name
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    back["s1"].add_(1)  # writable, plain CPU tensors
+    assert torch.equal(back["s1"], tensors["s1"] + 1)
+    assert torch.equal(back["s2"], tensors["s2"])
+
+
+def test_file_objects_bytes_and_non_contiguous_inputs() -> None:
+    t = torch.arange(12.0).reshape(3, 4).t()  # non-contiguous
+    a = np.arange(6, dtype=">i4").reshape(2, 3)[:, ::2]  # big-endian and strided
+    buf = io.BytesIO()
+    n = write_safetensors(buf, {"t": t, "a": a})
+    assert n == len(buf.getvalue())
+    back = read_safetensors(buf.getvalue())
+    assert torch.equal(back["t"], t)
+    assert np.array_equal(back["a"].numpy(), a)
+    arrays = read_safetensors(bytearray(buf.getvalue()), as_numpy=True)
+    assert isinstance(arrays["a"], np.ndarray) and arrays["a"].dtype == np.dtype("<i4")
+    assert np.array_equal(arrays["a"], a)
+
+
+def test_as_numpy_gives_raw_bits_for_bfloat16(tmp_path: Path) -> None:
+    t = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"x": t, "y": torch.tensor([True, False])})
+    out = read_safetensors(path, as_numpy=True)
+    assert out["x"].dtype == np.uint16
+    assert np.array_equal(out["x"], t.view(torch.int16).numpy().view(np.uint16))
+    assert out["y"].dtype == np.bool_ and out["y"].tolist() == [True, False]
+
+
+def test_as_numpy_does_not_import_torch(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"x": torch.randn(3), "h": torch.ones(2, dtype=torch.bfloat16)})
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from jobrun.runner.safetensors_io import read_header, read_safetensors
+        out = read_safetensors({str(path)!r}, as_numpy=True)
+        assert out["x"].shape == (3,) and sorted(read_header({str(path)!r})) == ["h", "x"]
+        assert "torch" not in sys.modules, "torch was imported"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_inputs_to_the_writer(tmp_path: Path) -> None:
+    with pytest.raises(TypeError):
+        write_safetensors(tmp_path / "x", {"a": [1, 2]})
+    with pytest.raises(TypeError):
+        write_safetensors(tmp_path / "x", {"a": np.array(["text"])})
+    with pytest.raises(ValueError):
+        write_safetensors(tmp_path / "x", {"__metadata__": torch.ones(1)})
+    with pytest.raises(TypeError):
+        write_safetensors(tmp_path / "x", {"a": torch.ones(1)}, metadata={"k": 1})
+
+
+# -------------------------------------------------------------------- interop
+
+
+def test_the_safetensors_package_reads_our_files(tmp_path: Path) -> None:
+    st = pytest.importorskip("safetensors.torch")
+    tensors = {str(d): _sample(d, (2, 3)) for d in DTYPES if d not in (torch.uint32, torch.uint64)}
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["scalar"] = torch.tensor(3.0, dtype=torch.bfloat16)
+    path = tmp_path / "ours.safetensors"
+    write_safetensors(path, tensors, {"producer": "jobrun"})
+    theirs = st.load_file(str(path))
+    assert set(theirs) == set(tensors)
+    assert all(_same(theirs[k], v) for k, v in tensors.items())
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"producer": "jobrun"}
+
+
+def test_we_read_files_of_the_safetensors_package(tmp_path: Path) -> None:
+    st = pytest.importorskip("safetensors.torch")
+    tensors = {
+        "w": torch.randn(5, 7),
+        "b16": torch.randn(3, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "i8": torch.arange(5, dtype=torch.int8),
+        "i64": torch.arange(3),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0),
+    }
+    path = tmp_path / "theirs.safetensors"
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    ours = read_safetensors(path)
+    assert set(ours) == set(tensors)
+    assert all(torch.equal(ours[k], v) and ours[k].dtype == v.dtype for k, v in tensors.items())
+    assert read_header(path)["__metadata__"] == {"format": "pt"}
+    # Their layout may leave tensors unaligned (the bool before the int64): still correct.
+    arrays = read_safetensors(path, as_numpy=True)
+    assert np.array_equal(arrays["i64"], np.arange(3))
+
+
+def test_numpy_interop(tmp_path: Path) -> None:
+    stn = pytest.importorskip("safetensors.numpy")
+    arrays = {"f": np.linspace(0, 1, 7, dtype=np.float32), "u": np.arange(4, dtype=np.uint16)}
+    path = tmp_path / "n.safetensors"
+    stn.save_file(arrays, str(path))
+    ours = read_safetensors(path, as_numpy=True)
+    assert all(np.array_equal(ours[k], v) and ours[k].dtype == v.dtype for k, v in arrays.items())
+    write_safetensors(path, arrays)
+    theirs = stn.load_file(str(path))
+    assert all(np.array_equal(theirs[k], v) for k, v in arrays.items())
+
+
+# -------------------------------------------------------------------- validation
+
+
+def _file(header: dict, data: bytes, *, raw_header: bytes | None = None) -> bytes:
+    text = raw_header if raw_header is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def _entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+BAD_FILES = {
+    "too short": (b"\x01\x02", "shorter than"),
+    "header past end": (struct.pack("<Q", 1000) + b"{}", "runs past the end"),
+    "header over limit": (struct.pack("<Q", 2**40) + b"{}", "over the"),
+    "not json": (_file({}, b"", raw_header=b"{nope"), "not valid JSON"),
+    "not an object": (_file({}, b"", raw_header=b"[1]     "), "not a JSON object"),
+    "not utf-8": (_file({}, b"", raw_header=b'{"\xff":1}'), "not UTF-8"),
+    "duplicate key": (
+        _file(
+            {},
+            b"\0" * 4,
+            raw_header=b'{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+            b'"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}',
+        ),
+        "duplicate",
+    ),
+    "unknown dtype": (_file({"a": _entry("F128", [1], 0, 16)}, b"\0" * 16), "unknown dtype"),
+    "bad shape": (_file({"a": _entry("U8", [-1], 0, 1)}, b"\0"), "bad shape"),
+    "float shape": (_file({"a": _entry("U8", [1.0], 0, 1)}, b"\0"), "bad shape"),
+    "bad offsets": (_file({"a": _entry("U8", [1], 1, 0)}, b"\0"), "outside"),
+    "offsets past data": (_file({"a": _entry("U8", [8], 0, 8)}, b"\0" * 4), "outside"),
+    "size mismatch": (_file({"a": _entry("F32", [3], 0, 8)}, b"\0" * 8), "12 expected"),
+    "overlap": (
+        _file({"a": _entry("U8", [4], 0, 4), "b": _entry("U8", [4], 2, 6)}, b"\0" * 6),
+        "overlaps",
+    ),
+    "gap": (_file({"a": _entry("U8", [2], 2, 4)}, b"\0" * 4), "belong to no tensor"),
+    "trailing bytes": (_file({"a": _entry("U8", [2], 0, 2)}, b"\0" * 5), "after the last"),
+    "extra field": (
+        _file({"a": {**_entry("U8", [1], 0, 1), "x": 1}}, b"\0"),
+        "needs exactly",
+    ),
+    "bad metadata": (_file({"__metadata__": {"k": 1}}, b""), "__metadata__"),
+    "bool not 0/1": (_file({"a": _entry("BOOL", [2], 0, 2)}, b"\x00\x07"), "bool"),
+    "nan literal": (_file({}, b"", raw_header=b'{"__metadata__":NaN}'), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("as_numpy", [False, True])
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_corrupt_headers_are_refused_naming_the_file(tmp_path: Path, case: str, as_numpy) -> None:
+    data, expected = BAD_FILES[case]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError) as info:
+        read_safetensors(path, as_numpy=as_numpy)
+    assert str(path) in info.value.message
+    assert expected in info.value.message
+    assert info.value.hint
+
+
+def test_truncated_file_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"x": torch.randn(100)})
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_safetensors(path)
+    with pytest.raises(CheckpointError, match="cannot read .*missing.safetensors"):
+        read_safetensors(tmp_path / "missing.safetensors")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        read_header(tmp_path / "missing.safetensors")

@@ -1,0 +1,411 @@
+"""The training ops, called directly with an OpContext (no runner involved)."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from jobrun.errors import RunError
+from jobrun.ops import train
+from jobrun.ops.context import OpContext
+from jobrun.ops.reader import read_op, reader_op
+
+# ------------------------------------------------------------------------- helpers
+
+
+def _fit(ctx: OpContext, model, opt, x, y, *, epochs: int, batch_size: int, **step_args):
+    """Train `epochs` passes; returns the per-step losses."""
+    reader = reader_op(ctx, x, y, batch_size=batch_size, shuffle=True, passes=epochs)
+    losses = []
+    while True:
+        xb, yb, done = read_op(ctx, reader)
+        if done:
+            if reader.finished:
+                return losses
+            continue
+        losses.append(train.train_step(ctx, model, opt, xb, yb, **step_args))
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def test_specs_import_without_torch_and_match_the_implementations():
+    import inspect
+    import subprocess
+    import sys
+
+    code = "import sys, jobrun.ops.train_specs; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+    from jobrun.ops.train_specs import TRAIN_SPECS
+
+    for spec in TRAIN_SPECS:
+        module, _, name = spec.impl.partition(":")
+        assert module == "jobrun.ops.train" and spec.category == "training"
+        assert spec.example.startswith(f"- {spec.name}: {{") and "\n" not in spec.example
+        params = inspect.signature(getattr(train, name)).parameters
+        for a in spec.args:
+            assert a.doc, (spec.name, a.name)
+            assert params[a.name].kind is inspect.Parameter.KEYWORD_ONLY, (spec.name, a.name)
+            if not a.required:
+                assert params[a.name].default == a.default, (spec.name, a.name)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def test_synthetic_data_is_a_function_of_its_seed():
+    ctx = OpContext()
+    args = dict(task="classification", n=50, features=4, classes=3)
+    x, y = train.data_synthetic(ctx, **args)
+    x2, y2 = train.data_synthetic(OpContext(seed=7, node="other"), **args)
+    assert x.dtype == torch.float32 and x.shape == (50, 4)
+    assert y.dtype == torch.int64 and y.shape == (50,) and set(y.tolist()) <= {0, 1, 2}
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    x3, _ = train.data_synthetic(ctx, **args, seed=1)
+    assert not torch.equal(x, x3)
+    xr, yr = train.data_synthetic(ctx, task="regression", n=20, features=3)
+    assert yr.dtype == torch.float32 and yr.shape == (20, 1) and xr.shape == (20, 3)
+    with pytest.raises(RunError, match="needs `classes`"):
+        train.data_synthetic(ctx, task="classification", n=5, features=2)
+    with pytest.raises(RunError, match="unknown task"):
+        train.data_synthetic(ctx, task="ranking", n=5, features=2)
+
+
+def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
+    ctx = OpContext(plan_dir=tmp_path)
+    x = np.arange(12, dtype=np.float64).reshape(4, 3)
+    y = np.array([0, 1, 1, 0])
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    lx, ly = train.data_load(ctx, path="d.npz")
+    assert lx.dtype == torch.float32 and ly.dtype == torch.int64
+    assert lx.tolist() == x.tolist() and ly.tolist() == y.tolist()
+    ly2, lx2 = train.data_load(ctx, path="d.npz", keys=["y", "x"], float_dtype=None)
+    assert lx2.dtype == torch.float64 and torch.equal(ly2, ly)
+    with pytest.raises(RunError, match="no array 'z'"):
+        train.data_load(ctx, path="d.npz", keys=["z"])
+
+    np.save(tmp_path / "a.npy", x)
+    assert train.data_load(ctx, path=str(tmp_path / "a.npy")).shape == (4, 3)
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(RunError, match="pickled objects are refused"):
+        train.data_load(ctx, path="obj.npy")
+
+    (tmp_path / "t.csv").write_text("f1,f2,label\n1,2,0\n3,4,1\n5,6,2\n")
+    feats, label = train.data_load(ctx, path="t.csv", columns=[["f1", "f2"], "label"])
+    assert feats.tolist() == [[1, 2], [3, 4], [5, 6]] and label.tolist() == [0, 1, 2]
+    (tmp_path / "n.csv").write_text("1;2\n3;4\n")
+    assert train.data_load(ctx, path="n.csv", delimiter=";").tolist() == [[1, 2], [3, 4]]
+    with pytest.raises(RunError, match="(?s)no column 'lable'.*did you mean 'label'"):
+        train.data_load(ctx, path="t.csv", columns=["lable"])
+
+    torch.save({"w": torch.ones(2), "b": torch.zeros(1)}, tmp_path / "s.pt")
+    w, b = train.data_load(ctx, path="s.pt")
+    assert w.tolist() == [1.0, 1.0] and b.tolist() == [0.0]
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(3), "b": torch.arange(2)}, str(tmp_path / "t.safetensors"))
+    b2 = train.data_load(ctx, path="t.safetensors", keys=["b"])
+    assert b2.tolist() == [0, 1]
+    with pytest.raises(RunError, match="no such file"):
+        train.data_load(ctx, path="missing.npz")
+
+
+# ------------------------------------------------------------------------- models
+
+
+def test_model_construction_depends_on_seed_and_node_only():
+    def build(ctx: OpContext) -> list[torch.Tensor]:
+        torch.manual_seed(1234 + len(ctx.node))  # the global stream must not matter
+        return _params(train.model_mlp(ctx, sizes=[3, 5, 2]))
+
+    a, b = build(OpContext(seed=1)), build(OpContext(seed=1))
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    c = build(OpContext(seed=1, node="worker1"))
+    assert not all(torch.equal(p, q) for p, q in zip(a, c))
+    before = torch.random.get_rng_state()
+    train.model_mlp(OpContext(), sizes=[2, 2])
+    assert torch.equal(before, torch.random.get_rng_state())  # the global RNG is untouched
+
+
+def test_mlp_layers_and_argument_errors():
+    model = train.model_mlp(OpContext(), sizes=[4, 8, 8, 2], activation="tanh", dropout=0.1)
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["Linear", "Tanh", "Dropout", "Linear", "Tanh", "Dropout", "Linear"]
+    with pytest.raises(RunError, match="did you mean 'relu'"):
+        train.model_mlp(OpContext(), sizes=[2, 2], activation="relux")
+    with pytest.raises(RunError, match="sizes"):
+        train.model_mlp(OpContext(), sizes=[2])
+
+
+def test_build_instantiates_nested_targets():
+    ctx = OpContext()
+    model = train.build(
+        ctx,
+        target="torch.nn:Sequential",
+        args=[
+            {"target": "torch.nn.Linear", "args": [4, 6]},
+            {"target": "torch.nn.ReLU"},
+            {"target": "torch.nn.Linear", "in_features": 6, "out_features": 2, "bias": False},
+        ],
+    )
+    assert isinstance(model, nn.Sequential) and model[2].bias is None
+    assert model(torch.zeros(3, 4)).shape == (3, 2)
+    again = train.build(OpContext(), target="torch.nn.Linear", args=[4, 6])
+    assert torch.equal(again.weight, model[0].weight)  # same seed stream, same init
+    layer = train.build(ctx, 3, target="torch.nn.Linear", out_features=2)  # input first
+    assert layer.in_features == 3
+    with pytest.raises(RunError, match="cannot import 'nosuchpkg.Thing'"):
+        train.build(ctx, target="nosuchpkg.Thing")
+    with pytest.raises(RunError, match="did you mean 'Linear'"):
+        train.build(ctx, target="torch.nn.Linearr")
+    with pytest.raises(RunError, match=r"torch.nn.Linear\(\.\.\.\) failed"):
+        train.build(ctx, target="torch.nn.Linear", args=["x"])
+
+
+def test_optimizer_and_scheduler():
+    ctx = OpContext()
+    model = train.model_mlp(ctx, sizes=[2, 2])
+    opt = train.optimizer(ctx, model, target="torch.optim.SGD", lr=1.0, momentum=0.5)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.5
+    sched = train.scheduler(
+        ctx, opt, target="torch.optim.lr_scheduler.StepLR", step_size=1, gamma=0.5
+    )
+    opt.step()  # schedulers expect an optimizer step first
+    train.scheduler_step(ctx, sched)
+    assert opt.param_groups[0]["lr"] == 0.5
+    plateau = train.scheduler(ctx, opt, target="torch.optim.lr_scheduler.ReduceLROnPlateau")
+    train.scheduler_step(ctx, plateau, torch.tensor(1.0))
+    with pytest.raises(RunError, match="expects an optimizer"):
+        train.scheduler(ctx, model, target="torch.optim.lr_scheduler.StepLR", step_size=1)
+
+
+# ------------------------------------------------------------------------ training
+
+
+def test_classification_training_learns():
+    ctx = OpContext(seed=0)
+    x, y = train.data_synthetic(ctx, task="classification", n=256, features=4, classes=3, noise=0.6)
+    model = train.model_mlp(ctx, sizes=[4, 16, 3])
+    opt = train.optimizer(ctx, model, lr=0.1, momentum=0.9)
+    test = reader_op(ctx, x, y, batch_size=64)
+    loss0, acc0 = train.evaluate(ctx, model, test)
+    losses = _fit(ctx, model, opt, x, y, epochs=8, batch_size=32)
+    loss1, acc1 = train.evaluate(ctx, model, test)
+    assert all(isinstance(v, float) for v in losses)
+    assert loss1 < 0.5 * loss0 and acc1 > 0.9 and acc1 > acc0
+    assert np.mean(losses[-8:]) < np.mean(losses[:8])
+    assert model.training  # evaluate restores the mode
+
+
+def test_regression_training_with_mse():
+    ctx = OpContext(seed=0)
+    x, y = train.data_synthetic(ctx, task="regression", n=200, features=3, noise=0.05)
+    model = train.model_mlp(ctx, sizes=[3, 16, 1], activation="gelu")
+    opt = train.optimizer(ctx, model, target="torch.optim.Adam", lr=0.02)
+    test = reader_op(ctx, x, y, batch_size=50)
+    loss0, acc = train.evaluate(ctx, model, test, loss="mse")
+    _fit(ctx, model, opt, x, y, epochs=10, batch_size=20, loss="mse")
+    loss1, _ = train.evaluate(ctx, model, test, loss="mse")
+    assert acc is None and loss1 < 0.1 * loss0
+
+
+def test_accumulate_gives_the_same_step():
+    ctx = OpContext(seed=4)
+    x, y = train.data_synthetic(ctx, task="classification", n=10, features=4, classes=3)
+    model = train.model_mlp(ctx, sizes=[4, 6, 3])
+    twin = copy.deepcopy(model)
+    opt = train.optimizer(ctx, model, lr=0.5)
+    opt2 = train.optimizer(ctx, twin, lr=0.5)
+    loss1 = train.train_step(ctx, model, opt, x, y)
+    loss3 = train.train_step(ctx, twin, opt2, x, y, accumulate=3)  # uneven: 4, 3, 3
+    assert loss3 == pytest.approx(loss1, abs=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_clip_grad_norm_bounds_the_update():
+    ctx = OpContext(seed=2)
+    x, y = train.data_synthetic(ctx, task="regression", n=16, features=3)
+    model = train.model_mlp(ctx, sizes=[3, 4, 1])
+    opt = train.optimizer(ctx, model, lr=1.0)  # plain SGD: update == -grad
+    before = _params(model)
+    train.train_step(ctx, model, opt, x, y * 100, loss="mse", clip_grad_norm=0.01)
+    update = torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), before)])
+    assert 0.009 < update.norm().item() <= 0.01 + 1e-6
+
+
+def test_custom_loss_and_float_class_labels():
+    ctx = OpContext()
+    model = train.model_mlp(ctx, sizes=[2, 3])
+    opt = train.optimizer(ctx, model, lr=0.1)
+    x, y = torch.randn(4, 2), torch.tensor([0.0, 1.0, 2.0, 1.0])  # labels read from a CSV
+    assert train.train_step(ctx, model, opt, x, y) > 0
+    loss = train.train_step(ctx, model, opt, x, y.long(), loss="torch.nn.functional.nll_loss")
+    assert isinstance(loss, float)
+    with pytest.raises(RunError, match="did you mean 'mse'"):
+        train.train_step(ctx, model, opt, x, y, loss="msee")
+    with pytest.raises(RunError, match="null"):
+        train.train_step(ctx, model, opt, None, y)
+
+
+def test_amp_on_cpu_is_ignored_with_one_warning(monkeypatch):
+    monkeypatch.setattr(train, "_warned_amp_on_cpu", False)
+    ctx = OpContext()
+    model = train.model_mlp(ctx, sizes=[2, 2])
+    opt = train.optimizer(ctx, model, lr=0.1)
+    x, y = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            train.train_step(ctx, model, opt, x, y, amp="fp16")
+    assert len([w for w in caught if "amp=fp16 is ignored" in str(w.message)]) == 1
+    assert not hasattr(opt, "_jobrun_scaler")
+
+
+def test_export_round_trip(tmp_path: Path):
+    ctx = OpContext(run_dir=tmp_path)
+    model = train.model_mlp(ctx, sizes=[4, 8, 2], dropout=0.5)
+    example = torch.randn(3, 4)
+    path = train.export(ctx, model, example, path="out/m.pt2")
+    assert Path(path) == tmp_path / "out" / "m.pt2" and model.training
+    loaded = torch.export.load(path).module()
+    model.eval()
+    for batch in (example, torch.randn(7, 4)):  # the batch dimension is dynamic
+        assert torch.equal(loaded(batch), model(batch))
+
+
+def test_single_process_dist_ops_are_identities():
+    ctx = OpContext()
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(train.dist_allreduce(ctx, t), t)
+    assert train.dist_allreduce(ctx, 3, op="max") == 3
+    assert train.dist_allreduce(ctx, 3, op="mean") == 3.0
+    assert train.dist_broadcast(ctx, 5) == 5
+    state = train.model_gather(ctx, train.model_mlp(ctx, sizes=[2, 2]))
+    assert set(state) == {"0.weight", "0.bias"} and state["0.weight"].device.type == "cpu"
+
+
+# ----------------------------------------------------------------- data parallel
+
+# (records, global batch, accumulate, clip): divisible, not divisible with an empty rank
+# slice in the last batch (17 % 8 == 1), and uneven splits with accumulation and clipping.
+_DP_CONFIGS = [(16, 4, 1, None), (17, 8, 1, None), (17, 5, 2, 0.5)]
+
+
+def _dp_run(ctx: OpContext, n: int, batch: int, accumulate: int, clip) -> dict:
+    x, y = train.data_synthetic(ctx, task="classification", n=n, features=4, classes=3, seed=3)
+    model = train.model_mlp(ctx, sizes=[4, 8, 3])
+    opt = train.optimizer(ctx, model, lr=0.2, momentum=0.9)
+    losses = _fit(
+        ctx,
+        model,
+        opt,
+        x,
+        y,
+        epochs=3,
+        batch_size=batch,
+        accumulate=accumulate,
+        clip_grad_norm=clip,
+    )
+    return {"params": _params(model), "losses": losses}
+
+
+def _dp_extras(ctx: OpContext) -> dict:
+    """Everything else that must agree across ranks: evaluate, collectives, buffers."""
+    x, y = train.data_synthetic(ctx, task="classification", n=13, features=4, classes=3, seed=5)
+    model = train.model_mlp(ctx, sizes=[4, 8, 3])
+    loss, acc = train.evaluate(ctx, model, reader_op(ctx, x, y, batch_size=4))
+    bn = train.build(
+        ctx,
+        target="torch.nn.Sequential",
+        args=[
+            {"target": "torch.nn.Linear", "args": [4, 4]},
+            {"target": "torch.nn.BatchNorm1d", "args": [4]},
+        ],
+    )
+    bn_opt = train.optimizer(ctx, bn, lr=0.1)
+    xb = x[:8][ctx.rank * 4 : ctx.rank * 4 + 4] if ctx.distributed else x[:8]
+    train.train_step(ctx, bn, bn_opt, xb, torch.zeros(len(xb), 4), loss="mse")
+    r, world = ctx.rank, ctx.world_size
+    return {
+        "eval": [loss, acc],
+        "sum": train.dist_allreduce(ctx, torch.tensor([r + 1.0, 10.0 * r])),
+        "mean": train.dist_allreduce(ctx, torch.tensor([r + 1.0]), op="mean"),
+        "max": train.dist_allreduce(ctx, r + 1, op="max"),
+        "min_f": train.dist_allreduce(ctx, r + 0.5, op="min"),
+        "bcast": train.dist_broadcast(ctx, torch.arange(6.0).reshape(2, 3) if r == 0 else None),
+        "bcast_num": train.dist_broadcast(ctx, 42 if r == 1 else None, src=world - 1),
+        "buffers": [b.clone() for b in bn.buffers()],
+        "gathered": train.model_gather(ctx, model) is not None,
+    }
+
+
+def _dp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+    )
+    try:
+        ctx = lambda: OpContext(seed=11, rank=rank, world_size=world)  # noqa: E731
+        result = {"runs": [_dp_run(ctx(), *cfg) for cfg in _DP_CONFIGS], **_dp_extras(ctx())}
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _spawn(world: int, tmp_path: Path, timeout: float = 120.0) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    procs = mp.start_processes(
+        _dp_worker,
+        args=(world, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not procs.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                p.terminate()
+            pytest.fail("data-parallel workers did not finish in time")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_data_parallel_matches_one_process(tmp_path: Path):
+    ranks = _spawn(2, tmp_path)
+    for i, cfg in enumerate(_DP_CONFIGS):
+        single = _dp_run(OpContext(seed=11), *cfg)
+        for got in ranks:
+            run = got["runs"][i]
+            assert run["losses"] == pytest.approx(single["losses"], abs=1e-5), cfg
+            for p, q in zip(run["params"], single["params"]):
+                torch.testing.assert_close(p, q, atol=1e-5, rtol=0), cfg
+        # Ranks agree exactly with each other: same reduced gradients, same steps.
+        assert ranks[0]["runs"][i]["losses"] == ranks[1]["runs"][i]["losses"]
+
+    one = _dp_extras(OpContext(seed=11))
+    r0, r1 = ranks
+    assert r0["eval"] == r1["eval"]
+    assert r0["eval"] == pytest.approx(one["eval"], abs=1e-6)
+    assert one["bcast_num"] is None  # one process: identity
+    assert r0["sum"].tolist() == r1["sum"].tolist() == [3.0, 10.0]
+    assert r0["mean"].tolist() == [1.5] and r0["max"] == r1["max"] == 2
+    assert r0["min_f"] == r1["min_f"] == 0.5
+    assert r1["bcast"].tolist() == [[0, 1, 2], [3, 4, 5]] and r0["bcast_num"] == 42
+    for a, b in zip(r0["buffers"], r1["buffers"]):  # BatchNorm stats follow rank 0
+        assert torch.equal(a, b)
+    assert r0["gathered"] and not r1["gathered"]
