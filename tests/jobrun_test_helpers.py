@@ -38,3 +38,11 @@ def touch(path: str) -> None:
 
 def pid() -> int:
     return os.getpid()
+
+
+def die_on_rank(epoch: int, rank: int = 1, at: int = 2) -> None:
+    """SIGKILL this process when it is replica `rank` reaching epoch `at` (a dying rank)."""
+    import signal
+
+    if int(os.environ.get("RANK", 0)) == rank and epoch == at and not os.environ.get("JOBRUN_TEST_NO_DIE"):
+        os.kill(os.getpid(), signal.SIGKILL)

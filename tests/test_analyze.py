@@ -304,6 +304,17 @@ def test_read_before_a_later_definition_points_at_it() -> None:
     )
 
 
+def test_in_place_update_of_a_blob_nothing_creates() -> None:
+    text = CLEAN.replace(
+        "in: [total], msg: final",
+        "in: [total], msg: final}\n      - add: {in: [count, 1], out: count",
+    )
+    d = only(text, "undefined-blob")
+    expect(
+        d, "error", at(text, "in: [count, 1]", "count"), ("'count'",), ("updates 'count' in place",)
+    )
+
+
 def test_undefined_blob_suggests_a_close_name() -> None:
     text = CLEAN.replace("in: [total], msg", "in: [totl], msg")
     assert only(text, "undefined-blob").hint == "did you mean 'total'?"

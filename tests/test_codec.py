@@ -363,3 +363,18 @@ def test_ordered_dict_without_metadata_is_a_dict() -> None:
     od = OrderedDict([("b", 1), ("a", 2)])
     back = round_trip({"od": od})["od"]
     assert back == od and list(back) == ["b", "a"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_values_come_back_on_the_cpu() -> None:
+    t = torch.randn(3, 4, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    tree, tensors = encode({"t": t, "g": g}, copy=True)
+    assert tensors["t"].device.type == "cpu" and tree["t"]["device"].startswith("cuda")
+    back = round_trip({"t": t, "g": g})
+    assert back["t"].device.type == "cpu" and torch.equal(back["t"], t.cpu())
+    fresh = torch.Generator(device="cuda")
+    restore(fresh, back["g"])
+    assert torch.equal(
+        torch.rand(4, device="cuda", generator=fresh), torch.rand(4, device="cuda", generator=g)
+    )

@@ -303,3 +303,36 @@ def test_ckpt_commands_do_not_import_torch(reference):
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert p.stdout.strip() == "False", p.stderr
+
+
+def test_async_checkpoints_resume_bit_exact(reference, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", "dir: ckpt, async: true}"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    assert "async (" in r.out and "ms blocked)" in r.out
+    assert _final(run) == _final(reference)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "2")
+    assert r.code == 0, r.text
+    assert _final(run) == _final(reference)
+    assert jobrun("ckpt", "list", run, "--verify", "--json").out.count('"valid": true') == 7
+
+
+def test_async_save_failure_is_reported(tmp_path, monkeypatch):
+    from jobrun.errors import CheckpointError
+    from jobrun.runner import checkpoint as store
+
+    real_write = store.write
+
+    def flaky(prepared, ckpt_dir, node, epoch, **kw):
+        if epoch == 3:
+            raise CheckpointError("no space left on device")
+        return real_write(prepared, ckpt_dir, node, epoch, **kw)
+
+    monkeypatch.setattr(store, "write", flaky)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", "dir: ckpt, async: true}"))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    assert r.err.count("checkpoint of epoch 3 was NOT saved") == 2  # when found, and in the summary

@@ -321,3 +321,15 @@ def test_bad_cli_options(plan_file, tmp_path, bad):
     r = jobrun("train", plan_file(COUNTER), "--run-dir", tmp_path / "r", bad)
     assert r.code == 2
     assert "Traceback" not in r.text
+
+
+def test_tensorboard_events_when_installed(plan_file, tmp_path):
+    pytest.importorskip("tensorboard")
+    r, run_dir = train(plan_file, COUNTER, tmp_path)
+    assert r.code == 0, r.text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("count/total")] == [6.0, 12.0, 18.0]
+    assert [e.step for e in acc.Scalars("count/epochs")] == [1, 2, 3]

@@ -263,6 +263,7 @@ BAD_FILES = {
     ),
     "unknown dtype": (_file({"a": _entry("F128", [1], 0, 16)}, b"\0" * 16), "unknown dtype"),
     "bad shape": (_file({"a": _entry("U8", [-1], 0, 1)}, b"\0"), "bad shape"),
+    "huge empty shape": (_file({"a": _entry("U8", [0, 2**62, 4], 0, 0)}, b""), "too large"),
     "float shape": (_file({"a": _entry("U8", [1.0], 0, 1)}, b"\0"), "bad shape"),
     "bad offsets": (_file({"a": _entry("U8", [1], 1, 0)}, b"\0"), "outside"),
     "offsets past data": (_file({"a": _entry("U8", [8], 0, 8)}, b"\0" * 4), "outside"),

@@ -182,6 +182,8 @@ def _state_of(value: Any) -> Any:
 
 
 def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) -> None:
+    if ctx.rank != 0:
+        return  # replicas hold the same values; one writer, no race on the file
     target = ctx.resolve_write(path)
     suffix = target.suffix.lower()
     named = dict(zip(_names, values))

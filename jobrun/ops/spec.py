@@ -52,7 +52,6 @@ class OpSpec:
     min_outputs: int | None = None
     max_outputs: int | None | str = "fixed"
     extra_args: bool = False
-    # Outputs created as new blobs; False for ops like `read` whose last output is 'done'.
     category: str = "core"  # "core", "training", "user"
     example: str = ""
     _arg_index: dict[str, ArgSpec] = field(default_factory=dict, compare=False, repr=False)

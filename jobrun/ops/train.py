@@ -245,11 +245,14 @@ def data_synthetic(
     classes: int | None = None,
     noise: float = 0.1,
     seed: int = 0,
+    sample_seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Points around random class centres, or a noisy linear teacher.
 
     A dedicated CPU generator (not the node's) makes the data a function of `seed`
-    alone; teachers are computed in float64 and rounded, so machines agree.
+    alone; teachers are computed in float64 and rounded, so machines agree. The problem
+    (centres, teacher) comes from `seed`; the points from `sample_seed` when given, so a
+    validation set is the same problem with other samples.
     """
     _require_int("data.synthetic", "n", n, 1)
     _require_int("data.synthetic", "features", features, 1)
@@ -261,12 +264,16 @@ def data_synthetic(
             raise RunError("data.synthetic: classification needs `classes`", hint="classes: 3")
         _require_int("data.synthetic", "classes", classes, 2)
         centers = torch.randn(classes, features, generator=gen, dtype=torch.float64)
+        if sample_seed is not None:
+            gen = torch.Generator().manual_seed(int(sample_seed))
         y = torch.randint(0, classes, (n,), generator=gen)
         jitter = torch.randn(n, features, generator=gen, dtype=torch.float64)
         return (centers[y] + noise * jitter).float(), y
     if task == "regression":
         w = torch.randn(features, 1, generator=gen, dtype=torch.float64)
         b = torch.randn(1, generator=gen, dtype=torch.float64)
+        if sample_seed is not None:
+            gen = torch.Generator().manual_seed(int(sample_seed))
         x = torch.randn(n, features, generator=gen, dtype=torch.float64)
         eps = torch.randn(n, 1, generator=gen, dtype=torch.float64)
         y = (x * w.T).sum(dim=1, keepdim=True) + b + noise * eps

@@ -30,7 +30,9 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("features", "int", doc="columns of x"),
             arg("classes", ("or", "int", "null"), None, "number of classes (classification)"),
             arg("noise", "number", 0.1, "standard deviation of the noise added"),
-            arg("seed", "int", 0, "the data depend on this seed only, on every machine"),
+            arg("seed", "int", 0, "the problem (centres, teacher) and, by default, the samples"),
+            arg("sample_seed", ("or", "int", "null"), None,
+                "draw the samples from this seed instead: a validation set of the same problem"),
         ),
     ),
     _training(

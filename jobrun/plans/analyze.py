@@ -246,6 +246,7 @@ class _Read:
     name: str
     pos: Pos
     task: ir.Task
+    call: ir.OpCall | None  # the op call reading it, if an op call does
 
 
 @dataclass
@@ -280,7 +281,7 @@ class _Analyzer(Visitor):
         self.flow = _Flow()
         self.ctx: _TaskCtx | None = None
         self.in_place = False  # leave the current task's global changes in place (see visit_Group)
-        self.call: ir.OpCall | None = None  # the op call whose outputs are being defined
+        self.call: ir.OpCall | None = None  # the op call being walked, if any
         self.frames: list[_Frame] = []
         self.writes: list[dict[str, Pos]] = []  # per task and parallel branch: names written
         self.pending: list[list[_Changes]] = []  # per block: report definitions, seen at its end
@@ -420,7 +421,7 @@ class _Analyzer(Visitor):
                 f"define {name!r} on every path before this read (e.g. with a `const` before it)",
             )
         else:
-            self.unresolved.append(_Read(name, ref.pos, ctx.task))
+            self.unresolved.append(_Read(name, ref.pos, ctx.task, self.call))
 
     def _write(self, ref: ir.BlobRef) -> None:
         ctx = self.ctx
@@ -454,10 +455,10 @@ class _Analyzer(Visitor):
             )
         else:
             self._check_call(call, spec)
+        self.call = call
         for item in call.ins:
             if type(item) is ir.BlobRef:
                 self._read(item)
-        self.call = call
         for out in call.outs:
             self._write(out)
         self.call = None
@@ -750,8 +751,13 @@ class _Analyzer(Visitor):
             self.first_defs.visit(self.plan)
         name, task = read.name, read.task
         here = self.first_defs.found.get(task.node, {})
-        if name in here:
-            pos, by, in_report = here[name]
+        first = here.get(name)
+        # `add: {in: [n, 1], out: n}` with no n before: its own output explains nothing.
+        in_place = first is not None and read.call is not None and first[0] in {
+            o.pos for o in read.call.outs if o.name == name
+        }
+        if first is not None and not in_place:
+            pos, by, in_report = first
             if in_report:
                 return (f"{name!r} is defined at line {pos.line} inside a `report`, whose blobs "
                         f"appear only when the report's enclosing block ends: read it after that")
@@ -762,9 +768,11 @@ class _Analyzer(Visitor):
             return (f"{name!r} is first defined at line {pos.line}, which does not run before "
                     f"this read: define it earlier")
         for node, names in sorted(self.first_defs.found.items()):
-            if name in names:
+            if name in names and node != task.node:
                 return (f"{name!r} is defined on node {node!r} (line {names[name][0].line}); each "
                         f"node has its own workspace: define it on node {task.node!r} too")
+        if in_place:
+            return f"this step updates {name!r} in place, but nothing creates it first: add e.g. a `const` in `init`"
         return self._suggest(name, here) or f"define {name!r} first, e.g. with an op's `out` in `init`"
 
     def _suggest(self, name: str, names: Mapping[str, Any]) -> str | None:

@@ -30,7 +30,7 @@ TOP_KEYS = (
     "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
-CHECKPOINT_KEYS = ("dir", "every", "keep", "upload")
+CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async")
 MAX_INSTANCES = 1024
 MAX_REPLICAS = 1024
 
@@ -236,7 +236,13 @@ class _Compiler:
                 f"checkpoint.upload must be a directory path or null, not {kind_of(upload)}",
                 m.at("upload"), "write e.g. upload: /shared/ckpt",
             )
-        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, pos=pos)
+        background = m.get("async", False)
+        if not isinstance(background, bool):
+            raise PlanError(
+                f"checkpoint.async must be true or false, not {kind_of(background)}", m.at("async"),
+                "async: true writes checkpoint files in the background while training goes on",
+            )
+        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, background=background, pos=pos)
 
     def group(self, name: str, value: Any, pos: Pos, key_pos: Pos) -> ir.Group:
         if value is None:
@@ -390,7 +396,7 @@ class _Compiler:
         count: int | ir.BlobRef | None
         if raw is None:
             count = None
-        elif isinstance(raw, bool) or isinstance(raw, float):
+        elif isinstance(raw, bool | float):
             raise PlanError(
                 f"loop count must be a whole number, a blob name or null, not {kind_of(raw)}", pos,
                 "write e.g. loop: 10, loop: n_steps or loop: null (until stop_if)",
@@ -419,9 +425,13 @@ class _Compiler:
         return ir.StopIf(self.blob(m["stop_if"], m.at("stop_if"), "stop_if"), m.key_at("stop_if"))
 
     def step_if(self, m: PMap) -> ir.If:
-        self.keys(m, ("if", "then", "elif", "else"), "an if")
         if "then" not in m:
+            if "do" in m:
+                raise PlanError(
+                    "an `if` runs `then:` steps, not `do:`", m.key_at("do"), "rename `do:` to `then:`"
+                )
             raise PlanError("`if` has no `then` steps", m.key_at("if"), "add `then: [STEP, ...]` to the if")
+        self.keys(m, ("if", "then", "elif", "else"), "an if")
         branches = [
             ir.IfBranch(
                 self.blob(m["if"], m.at("if"), "if"),

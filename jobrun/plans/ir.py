@@ -138,6 +138,7 @@ class Checkpoint:
     every: int = 1
     keep: int | None = None
     upload: str | None = None
+    background: bool = False  # `async: true`: files are written while training goes on
     pos: Pos | None = None
 
 

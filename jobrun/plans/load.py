@@ -266,6 +266,17 @@ def clone(value: Any, budget: list[int] | None = None) -> Any:
     return value
 
 
+def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How many containers deep `value` is (a scalar is 0), counting no further than
+    `limit` + 1: enough to refuse a value that would be nested too deep."""
+    if not isinstance(value, list | dict):
+        return 0
+    if limit <= 0:
+        return 1
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((nesting(v, limit - 1) for v in items if isinstance(v, list | dict)), default=0)
+
+
 class _BudgetExceeded(Exception):
     """Raised by `clone` when its budget runs out (callers turn it into a PlanError)."""
 
@@ -397,27 +408,43 @@ class _Builder:
         )
 
     def yaml_error(self, e: yaml.MarkedYAMLError, text: str) -> PlanError:
+        """libyaml's message, placed at the problem, with the likely cause as the hint."""
         mark = e.problem_mark or e.context_mark
         pos = _mark_pos(self.file, mark) if mark is not None else Pos(self.file)
         what = e.problem or e.context or "invalid YAML"
         hint = "check indentation, colons and quotes"
+        cm = e.context_mark
+        line = ""
         if mark is not None:
             lines = text.splitlines()
             line = lines[mark.line] if mark.line < len(lines) else ""
-            if "\t" in line[: mark.column + 1] or (
-                "cannot start any token" in what and line[mark.column : mark.column + 1] == "\t"
-            ):
-                what = "a tab character; YAML indents with spaces only"
-                hint = "replace the tab by spaces"
-        if e.context and e.context_mark is not None and e.problem_mark is not None:
-            cm = e.context_mark
-            opener = {"flow sequence": "'['", "flow mapping": "'{'"}
-            kind = next((v for k, v in opener.items() if k in e.context), None)
-            if kind and ("expected ','" in what or "stream end" in what):
-                what = f"{what} to close the {kind} at line {cm.line + 1}, column {cm.column + 1}"
-                hint = "close it, or separate its items with commas"
-            elif e.context_mark.line != e.problem_mark.line:
-                what = f"{what} ({e.context} at line {cm.line + 1}, column {cm.column + 1})"
+        if mark is not None and "\t" in line[: len(line) - len(line.lstrip())] or (
+            "cannot start any token" in what and line[mark.column : mark.column + 1] == "\t"
+        ):
+            return PlanError(
+                "invalid YAML: a tab character; YAML indents with spaces only", pos,
+                "replace the tab by spaces",
+            )
+        kind = None
+        if e.context and cm is not None:
+            kind = "'['" if "flow sequence" in e.context else "'{'" if "flow mapping" in e.context else None
+        if kind and ("expected ','" in what or "stream end" in what):
+            what = f"{what} to close the {kind} at line {cm.line + 1}, column {cm.column + 1}"
+            hint = "close it, or separate its items with commas"
+        elif e.context and "quoted scalar" in e.context and cm is not None:
+            return PlanError(
+                "invalid YAML: the quoted string that starts here is never closed",
+                _mark_pos(self.file, cm), "add the closing quote",
+            )
+        elif "cannot start any token" in what and line[mark.column : mark.column + 1] in ("@", "`", "%"):
+            hint = f"{line[mark.column]!r} cannot start a plain value in YAML: quote the value"
+        elif "mapping values are not allowed" in what:
+            what = "unexpected ':' (a `key: value` where none can start)"
+            hint = (
+                "indent this line like the keys around it, or quote a value that contains ': '"
+            )
+        elif e.context and cm is not None and e.problem_mark is not None and cm.line != e.problem_mark.line:
+            what = f"{what} ({e.context} at line {cm.line + 1}, column {cm.column + 1})"
         return PlanError(f"invalid YAML: {what}", pos, hint)
 
     def events(self, loader: Any) -> tuple[Any, Any]:
@@ -574,10 +601,8 @@ class _Builder:
 
     def resolve_plain(self, text: str) -> Any:
         """The value of an untagged plain scalar, by YAML 1.1's implicit rules."""
-        for tag, regexp in _RESOLVERS.get(text[:1], ()):
-            if regexp.match(text):
-                break
-        else:
+        tag = next((t for t, regexp in _RESOLVERS.get(text[:1], ()) if regexp.match(text)), None)
+        if tag is None:
             return text
         if tag in _SCALAR_TYPES:
             return self.construct(tag, text)

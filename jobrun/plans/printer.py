@@ -305,6 +305,8 @@ def _checkpoint_text(ckpt: ir.Checkpoint | None) -> str:
     if ckpt is None:
         return "off"
     fields = {"dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload}
+    if ckpt.background:
+        fields["async"] = True
     return format_value(fields)
 
 
@@ -330,6 +332,7 @@ class _JsonBuilder(Visitor):
             "stop_when": [r.name for r in plan.stop_when],
             "checkpoint": None if ckpt is None else {
                 "dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload,
+                "async": ckpt.background,
             },
             "groups": [self.visit(g) for g in plan.groups],
         }

@@ -13,11 +13,13 @@ from typing import Any
 from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans.load import (
     MAX_ALIAS_NODES,
+    MAX_DEPTH,
     PList,
     PMap,
     _BudgetExceeded,
     clone,
     kind_of,
+    nesting,
     parse_value,
     to_plain,
 )
@@ -43,28 +45,44 @@ def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
             raise PlanError(
                 f"--set {item!r} is not KEY=VALUE", where, "write e.g. --set max_epochs=3"
             )
-        value = parse_value(raw, f"--set {key}")
+        try:
+            value = parse_value(raw, str(where))
+        except PlanError as e:
+            raise PlanError(
+                f"--set value {raw!r} of {key.strip()!r}: {e.message}", where,
+                e.hint or "quote strings with special characters",
+            ) from None
         parts = key.strip().split(".")
         if any(not p.strip() for p in parts):
             raise PlanError(
                 f"--set key {key!r} has an empty part", where, "write a dotted path, e.g. vars.lr"
             )
+        # The loader bounds how deep a plan nests (deep trees overflow the stack of
+        # everything that walks them); a --set must not get around it.
+        if len(parts) + nesting(value) > MAX_DEPTH:
+            raise PlanError(
+                f"--set {key.strip()!r} nests values more than {MAX_DEPTH} levels deep", where,
+                "use a shorter path or a flatter value",
+            )
         _set_path(tree, [p.strip() for p in parts], value, where)
 
 
 def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
-    node = tree
+    # Errors point at the list or value in the plan file that the path cannot go
+    # through (the user may not know the plan by heart); `where` names the --set itself.
+    node, node_pos = tree, _own_pos(tree, where)
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
         shown = ".".join(parts[: depth + 1])
+        parent = ".".join(parts[:depth]) or "the plan"
         if isinstance(node, list):
             # isascii: str.isdigit() is also true for '²', which int() refuses.
             if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
+                n = len(node)
                 raise PlanError(
-                    f"--set: {shown!r} does not exist ({'.'.join(parts[:depth]) or 'the plan'} "
-                    f"is a list of {len(node)} items)",
-                    where,
-                    f"use an index from 0 to {len(node) - 1}" if node else "the list is empty",
+                    f"{where}: {shown!r} does not exist: {parent} is a list of {n} item{'s' * (n != 1)}",
+                    node_pos,
+                    f"use an index from 0 to {n - 1}" if node else f"{parent} is empty",
                 )
             idx = int(part)
             if last:
@@ -72,7 +90,7 @@ def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
                 if isinstance(node, PList):
                     _pad(node.item_pos, len(node), node.pos)[idx] = where
                 return
-            node = node[idx]
+            node, node_pos = node[idx], _at(node, idx)
         elif isinstance(node, dict):
             if last:
                 node[part] = value
@@ -85,14 +103,17 @@ def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
                 if isinstance(node, PMap):
                     node.val_pos[part] = where
                     node.key_pos.setdefault(part, where)
-            node = node[part]
+            node, node_pos = node[part], _at(node, part)
         else:
-            parent = ".".join(parts[:depth])
             raise PlanError(
-                f"--set: {parent!r} is {kind_of(node)}, not a mapping or list, so it has no {part!r}",
-                where,
-                f"set {parent!r} itself (--set {parent}=VALUE)",
+                f"{where}: {parent} is {kind_of(node)}, not a mapping or list, so it has no {part!r}",
+                node_pos,
+                f"set {parent} itself: --set {parent}=VALUE",
             )
+
+
+def _own_pos(node: Any, default: Pos) -> Pos:
+    return node.pos if isinstance(node, PMap | PList) else default
 
 
 def _pad(positions: list[Pos], n: int, fill: Pos) -> list[Pos]:
@@ -131,12 +152,12 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
                     f"var {name!r} is built in and cannot be redefined", kpos, "rename your var"
                 )
             ctx = _Ctx(env, budget, later, name)
-            resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None)
+            resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None, 3)
             raw_vars[name] = env[name] = resolved
     ctx = _Ctx(env, budget, [], None)
     for key, value in tree.items():
         if key != "vars":
-            tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None)
+            tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None, 2)
     return tree
 
 
@@ -158,37 +179,44 @@ def _at(container: Any, key: Any) -> Pos:
     return Pos("<plan>")
 
 
-def _subst(value: Any, ctx: _Ctx, pos: Pos | None = None) -> Any:
+def _subst(value: Any, ctx: _Ctx, pos: Pos | None = None, depth: int = 1) -> Any:
     """`value` with its references replaced; containers are updated in place.
 
-    Positions are looked up only for strings that hold a reference: building one for
-    every value of a big plan would cost more than the walk itself.
+    `depth` counts the containers around `value` (the plan itself is 1). Positions are
+    looked up only for strings that hold a reference: building one for every value of a
+    big plan would cost more than the walk itself.
     """
     if value.__class__ is str:
-        return _subst_str(value, ctx, pos or Pos("<plan>")) if "${" in value else value
+        return _subst_str(value, ctx, pos or Pos("<plan>"), depth) if "${" in value else value
     if isinstance(value, dict):
         for k, v in value.items():
             if v.__class__ is str:
                 if "${" in v:
-                    value[k] = _subst_str(v, ctx, _at(value, k))
+                    value[k] = _subst_str(v, ctx, _at(value, k), depth + 1)
             elif isinstance(v, list | dict):
-                _subst(v, ctx)
+                _subst(v, ctx, None, depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             if v.__class__ is str:
                 if "${" in v:
-                    value[i] = _subst_str(v, ctx, _at(value, i))
+                    value[i] = _subst_str(v, ctx, _at(value, i), depth + 1)
             elif isinstance(v, list | dict):
-                _subst(v, ctx)
+                _subst(v, ctx, None, depth + 1)
     return value
 
 
-def _subst_str(text: str, ctx: _Ctx, pos: Pos) -> Any:
+def _subst_str(text: str, ctx: _Ctx, pos: Pos, depth: int) -> Any:
+    """`text` with its references replaced; `depth` is where the result will sit."""
     whole = _REF.fullmatch(text)
     if whole and not whole.group(1):
         value = _lookup(whole.group(2), ctx, pos)
         if not isinstance(value, list | dict):
             return value
+        if depth - 1 + nesting(value, MAX_DEPTH - depth + 1) > MAX_DEPTH:
+            raise PlanError(
+                f"${{{whole.group(2).strip()}}} nests values more than {MAX_DEPTH} levels deep here",
+                pos, "flatten the var, or use it less deep in the plan",
+            )
         try:
             return clone(value, ctx.budget)
         except _BudgetExceeded:

@@ -258,6 +258,11 @@ def _checkpoint() -> dict[str, Any]:
             "description": "After training, copy each node's last checkpoint to <upload>/<node>.",
             "anyOf": [{"type": "string", "pattern": r"\S"}, {"type": "null"}],
         },
+        "async": {
+            "description": "Write checkpoint files in the background; training is blocked only "
+            "for the copy of the state to host memory (default false).",
+            "anyOf": [{"type": "boolean"}, VAR],
+        },
     }
     return {
         "description": "Checkpoint settings.",

@@ -32,7 +32,7 @@ from jobrun.runner import checkpoint as store
 from jobrun.runner.codec import SavedState, UnsupportedValue
 from jobrun.runner.display import Display
 from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
-from jobrun.runner.rundir import METRICS_FILE, Metrics, update_run_info
+from jobrun.runner.rundir import METRICS_FILE, Metrics, TensorBoard, update_run_info
 
 RNG_KEY = "jobrun:rng"
 
@@ -64,12 +64,15 @@ class JobRunner:
         self.main_rank = cfg.rank == 0
         self.display = display or Display(enabled=self.main_rank)
         self.metrics = Metrics(cfg.run_dir / METRICS_FILE if self.main_rank else None)
+        self.tensorboard = TensorBoard(cfg.run_dir if self.main_rank else None)
         self.epoch = 0
         self.group = "init"
         self.save_failures: list[str] = []
         self.unsaved: set[str] = set()
         self._saving = False
         self._pending_signal: int | None = None
+        self._writer: _Writer | None = None
+        self._buffers: dict[str, Any] = {}
         ck = self.plan.checkpoint
         self.ckpt_dir = _under(cfg.run_dir, ck.dir) if ck else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
@@ -98,6 +101,7 @@ class JobRunner:
                 "epoch": self.epoch, "group": self.group, "task": tctx.task, "node": tctx.node,
                 "msg": msg, "values": values,
             })
+            self.tensorboard.write(tctx.task, self.epoch, values)
             shown = " ".join(f"{k}={_short(v)}" for k, v in values.items())
             self.display.line(f"  [{self.group} {self.epoch} {tctx.task}] {msg + ': ' if msg else ''}{shown}")
 
@@ -113,7 +117,9 @@ class JobRunner:
                     stop = self._epoch(self.epoch + 1)
                 self._finish()
             finally:
+                self._wait_for_writer()  # a background save in flight completes first
                 self.metrics.close()
+                self.tensorboard.close()
         self._summary()
         return 0
 
@@ -152,6 +158,7 @@ class JobRunner:
         return self.plan.max_epochs is not None and epoch >= self.plan.max_epochs
 
     def _finish(self) -> None:
+        self._wait_for_writer()
         ck = self.plan.checkpoint
         if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
             dest = _under(self.cfg.run_dir, ck.upload)
@@ -187,37 +194,45 @@ class JobRunner:
     _last_saved = 0
 
     def _save(self, epoch: int, stop: bool, outputs: dict | None = None) -> str:
+        """Save every node's checkpoint of `epoch`; returns the epoch line's note.
+
+        Synchronous by default. With `async: true` the training thread only copies the
+        state to host memory; a background thread writes the files (still atomic and
+        verified), and the next save, the end of the job or a signal waits for it.
+        """
         if self.ckpt_dir is None:
             return ""
-        meta = {"epoch": epoch, "stop": stop, "job": self.plan.job,
+        meta = {"epoch": epoch, "stop": stop, "job": self.plan.job, "world_size": self.cfg.world_size,
                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in (outputs or {}).items()}}
-        total_bytes, total_s = 0, 0.0
+        background = bool(self.plan.checkpoint and self.plan.checkpoint.background)
         self._saving = True
         try:
-            for name, node in self.nodes.items():
-                t0 = time.perf_counter()
-                try:
-                    result = self._save_node(node, epoch, meta)
-                except (CheckpointError, OSError) as e:
-                    self._warn(f"checkpoint of epoch {epoch} (node {name!r}) was NOT saved: {e}")
-                    return "ckpt FAILED"
-                seconds = time.perf_counter() - t0
-                total_bytes += result.bytes
-                total_s += seconds
-                if self.main_rank:
-                    self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
-                                        "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
-            self._last_saved = epoch
-            keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
-            if keep and self.main_rank:
-                store.prune(self.ckpt_dir, keep, list(self.nodes))
+            self._wait_for_writer()
+            t0 = time.perf_counter()
+            try:
+                prepared = {name: self._prepare(node, meta, copy=background)
+                            for name, node in self.nodes.items()}
+            except (CheckpointError, OSError) as e:
+                self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
+                return "ckpt FAILED"
+            if background:
+                blocked = time.perf_counter() - t0
+                self._writer = _Writer(epoch, lambda: self._write_all(epoch, prepared))
+                size = sum(p.tensor_bytes for p in prepared.values())
+                return f"ckpt {_size(size)} async ({blocked * 1000:.0f} ms blocked)"
+            try:
+                total_bytes, seconds = self._write_all(epoch, prepared)
+            except (CheckpointError, OSError) as e:
+                self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
+                return "ckpt FAILED"
+            return f"ckpt {_size(total_bytes)} in {seconds * 1000:.0f} ms"
         finally:
             self._saving = False
             if self._pending_signal is not None:
+                self._wait_for_writer()
                 raise Interrupted(self._pending_signal)
-        return f"ckpt {_size(total_bytes)} in {total_s * 1000:.0f} ms"
 
-    def _save_node(self, node: NodeRuntime, epoch: int, meta: dict[str, Any]):
+    def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
         blobs = {k: v for k, v in node.globals.items() if k not in self.unsaved}
         blobs[RNG_KEY] = _rng_state(node.ctx)
 
@@ -228,10 +243,39 @@ class JobRunner:
             self.display.warn(f"blob {e.blob!r} on node {node.name!r} cannot be checkpointed "
                               f"({e.message}); resume rebuilds it with init")
 
-        prepared = store.prepare(blobs, {**meta, "world_size": self.cfg.world_size},
-                                 on_unsupported=unsupported)
-        return store.write(prepared, self.ckpt_dir, node.name, epoch,
-                           rank=self.rank, world_size=self.cfg.world_size)
+        # Asynchronous saves reuse the previous save's host buffers: touching fresh
+        # memory costs more than the copy itself.
+        reuse = self._buffers.get(node.name) if copy else None
+        prepared = store.prepare(blobs, meta, copy=copy, reuse=reuse, on_unsupported=unsupported)
+        if copy:
+            self._buffers[node.name] = prepared
+        return prepared
+
+    def _write_all(self, epoch: int, prepared: dict[str, Any]) -> tuple[int, float]:
+        total_bytes, total_s = 0, 0.0
+        for name, p in prepared.items():
+            t0 = time.perf_counter()
+            result = store.write(p, self.ckpt_dir, name, epoch, rank=self.rank,
+                                 world_size=self.cfg.world_size)
+            seconds = time.perf_counter() - t0
+            total_bytes += result.bytes
+            total_s += seconds
+            if self.main_rank:
+                self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
+                                    "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
+        self._last_saved = epoch
+        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        if keep and self.main_rank:
+            store.prune(self.ckpt_dir, keep, list(self.nodes))
+        return total_bytes, total_s
+
+    def _wait_for_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        error = writer.wait()
+        if error is not None:
+            self._warn(f"checkpoint of epoch {writer.epoch} was NOT saved: {error}")
 
     def _restore(self, epoch: int) -> dict[str, Any]:
         if self.ckpt_dir is None:
@@ -303,6 +347,27 @@ class JobRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+class _Writer:
+    """One background checkpoint write; `wait` returns its error (or None)."""
+
+    def __init__(self, epoch: int, fn):
+        self.epoch = epoch
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except (CheckpointError, OSError) as e:
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> BaseException | None:
+        self.thread.join()
+        return self.error
 
 
 def _under(run_dir: Path, path: str) -> Path:

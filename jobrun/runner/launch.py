@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -226,22 +227,36 @@ def _elastic(launch: Launch) -> int:
     try:
         results = elastic_launch(config, _worker)(str(launch.run_dir), launch.resume_epoch)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _culprit(e.failures)
         code = failure.exitcode
         if code in (130, 143):
             return code
-        detail = failure.message if isinstance(failure.message, str) else ""
         if code < 0:
             detail = f"killed by signal {-code}"
+        else:
+            detail = failure.message if isinstance(failure.message, str) else ""
+        others = sorted(r for r in e.failures if r != rank)
+        stopped = f"; ranks {', '.join(map(str, others))} stopped with it" if others else ""
         raise RunError(
-            f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}; "
-            "the other replicas were stopped",
+            f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}",
             hint=f"see the messages above; continue with `jobrun resume --run-dir {launch.run_dir}`",
         ) from None
     except SignalException as e:
         return 128 + int(e.sigval)
     codes = [c for c in results.values() if c]
     return max(codes) if codes else 0
+
+
+def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that caused the failure: one killed by a signal (not the launcher's
+    SIGTERM) before ranks that merely saw a collective break, then the earliest."""
+
+    def order(item: tuple[int, Any]) -> tuple[int, float, int]:
+        rank, f = item
+        killed = f.exitcode < 0 and f.exitcode != -15
+        return (0 if killed else 1, float(getattr(f, "timestamp", 0) or 0), rank)
+
+    return min(failures.items(), key=order)
 
 
 def _worker(run_dir: str, resume_epoch: int | None) -> int:
@@ -254,6 +269,9 @@ def _worker(run_dir: str, resume_epoch: int | None) -> int:
     try:
         info = rd.read_run_info(path)
         plan = _plan_from_run(path, info)
+        # Model classes and functions next to the plan are importable by `build`/`call`.
+        if info["plan_dir"] not in sys.path:
+            sys.path.insert(0, info["plan_dir"])
         device = _device(info.get("device") or plan.device, world)
         if world > 1:
             _init_process_group(device)
@@ -268,8 +286,6 @@ def _worker(run_dir: str, resume_epoch: int | None) -> int:
     except JobrunError as e:
         if world > 1:
             # Under the launcher, print here (with the rank) and exit non-zero.
-            import sys
-
             print(f"[rank {rank}] {e.format_message()}", file=sys.stderr, flush=True)
             raise SystemExit(e.exit_code) from None
         raise

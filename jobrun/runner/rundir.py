@@ -138,3 +138,33 @@ def truncate_metrics(path: Path, after_epoch: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in kept))
     os.replace(tmp, path)
+
+
+class TensorBoard:
+    """Also writes log values as TensorBoard scalars when `tensorboard` is installed.
+
+    Each numeric value becomes the scalar `<task>/<name>` at step = epoch (one point per
+    epoch for values logged once an epoch; later writes at the same step overwrite).
+    """
+
+    def __init__(self, run_dir: Path | None):
+        self.writer = None
+        if run_dir is None:
+            return
+        try:
+            import tensorboard  # noqa: F401 - only its presence matters
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, task: str, epoch: int, values: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{task}/{name}", value, global_step=epoch)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -37,10 +37,10 @@ from jobrun.errors import CheckpointError
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 MAX_DIMS = 64
 _MAX_DIM = (1 << 63) - 1
-# Pieces smaller than this are batched into one write or read (fewer system calls);
-# bigger ones go straight between the file and the tensor's own memory.
+# Pieces smaller than this are batched into one write (fewer system calls) and handed
+# to the hashing thread in batches; bigger ones go straight from the tensor's memory.
 _SMALL = 1 << 20
-_SLICE = 16 << 20  # reads of big tensors go in slices of this size, hashed one by one
+_SLICE = 16 << 20  # big tensors are read in slices of this size, hashed one by one
 
 _HINT = "the file is damaged or is not a safetensors file; restore it or delete this checkpoint"
 
@@ -211,30 +211,43 @@ def write_safetensors(
 
 
 class _Hashing:
-    """Feeds a hashlib object in order, on a helper thread once pieces get big.
+    """Feeds a hashlib object in order, on a helper thread once there is enough to hash.
 
     hashlib releases the GIL, so hashing one piece overlaps with writing (or reading)
-    it or the next one: SHA-256 runs at about disk speed, so taking turns would nearly
-    halve the throughput. One worker keeps the updates in order.
+    the next: SHA-256 runs at about disk speed, so taking turns would nearly halve the
+    throughput. Pieces are handed over in batches of at least 1 MiB (a thread hand-off
+    per tiny tensor would cost more than hashing it); one worker keeps them in order.
+    The caller must not change a piece's memory until ``finish`` returns.
     """
 
     def __init__(self, hasher: Any) -> None:
         self._hasher = hasher
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
+        self._batch: list[Any] = []
+        self._batch_bytes = 0
 
     def update(self, data: Any) -> None:
-        if self._hasher is None:
+        if self._hasher is None or not len(data):
             return
-        if self._pool is None and len(data) < _SMALL:
-            self._hasher.update(data)
-            return
+        self._batch.append(data)
+        self._batch_bytes += len(data)
+        if self._batch_bytes >= _SMALL:
+            self._submit()
+
+    def _submit(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="jobrun-sha256")
-        self._pending.append(self._pool.submit(self._hasher.update, data))
+        self._pending.append(self._pool.submit(_hash_all, self._hasher, batch))
 
     def finish(self) -> None:
         """Wait until every update is done (re-raising a failure); safe to call twice."""
+        if self._batch and self._pool is None:
+            _hash_all(self._hasher, self._batch)  # all of it was small: no thread needed
+            self._batch, self._batch_bytes = [], 0
+        elif self._batch:
+            self._submit()
         pool, pending = self._pool, self._pending
         self._pool, self._pending = None, []
         if pool is None:
@@ -244,6 +257,11 @@ class _Hashing:
                 fut.result()
         finally:
             pool.shutdown(wait=True)
+
+
+def _hash_all(hasher: Any, pieces: list[Any]) -> None:
+    for piece in pieces:
+        hasher.update(piece)
 
 
 def _write_fully(f: Any, data: memoryview) -> None:
@@ -389,6 +407,8 @@ def _entry(name: str, key: str, info: Any, data_len: int) -> _Entry:
         _corrupt(name, f"{where}: bad shape {shape!r}")
     if not (isinstance(offs, list) and len(offs) == 2 and all(map(_is_count, offs))):
         _corrupt(name, f"{where}: bad data_offsets {offs!r}")
+    if math.prod(n for n in shape if n) * dtype.itemsize > _MAX_DIM:
+        _corrupt(name, f"{where}: shape {shape} is too large")  # even when it is empty
     begin, end = offs
     if begin > end or end > data_len:
         _corrupt(
@@ -445,26 +465,15 @@ def _read_header(
 
 
 class _NumpyBackend:
-    """Arrays over numpy buffers; never imports torch."""
+    """numpy arrays; never imports torch."""
 
-    def alloc(self, n: int) -> tuple[np.ndarray, memoryview]:
-        buf = np.empty(n, np.uint8)  # not zero-filled: the read fills it
-        return buf, memoryview(buf)
-
-    def view(self, buf: np.ndarray, rel: int, e: _Entry, name: str) -> np.ndarray:
-        dt = np.dtype(e.dtype.numpy)
-        if e.nbytes == 0:
-            return np.empty(e.shape, dt)
-        raw = buf[rel : rel + e.nbytes]
-        if rel % e.dtype.itemsize:  # another writer's unaligned layout: copy, keep aligned
-            raw = raw.copy()
-        if e.dtype.code == "BOOL" and raw.max() > 1:
-            _corrupt(name, f"tensor {e.name!r}: a bool holds a byte other than 0 or 1")
-        return raw.view(dt).reshape(e.shape)
+    def new(self, e: _Entry, name: str) -> tuple[np.ndarray, memoryview]:
+        a = np.empty(e.shape, np.dtype(e.dtype.numpy))  # not zero-filled: the read fills it
+        return a, memoryview(a.reshape(-1).view(np.uint8))
 
 
 class _TorchBackend:
-    """Plain CPU tensors, each owning its memory (a big one is read right into it)."""
+    """CPU torch tensors."""
 
     def __init__(self) -> None:
         import torch
@@ -472,62 +481,33 @@ class _TorchBackend:
         _require_little_endian()
         self.torch = torch
 
-    def alloc(self, n: int) -> tuple[Any, memoryview]:
-        buf = self.torch.empty(n, dtype=self.torch.uint8)  # not zero-filled
-        return buf, memoryview(buf.numpy())
-
-    def view(self, buf: Any, rel: int, e: _Entry, name: str) -> Any:
+    def new(self, e: _Entry, name: str) -> tuple[Any, memoryview]:
         dtype = getattr(self.torch, e.dtype.torch, None)
         if dtype is None:
             raise CheckpointError(
                 f"{name}: tensor {e.name!r} has dtype {e.dtype.code}, which this torch lacks",
                 hint="upgrade torch, or read it with as_numpy=True",
             )
-        if e.nbytes == 0:
-            return self.torch.empty(e.shape, dtype=dtype)
-        raw = buf[rel : rel + e.nbytes]
-        if e.nbytes != buf.numel():
-            # A small tensor read with others: copy it out, so every tensor owns its
-            # memory at offset 0 (some torch calls, e.g. Generator.set_state, ignore
-            # storage offsets; torch.save would write the whole shared buffer).
-            raw = raw.clone()
-        if e.dtype.code == "BOOL" and bool((raw > 1).any()):
-            _corrupt(name, f"tensor {e.name!r}: a bool holds a byte other than 0 or 1")
-        return raw.view(dtype).reshape(e.shape)
+        t = self.torch.empty(e.shape, dtype=dtype)  # not zero-filled: the read fills it
+        return t, memoryview(t.reshape(-1).view(self.torch.uint8).numpy())
 
 
 def _read_data(
     f: Any, entries: list[_Entry], backend: Any, hashing: _Hashing, name: str
 ) -> dict[str, Any]:
-    """Read the data in file order: each big tensor straight into its own buffer, runs of
-    small ones with one read into a shared buffer (fewer system calls)."""
+    """Read the data in file order, each tensor straight into its own memory (so it is
+    aligned and owned whatever the file's layout), hashing as it goes."""
     out: dict[str, Any] = {}
-
-    def flush(group: list[_Entry]) -> None:
-        if not group:
-            return
-        start = group[0].begin
-        buf, mv = backend.alloc(group[-1].end - start)
+    for e in entries:
+        value, raw = backend.new(e, name)
         # In slices, so hashing one overlaps with reading the next.
-        for at in range(0, len(mv), _SLICE):
-            part = mv[at : at + _SLICE]
+        for at in range(0, len(raw), _SLICE):
+            part = raw[at : at + _SLICE]
             _readinto_exact(f, part, name)
             hashing.update(part)
-        for e in group:
-            out[e.name] = backend.view(buf, e.begin - start, e, name)
-
-    group: list[_Entry] = []
-    for e in entries:
-        if e.nbytes >= _SMALL:
-            flush(group)
-            group = []
-            flush([e])
-        else:
-            group.append(e)
-            if e.end - group[0].begin >= _SMALL:
-                flush(group)
-                group = []
-    flush(group)
+        if e.dtype.code == "BOOL" and len(raw) and np.frombuffer(raw, np.uint8).max() > 1:
+            _corrupt(name, f"tensor {e.name!r}: a bool holds a byte other than 0 or 1")
+        out[e.name] = value
     return out
 
 
@@ -558,8 +538,8 @@ def read_safetensors(
 ) -> dict[str, Any]:
     """Read a safetensors file (or its bytes) into a dict, sorted by name.
 
-    By default the values are CPU torch tensors, each owning its memory: a big one is
-    read straight into it, tensors under 1 MiB are read in runs and copied out. With ``as_numpy=True`` they are numpy
+    By default the values are CPU torch tensors, each read straight into memory of its
+    own (no intermediate buffer, aligned whatever the file's layout). With ``as_numpy=True`` they are numpy
     arrays and torch is never imported; numpy has no bfloat16 or float8, so those come
     back as their raw bits (uint16 for BF16, uint8 for F8_*). ``hasher`` (a hashlib
     object), when given, is updated with every byte of the file, read once. Any problem

@@ -1,0 +1,1 @@
+"""jobrun's benchmarks: `python benchmarks/run.py [--quick] [--json out.json]`."""

@@ -1,0 +1,1 @@
+"""Ops: signatures as data, implementations imported lazily."""

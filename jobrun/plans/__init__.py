@@ -1,0 +1,1 @@
+"""Plan language: YAML -> IR, analyzer, printer (never imports torch)."""

@@ -1,0 +1,135 @@
+"""Data parallel through the CLI: replicas 1 and 2 agree, resume works, a dead rank stops the job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+from runner_util import ckpt_values, jobrun_proc, logged
+
+PLAN = """
+job: dp
+seed: 5
+max_epochs: 3
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 6, classes: 3, noise: 1.0}
+      - reader: {in: [x, y], out: data, batch_size: 12, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [6, 16, 3]}
+      - optimizer: {in: model, out: opt, lr: 0.1, momentum: 0.9}
+      - const: {out: epoch_no, value: 0}
+epoch:
+  - task: train
+    do:
+      - add: {in: [epoch_no, 1], out: epoch_no}
+      - call: {fn: "jobrun_test_helpers:die_on_rank", in: [epoch_no], rank: 1, at: 2}
+      - loop: 8
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: data, out: [xb, yb, end]}}]
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - log: {in: [loss]}
+    outputs: [loss]
+"""
+
+pytestmark = pytest.mark.slow
+
+
+def _weights(run_dir, epoch=3):
+    state = ckpt_values(run_dir, epoch)["model"]["state"]
+    return {k: v for k, v in state.items()}
+
+
+def _close(a, b, tol=1e-5):
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol * max(1.0, abs(a))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    plan = root / "plan.yaml"
+    plan.write_text(PLAN)
+    env_no_die = {"JOBRUN_TEST_NO_DIE": "1"}
+    os.environ.update(env_no_die)
+    try:
+        one = jobrun_proc("train", plan, "--run-dir", root / "one", "--replicas", "1")
+        two = jobrun_proc("train", plan, "--run-dir", root / "two", "--replicas", "2")
+    finally:
+        os.environ.pop("JOBRUN_TEST_NO_DIE")
+    assert one.code == 0, one.text
+    assert two.code == 0, two.text
+    return root
+
+
+def test_one_and_two_replicas_train_the_same_model(runs):
+    w1, w2 = _weights(runs / "one"), _weights(runs / "two")
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert _close(w1[key], w2[key]), key
+    l1 = [r["loss"] for r in logged(runs / "one")]
+    l2 = [r["loss"] for r in logged(runs / "two")]
+    assert all(_close(a, b, 1e-4) for a, b in zip(l1, l2)) and len(l1) == len(l2) == 3
+
+
+def test_each_rank_checkpoints_and_ranks_agree(runs):
+    ck = runs / "two" / "ckpt" / "local.3"
+    assert sorted(p.name for p in ck.iterdir()) == ["rank-0", "rank-1"]
+    r1 = jobrun_proc("ckpt", "show", runs / "two", "--epoch", "3", "--rank", "1", "--json")
+    assert r1.code == 0, r1.text
+    import json
+
+    rank1 = json.loads(r1.out)["nodes"]["local"]["model"]["state"]
+    assert rank1 == _weights(runs / "two")  # parameters identical on every rank
+
+
+def test_resume_with_two_replicas_is_exact(runs, tmp_path):
+    run = tmp_path / "two"
+    shutil.copytree(runs / "two", run)
+    os.environ["JOBRUN_TEST_NO_DIE"] = "1"
+    try:
+        r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1")
+    finally:
+        os.environ.pop("JOBRUN_TEST_NO_DIE")
+    assert r.code == 0, r.text
+    assert _weights(run) == _weights(runs / "two")
+
+
+def test_resume_with_other_replica_count_says_so(runs, tmp_path):
+    run = tmp_path / "two"
+    shutil.copytree(runs / "two", run)
+    import json
+
+    info = json.loads((run / "run.json").read_text())
+    info["replicas"] = 1
+    (run / "run.json").write_text(json.dumps(info))
+    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 1
+    assert "written by 2 replicas" in r.text and "Traceback" not in r.text
+
+
+def test_dead_rank_stops_the_job_and_it_resumes(runs, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=180)
+    elapsed = time.monotonic() - t0
+    assert r.code == 1, r.text
+    assert "replica rank 1 failed" in r.err and "killed by signal 9" in r.err
+    assert "jobrun resume" in r.err
+    assert elapsed < 90  # never a hang
+    os.environ["JOBRUN_TEST_NO_DIE"] = "1"
+    try:
+        again = jobrun_proc("resume", "--run-dir", run)
+    finally:
+        os.environ.pop("JOBRUN_TEST_NO_DIE")
+    assert again.code == 0, again.text
+    assert "resumed from checkpoint epoch 1" in again.out
+    assert _weights(run) == _weights(runs / "two")

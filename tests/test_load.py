@@ -1,0 +1,414 @@
+"""The loader, `--set` and `${var}` substitution: values, types and source positions."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from jobrun.errors import PlanError, Pos
+from jobrun.plans.compile import compile_text, compile_tree
+from jobrun.plans.load import (
+    MAX_DEPTH,
+    PList,
+    PMap,
+    clone,
+    load_file,
+    load_text,
+    parse_value,
+    to_plain,
+)
+from jobrun.plans.resolve import apply_sets, substitute
+
+F = "p.yaml"
+
+PLAN = """\
+job: demo
+max_epochs: 3
+vars:
+  lr: 0.1
+  steps: 4
+epoch:
+  - task: train
+    do:
+      - loop: 10
+        as: i
+        do:
+          - add: {in: [a, 1], out: a}
+      - mul: {in: [a, "${lr}"], out: b}
+    outputs: [a]
+"""
+
+
+def P(line: int, col: int, file: str = F) -> Pos:
+    return Pos(file, line, col)
+
+
+def error_of(fn, *args, **kwargs) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+# -- positions ---------------------------------------------------------------------------
+
+
+def test_positions_of_keys_values_and_items() -> None:
+    t = load_text(PLAN, F)
+    assert t.pos == P(1, 1)
+    assert t.key_at("max_epochs") == P(2, 1)
+    assert t.at("max_epochs") == P(2, 13)
+    assert t["vars"].at("lr") == P(4, 7)
+    assert t["vars"].key_at("steps") == P(5, 3)
+    epoch = t["epoch"]
+    assert isinstance(epoch, PList) and epoch.at(0) == P(7, 5)
+    task = epoch[0]
+    assert task.key_at("do") == P(8, 5)
+    loop = task["do"][0]
+    assert loop.key_at("loop") == P(9, 9) and loop.at("as") == P(10, 13)
+    add = loop["do"][0]["add"]
+    assert add.key_at("in") == P(12, 19)
+    assert add["in"].pos == P(12, 23)
+    assert add["in"].at(0) == P(12, 24) and add["in"].at(1) == P(12, 27)
+    assert add.at("out") == P(12, 36)
+    assert task["outputs"].at(0) == P(14, 15)
+
+
+def test_position_dicts_match_at() -> None:
+    t = load_text(PLAN, F)
+    add = t["epoch"][0]["do"][0]["do"][0]["add"]
+    assert add.key_pos == {"in": P(12, 19), "out": P(12, 31)}
+    assert add.val_pos == {"in": add.at("in"), "out": add.at("out")}
+    assert add["in"].item_pos == [P(12, 24), P(12, 27)]
+
+
+def test_missing_key_and_index_fall_back_to_the_container() -> None:
+    t = load_text(PLAN, F)
+    assert t.at("nope") == t.pos and t.key_at("nope") == t.pos
+    items = t["epoch"][0]["outputs"]
+    assert items.at(5) == items.pos and items.at(-1) == items.pos
+
+
+def test_columns_count_characters_not_bytes() -> None:
+    t = load_text("title: 'héhé'\nname: x\nlater: [é, ü, z]\n", F)
+    assert t["later"].at(2) == P(3, 15)
+
+
+def test_hand_built_containers() -> None:
+    m = PMap(P(1, 1))
+    m["a"] = 1
+    m.key_pos["a"] = P(2, 1)
+    m.val_pos["a"] = P(2, 4)
+    assert m.at("a") == P(2, 4) and m.key_at("a") == P(2, 1) and m.at("b") == P(1, 1)
+    lst = PList(P(3, 1))
+    lst.append("x")
+    lst.item_pos.append(P(3, 3))
+    assert lst.at(0) == P(3, 3) and lst.at(1) == P(3, 1)
+
+
+def test_load_file_positions_use_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_text("job: x\nseed: 3\n")
+    t = load_file(path)
+    assert t.at("seed") == Pos(str(path), 2, 7)
+
+
+# -- values ------------------------------------------------------------------------------
+
+
+def test_scalar_types() -> None:
+    t = load_text(
+        "i: 3\nf: 0.05\nb: true\nn: null\ne:\ns: abc\nq: '3'\nx: !!str 5\nbang: ! 7\n"
+        "hex: 0x10\nneg: -2\nexp: 1.5e+3\non: yes\nlit: |\n  two\n  lines\n",
+        F,
+    )
+    assert t == {
+        "i": 3, "f": 0.05, "b": True, "n": None, "e": None, "s": "abc", "q": "3", "x": "5",
+        "bang": "7", "hex": 16, "neg": -2, "exp": 1500.0, "on": True, "lit": "two\nlines\n",
+    }
+    assert type(t["i"]) is int and type(t["b"]) is bool
+
+
+def test_keys_are_taken_as_written() -> None:
+    t = load_text("on: 1\n1: 2\nnull: 3\n2020-01-01: 4\n.nan: 5\n'<<': 6\n", F)
+    assert list(t) == ["on", "1", "null", "2020-01-01", ".nan", "<<"]
+
+
+def test_merge_and_value_indicators_as_values_are_strings() -> None:
+    assert load_text("a: <<\nb: =\n", F) == {"a": "<<", "b": "="}
+
+
+def test_aliases_are_copied_not_shared() -> None:
+    t = load_text("a: &x {k: [1, 2]}\nb: *x\n", F)
+    assert t["a"] == t["b"] and t["a"] is not t["b"] and t["a"]["k"] is not t["b"]["k"]
+    t["b"]["k"].append(3)
+    assert t["a"]["k"] == [1, 2]
+    assert t["b"].at("k") == t["a"].at("k")  # a copy points at what it copies
+
+
+def test_byte_order_mark_is_ignored() -> None:
+    assert load_text("\ufeffjob: x\n", F) == {"job": "x"}
+
+
+@pytest.mark.parametrize(
+    ("text", "pos", "words"),
+    [
+        ("", P(1, 1), "empty"),
+        ("# only a comment\n", P(1, 1), "empty"),
+        ("---\n", P(1, 1), "empty"),
+        ("- a\n", P(1, 1), "not a list"),
+        ("a: 1\na: 2\n", P(2, 1), "duplicate key 'a'"),
+        ("a: {b: 1, b: 2}\n", P(1, 11), "duplicate key 'b'"),
+        ("a: !!python/name:os.system\n", P(1, 4), "!!python/name:os.system"),
+        ("a: !!float abc\n", P(1, 4), "not a number"),
+        ("a: !!bool maybe\n", P(1, 4), "not a boolean"),
+        ("a: !!int 1" + "0" * 5000 + "\n", P(1, 4), "too large"),
+        ("a: " + "9" * 5000 + "\n", P(1, 4), "too large"),
+        ("a: 9223372036854775808\n", P(1, 4), "too large"),
+        ("a: -.INF\n", P(1, 4), "finite"),
+        ("a: !!timestamp 2020-01-01\n", P(1, 4), "dates"),
+        ("a: &x [1, *x]\n", P(1, 11), "recursive"),
+        ("? [a]\n: 1\n", P(1, 3), "plain word"),
+        ("a: &k 1\n*k : 2\n", P(2, 1), "plain word, not an alias"),
+        ("a: 1\n---\nb: 2\n", P(2, 1), "one YAML document"),
+        ("a: b\x00\n", P(1, 5), "NUL"),
+        ("a: \ud800\n", P(1, 4), "U+D800"),
+        ("a: " + "[" * 150 + "]" * 150 + "\n", P(1, 3 + MAX_DEPTH), f"more than {MAX_DEPTH}"),
+        ("a: 'open\n", P(1, 4), "never closed"),
+    ],
+)
+def test_refused(text: str, pos: Pos, words: str) -> None:
+    e = error_of(load_text, text, F)
+    assert e.pos == pos, e.format_message()
+    assert words in e.message
+
+
+def test_very_deep_nesting_is_refused_without_crashing() -> None:
+    # libyaml's own composer recursed per level and crashed the interpreter at this depth.
+    e = error_of(load_text, "x: " + "[" * 200_000 + "]" * 200_000 + "\n", F)
+    assert "nested more than" in e.message
+
+
+def test_alias_bomb_fails_fast() -> None:
+    text = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    prev = "a"
+    for name in "bcdefghi":
+        text += f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]\n"
+        prev = name
+    start = time.perf_counter()
+    e = error_of(load_text, text, F)
+    assert time.perf_counter() - start < 1.0
+    assert "aliases expand" in e.message and e.pos.line > 1
+
+
+def test_non_utf8_file_points_at_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"job: x\nname: ab\xffc\n")
+    e = error_of(load_file, path)
+    assert e.pos == Pos(str(path), 2, 9) and "UTF-8" in e.message
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    assert "no such plan file" in error_of(load_file, tmp_path / "nope.yaml").message
+    assert "directory" in error_of(load_file, tmp_path).message
+
+
+def test_parse_value_takes_any_value() -> None:
+    assert parse_value("", "v") is None
+    assert parse_value("[1, a]", "v") == [1, "a"]
+    assert parse_value("{a: 1}", "v") == {"a": 1}
+
+
+def test_to_plain_drops_positions() -> None:
+    t = load_text(PLAN, F)
+    plain = to_plain(t)
+    assert type(plain) is dict and plain == t
+    assert type(plain["epoch"]) is list and type(plain["epoch"][0]["do"][0]) is dict
+    assert plain["epoch"][0]["do"][0]["do"][0] == {"add": {"in": ["a", 1], "out": "a"}}
+
+
+def test_clone_is_deep() -> None:
+    t = load_text(PLAN, F)
+    c = clone(t)
+    assert c == t and c["epoch"] is not t["epoch"]
+    assert c["epoch"][0]["do"][0].key_at("loop") == P(9, 9)
+
+
+# -- --set -------------------------------------------------------------------------------
+
+
+def sets(*items: str, text: str = PLAN) -> PMap:
+    t = load_text(text, F)
+    apply_sets(t, list(items))
+    return t
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [("3", 3), ("0.05", 0.05), ("true", True), ("abc", "abc"), ("null", None), ("", None),
+     ("'3'", "3"), ("[1, 2]", [1, 2]), ("-4", -4), ("1e-3", "1e-3")],
+)
+def test_set_values_are_yaml_scalars(raw: str, value: object) -> None:
+    got = sets(f"vars.x={raw}")["vars"]["x"]
+    assert got == value and isinstance(got, type(value))
+    assert isinstance(value, list) or type(got) is type(value)  # 1 is not True
+
+
+def test_set_dotted_paths_and_list_indices() -> None:
+    t = sets("max_epochs=7", "epoch.0.do.0.loop=20", "epoch.0.do.1.mul.in.1=2.5", "epoch.0.outputs.0=b")
+    assert t["max_epochs"] == 7
+    assert t["epoch"][0]["do"][0]["loop"] == 20
+    assert t["epoch"][0]["do"][1]["mul"]["in"] == ["a", 2.5]
+    assert t["epoch"][0]["outputs"] == ["b"]
+    # An overridden value points at the --set that gave it.
+    assert t["epoch"][0]["do"][0].at("loop") == Pos("--set epoch.0.do.0.loop=20")
+    assert t["epoch"][0]["do"][1]["mul"]["in"].at(1) == Pos("--set epoch.0.do.1.mul.in.1=2.5")
+    assert t["epoch"][0]["do"][1]["mul"]["in"].at(0) == P(13, 20)
+
+
+def test_set_creates_vars_and_mappings() -> None:
+    t = sets("vars.new=1", "checkpoint.keep=2", text="job: x\n")
+    assert t["vars"] == {"new": 1} and t["checkpoint"] == {"keep": 2}
+    assert isinstance(t["vars"], PMap)
+
+
+def test_set_later_wins() -> None:
+    assert sets("max_epochs=1", "max_epochs=2")["max_epochs"] == 2
+
+
+@pytest.mark.parametrize(
+    ("item", "pos", "words"),
+    [
+        ("max_epochs", Pos("--set max_epochs"), "not KEY=VALUE"),
+        ("=3", Pos("--set =3"), "not KEY=VALUE"),
+        ("a..b=1", Pos("--set a..b=1"), "empty part"),
+        ("epoch.1.task=x", P(7, 3), "'epoch.1' does not exist"),
+        ("epoch.-1.task=x", P(7, 3), "does not exist"),
+        ("epoch.²=x", P(7, 3), "does not exist"),
+        ("epoch.task=x", P(7, 3), "list of 1 item"),
+        ("max_epochs.x=1", P(2, 13), "max_epochs is the number 3"),
+        ("vars.lr.x=1", P(4, 7), "no 'x'"),
+        ("max_epochs=[1", Pos("--set max_epochs=[1"), "invalid YAML"),
+        ("max_epochs=!!python/name:os.system", Pos("--set max_epochs=!!python/name:os.system"), "tag"),
+    ],
+)
+def test_bad_sets(item: str, pos: Pos, words: str) -> None:
+    e = error_of(sets, item)
+    assert e.pos == pos, e.format_message()
+    assert words in e.message
+
+
+def test_set_reaches_the_compiled_plan() -> None:
+    plan = compile_text(PLAN, F, sets=["max_epochs=9", "vars.lr=0.5", "epoch.0.do.0.loop=2"])
+    assert plan.max_epochs == 9 and plan.vars["lr"] == 0.5
+    assert plan.epoch.tasks[0].do[0].count == 2
+    assert plan.epoch.tasks[0].do[1].ins[1].value == 0.5
+
+
+# -- ${var} substitution -----------------------------------------------------------------
+
+
+def subst(text: str, **builtins: str) -> PMap:
+    t = load_text(text, F)
+    return substitute(t, {"plan_dir": "/plans", "run_dir": "/runs/x", **builtins})
+
+
+def test_whole_reference_keeps_the_type() -> None:
+    t = subst("vars: {n: 3, f: 0.5, b: false, z: null, l: [1, 2], m: {k: v}}\n"
+              "a: ${n}\nb: '${f}'\nc: \"${b}\"\nd: ${z}\ne: ${l}\ng: ${m}\nh: ${ n }\n")
+    assert t["a"] == 3 and type(t["a"]) is int
+    assert t["b"] == 0.5 and t["c"] is False and t["d"] is None and t["h"] == 3
+    assert t["e"] == [1, 2] and t["g"] == {"k": "v"}
+    assert t["e"] is not t["vars"]["l"]  # a copy: editing one does not change the other
+
+
+def test_embedded_reference_is_text() -> None:
+    t = subst("vars: {n: 3, f: 0.5, b: true, z: null, l: [1, a]}\n"
+              "a: run-${n}\nb: lr=${f}/${b}\nc: ${z}!\nd: 'l=${l}'\n")
+    assert t["a"] == "run-3" and t["b"] == "lr=0.5/true" and t["c"] == "null!"
+    assert t["d"] == 'l=[1, "a"]'
+
+
+def test_dollar_escape() -> None:
+    t = subst("vars: {x: 1}\na: $${x}\nb: cost $${x} and ${x}\nc: $5\n")
+    assert t["a"] == "${x}" and t["b"] == "cost ${x} and 1" and t["c"] == "$5"
+
+
+def test_builtins() -> None:
+    t = subst("a: ${plan_dir}/data.npz\nb: ${run_dir}\nvars: {out: '${run_dir}/model'}\nc: ${out}\n")
+    assert t["a"] == "/plans/data.npz" and t["b"] == "/runs/x" and t["c"] == "/runs/x/model"
+
+
+def test_builtins_from_compile() -> None:
+    plan = compile_text(
+        "job: j\nmax_epochs: 1\nepoch:\n  - task: t\n    do:\n"
+        "      - save: {in: [a], path: '${run_dir}/a.json'}\n      - load: {out: [b], path: '${plan_dir}/b.json'}\n",
+        "plans/p.yaml",
+    )
+    do = plan.epoch.tasks[0].do
+    assert do[0].kwargs["path"] == str(Path("runs/j/a.json"))
+    assert do[1].kwargs["path"] == "plans/b.json"
+
+
+def test_vars_use_earlier_vars() -> None:
+    t = subst("vars:\n  base: 10\n  twice: ${base}\n  name: n${twice}\n  all: ['${base}', '${name}']\nx: ${all}\n")
+    assert t["vars"] == {"base": 10, "twice": 10, "name": "n10", "all": [10, "n10"]}
+    assert t["x"] == [10, "n10"]
+
+
+def test_keys_are_not_substituted() -> None:
+    assert "${x}" in subst("vars: {x: 1}\nm: {'${x}': 2}\n")["m"]
+
+
+@pytest.mark.parametrize(
+    ("text", "pos", "message", "hint"),
+    [
+        ("vars: {rate: 1}\na: ${rte}\n", P(2, 4), "undefined variable ${rte}", "did you mean 'rate'?"),
+        ("vars: {a: '${b}', b: 1}\n", P(1, 11), "undefined variable ${b}", "defined below"),
+        ("vars: {a: 'x${a}'}\n", P(1, 11), "undefined variable ${a}", "cannot use itself"),
+        ("a: [1, '${nope}']\n", P(1, 8), "undefined variable ${nope}", "define it under `vars:`"),
+        ("vars: [a]\n", P(1, 7), "`vars` must be a mapping", "vars: {lr: 0.1}"),
+        ("vars: {run_dir: x}\n", P(1, 8), "built in", "rename"),
+        ("vars: {'a-b': 1}\n", P(1, 8), "bad var name", "letters"),
+    ],
+)
+def test_bad_references(text: str, pos: Pos, message: str, hint: str) -> None:
+    e = error_of(subst, text)
+    assert e.pos == pos, e.format_message()
+    assert message in e.message and hint in (e.hint or "")
+
+
+def test_var_bombs_are_stopped() -> None:
+    text = "vars:\n  a: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n"
+    prev = "a"
+    for name in "bcdefgh":
+        text += f"  {name}: [" + ", ".join([f"'${{{prev}}}'"] * 10) + "]\n"
+        prev = name
+    start = time.perf_counter()
+    e = error_of(subst, text)
+    assert time.perf_counter() - start < 2.0 and "vars expand" in e.message
+
+
+def test_compile_tree_leaves_the_resolved_plan_in_the_tree() -> None:
+    t = load_text(PLAN, F)
+    compile_tree(t, F, ["vars.lr=0.2"])
+    assert t["epoch"][0]["do"][1]["mul"]["in"] == ["a", 0.2]
+    assert to_plain(t)["vars"] == {"lr": 0.2, "steps": 4}
+
+
+def test_sets_and_vars_cannot_nest_deeper_than_the_loader_allows() -> None:
+    # Everything after the loader walks the tree recursively; its depth bound must hold.
+    e = error_of(sets, "vars." + ".".join(["a"] * MAX_DEPTH) + "=1")
+    assert "levels deep" in e.message
+    head = "job: j\nmax_epochs: 1\nepoch: [{task: t, do: [{const: {out: a, value: "
+    n = MAX_DEPTH - 6  # the value's first list is the 7th container from the top
+    load_text(head + "[" * n + "]" * n + "}}]}]\n", F)
+    for depth, ok in ((n, True), (n + 1, False)):
+        text = "vars: {v: " + "[" * depth + "]" * depth + "}\n" + head + "'${v}'}}]}]\n"
+        if ok:
+            compile_text(text, F)
+        else:
+            assert "levels deep" in error_of(compile_text, text, F).message
+    chain = "vars:\n  v0: [1]\n" + "".join(f"  v{i}: ['${{v{i - 1}}}']\n" for i in range(1, 150))
+    assert "levels deep" in error_of(subst, chain).message
