@@ -29,6 +29,8 @@ class OpContext:
     task: str = ""
     # log(values, msg): print and append one line to metrics.jsonl (set by the runner).
     log: Callable[[dict[str, Any], str | None], None] | None = None
+    # Shared with the live display: the innermost running loop's iteration (set by the runner).
+    progress: dict[str, Any] | None = None
     _generator: Any = None
     _state: dict[str, Any] = field(default_factory=dict)
 

@@ -8,6 +8,7 @@ Only rank 0 shows anything.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -20,7 +21,10 @@ class Display:
         self._status: Any = None
         self._console: Any = None
         self._job = ""
+        self._what = "starting"
         self._t0 = time.monotonic()
+        # Written by the executor's loops (task, iteration, count), read by the ticker.
+        self.progress: dict[str, Any] = {}
 
     @contextmanager
     def live(self, job: str):
@@ -32,17 +36,38 @@ class Display:
         from rich.console import Console
 
         self._console = Console()
+        stop = threading.Event()
         with self._console.status(f"[bold]{job}[/] starting") as status:
             self._status = status
+            ticker = threading.Thread(target=self._tick, args=(stop,), daemon=True)
+            ticker.start()
             try:
                 yield self
             finally:
+                stop.set()
+                ticker.join()
                 self._status = None
 
+    def _tick(self, stop: threading.Event) -> None:
+        while not stop.wait(0.2):
+            self._refresh()
+
     def status(self, what: str) -> None:
-        if self._status is not None:
-            elapsed = time.monotonic() - self._t0
-            self._status.update(f"[bold]{self._job}[/] {what}  [dim]{elapsed:,.1f}s[/]")
+        self._what = what
+        self.progress.pop("loop", None)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        status = self._status
+        if status is None:
+            return
+        elapsed = time.monotonic() - self._t0
+        loop = self.progress.get("loop")
+        where = ""
+        if loop is not None:
+            task, i, n = loop
+            where = f"  task {task}  iteration {i + 1}" + (f"/{n}" if n else "")
+        status.update(f"[bold]{self._job}[/] {self._what}{where}  [dim]{elapsed:,.1f}s[/]")
 
     def line(self, text: str) -> None:
         if not self.enabled:

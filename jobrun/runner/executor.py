@@ -250,6 +250,8 @@ class _Builder:
         set_index = self.setter(s.index.name) if s.index else None
         count = s.count
         read_count = self.read(count, "loop count") if isinstance(count, ir.BlobRef) else None
+        progress = self.ctx.progress if self.ctx.progress is not None else {}
+        task = self.task.name
 
         def run_loop() -> None:
             n = count
@@ -257,20 +259,21 @@ class _Builder:
                 n = read_count()
                 if isinstance(n, bool) or not isinstance(n, int):
                     n = _as_int(n, s)
+            # The live display shows the innermost running loop: the last one to update.
+            i = 0
             try:
                 if n is None:
-                    i = 0
                     while True:
+                        progress["loop"] = (task, i, None)
                         if set_index:
                             set_index(i)
                         body()
                         i += 1
-                elif set_index is None:
-                    for _ in range(n):
-                        body()
                 else:
                     for i in range(n):
-                        set_index(i)
+                        progress["loop"] = (task, i, n)
+                        if set_index:
+                            set_index(i)
                         body()
             except StopBlock:
                 pass
@@ -389,7 +392,8 @@ class _Builder:
                     s.pos, "define it earlier (e.g. in the init group)",
                 )
             if isinstance(e, JobrunError):
-                return OpFailed(f"op `{s.op}` {where}: {e.message}", s.pos, e.hint)
+                message = e.message.removeprefix(f"{s.op}: ")  # the op is named already
+                return OpFailed(f"op `{s.op}` {where}: {message}", s.pos, e.hint)
             return OpFailed(f"op `{s.op}` {where} failed: {type(e).__name__}: {e}", s.pos)
 
         return fail
