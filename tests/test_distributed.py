@@ -133,3 +133,19 @@ def test_dead_rank_stops_the_job_and_it_resumes(runs, tmp_path):
     assert again.code == 0, again.text
     assert "resumed from checkpoint epoch 1" in again.out
     assert _weights(run) == _weights(runs / "two")
+
+
+def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    env = {**os.environ, "JOBRUN_TEST_NO_DIE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "jobrun", "train", str(plan), "--run-dir", str(run)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(x.name for x in (run / "ckpt" / "local.3").iterdir()) == ["rank-0", "rank-1"]
+    assert _weights(run) == _weights(runs / "two")

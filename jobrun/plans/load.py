@@ -68,26 +68,8 @@ _BAD_CHAR = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-
 _HUGE = 30  # integers and strings longer than this are shortened in messages
 
 
-if getattr(Pos, "__slots__", None) == ("file", "line", "col"):
-    # Pos is a frozen dataclass: its __init__ sets each field through
-    # object.__setattr__, which takes twice as long as filling the slots directly, and a
-    # big plan needs hundreds of thousands of positions. Same object, equality and hash.
-    _new_pos = object.__new__
-    _set_file = Pos.file.__set__  # type: ignore[attr-defined]
-    _set_line = Pos.line.__set__  # type: ignore[attr-defined]
-    _set_col = Pos.col.__set__  # type: ignore[attr-defined]
-
-    def _mark_pos(file: str, mark: Any) -> Pos:
-        p = _new_pos(Pos)
-        _set_file(p, file)
-        _set_line(p, mark.line + 1)
-        _set_col(p, mark.column + 1)
-        return p
-
-else:  # Pos changed shape: use its constructor
-
-    def _mark_pos(file: str, mark: Any) -> Pos:
-        return Pos(file, mark.line + 1, mark.column + 1)
+def _mark_pos(file: str, mark: Any) -> Pos:
+    return Pos(file, mark.line + 1, mark.column + 1)
 
 
 class PMap(dict):

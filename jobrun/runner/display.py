@@ -103,3 +103,12 @@ def _fmt(value: Any) -> str:
     if isinstance(v, list) and len(v) > 4:
         return f"<{len(v)} items>"
     return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def human_size(n: float) -> str:
+    """1536 -> '1.5 KB' (binary units, as `ls -h`)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"

@@ -14,6 +14,7 @@ from jobrun.errors import CheckpointError, UsageError
 from jobrun.runner import checkpoint as store
 from jobrun.runner import rundir as rd
 from jobrun.runner.codec import SavedState
+from jobrun.runner.display import human_size
 
 
 def _locate(run_dir: str | None) -> tuple[Path, Path, list[str]]:
@@ -49,7 +50,7 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
         when = _dt.datetime.fromtimestamp(r["saved_at"]).strftime("%Y-%m-%d %H:%M:%S") if r["saved_at"] else "-"
         status = "ok" if r["valid"] else f"INVALID: {r['problem']}"
         ranks = f"{r['ranks']}/{r['world_size']}" if r["world_size"] else str(r["ranks"])
-        lines.append(f"{r['epoch']:>5}  {r['node']:<16} {ranks:>5}  {_size(r['bytes']):>10}  {when:<19}  {status}")
+        lines.append(f"{r['epoch']:>5}  {r['node']:<16} {ranks:>5}  {human_size(r['bytes']):>10}  {when:<19}  {status}")
     return "\n".join(lines)
 
 
@@ -154,11 +155,3 @@ def _jsonable(value: Any) -> Any:
 def _brief(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 200 else text[:200] + f"...<+len={len(text)}>"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

@@ -30,7 +30,7 @@ from jobrun.ops.core import truthy
 from jobrun.plans import ir
 from jobrun.runner import checkpoint as store
 from jobrun.runner.codec import SavedState, UnsupportedValue
-from jobrun.runner.display import Display
+from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
 from jobrun.runner.rundir import METRICS_FILE, Metrics, TensorBoard, update_run_info
 
@@ -219,13 +219,13 @@ class JobRunner:
                 blocked = time.perf_counter() - t0
                 self._writer = _Writer(epoch, lambda: self._write_all(epoch, prepared))
                 size = sum(p.tensor_bytes for p in prepared.values())
-                return f"ckpt {_size(size)} async ({blocked * 1000:.0f} ms blocked)"
+                return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
             try:
                 total_bytes, seconds = self._write_all(epoch, prepared)
             except (CheckpointError, OSError) as e:
                 self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
                 return "ckpt FAILED"
-            return f"ckpt {_size(total_bytes)} in {seconds * 1000:.0f} ms"
+            return f"ckpt {human_size(total_bytes)} in {seconds * 1000:.0f} ms"
         finally:
             self._saving = False
             if self._pending_signal is not None:
@@ -432,14 +432,6 @@ def _short(value: Any) -> Any:
     if isinstance(v, list) and len(v) > 8:
         return f"<list len={len(v)}>"
     return v
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def seed_everything(seed: int) -> None:

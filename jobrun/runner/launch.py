@@ -82,23 +82,29 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
 def resume(run_dir: str | None, epoch: int | None) -> int:
     path = Path(run_dir) if run_dir else rd.latest_run()
     info = rd.read_run_info(path)
+    torchrun = _under_torchrun()
+    # Under torchrun every rank picks the same epoch from disk; rank 0 alone holds the
+    # lock and writes the run's files.
+    leader = not torchrun or int(os.environ["RANK"]) == 0
     lock = rd.RunLock(path)
-    lock.acquire()
+    if leader:
+        lock.acquire()
     try:
         plan = _plan_from_run(path, info)
         if plan.checkpoint is None:
             raise UsageError(f"the job in {path} writes no checkpoints, so it cannot be resumed",
                              hint="add a `checkpoint:` block to the plan and train again")
         ckpt_dir = _ckpt_dir(path, plan)
-        n = int(info.get("replicas", 1))
+        n = int(os.environ["WORLD_SIZE"]) if torchrun else int(info.get("replicas", 1))
         if epoch is None and info.get("status") == "finished":
             print(f"{path}: job {plan.job!r} already finished at epoch {info.get('last_epoch')}; "
                   "nothing to do (use --epoch E to train again from E)")
             return 0
         epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
-        rd.truncate_metrics(path / rd.METRICS_FILE, epoch)
-        rd.update_run_info(path, status="running", resumed_from=epoch, started=time.time())
-        return _launch(Launch(path, epoch, n), _under_torchrun())
+        if leader:
+            rd.truncate_metrics(path / rd.METRICS_FILE, epoch)
+            rd.update_run_info(path, status="running", resumed_from=epoch, started=time.time())
+        return _launch(Launch(path, epoch, n), torchrun)
     finally:
         lock.release()
 
