@@ -11,13 +11,15 @@ The first epoch of each repetition is a warm-up and is not counted.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Mode, Row, alternate, median, paired_ratio
+from benchmarks.common import Mode, Row, median
 from benchmarks.inproc import run_plan, write_plan
 
 N_TRAIN, N_VAL = 2048, 512
@@ -59,42 +61,70 @@ def plan_for(sizes: list[int], batch: int, epochs: int) -> dict[str, Any]:
     }
 
 
-class HandLoop:
-    """The same training as `plan_for`, written as a plain torch loop."""
+def _mix(*parts: object) -> int:
+    """The reader's shuffle seed (as jobrun.ops.reader computes it), so that the hand
+    loop reads the very batches jobrun reads; the loss check below proves it."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
-    def __init__(self, sizes: list[int], batch: int, log_path: Path):
+
+class HandLoop:
+    """The same training as `plan_for`, written as a plain torch loop.
+
+    Same data (the same generator), same initial weights (the model is built the way
+    `model.mlp` builds it, from the node's seeded generator), same batches (the reader's
+    shuffle of each pass), so both trajectories are the same numbers: a tiny model's
+    speed depends on its values (denormals), and this keeps that out of the ratio.
+    With ``ops=True`` the loop calls jobrun's op functions instead (read, train.step,
+    evaluate): the difference to jobrun is then the executor's and runner's own cost.
+    """
+
+    def __init__(self, sizes: list[int], batch: int, log_path: Path, ops: bool = False):
         import torch
         import torch.nn.functional as F
-        from torch import nn
 
         from jobrun.ops.context import OpContext
-        from jobrun.ops.train import data_synthetic
+        from jobrun.ops.reader import reader_op
+        from jobrun.ops.train import data_synthetic, model_mlp, optimizer
 
         self.torch, self.F = torch, F
-        ctx = OpContext(device="cpu")
+        ctx = self.ctx = OpContext(node="local", seed=0, device="cpu")
         kw = {"task": "classification", "features": sizes[0], "classes": sizes[-1],
               "noise": 1.5, "seed": 0}
         self.x, self.y = data_synthetic(ctx, n=N_TRAIN, **kw)
         self.vx, self.vy = data_synthetic(ctx, n=N_VAL, sample_seed=1, **kw)
-        torch.manual_seed(0)
-        layers: list[nn.Module] = []
-        for i in range(len(sizes) - 1):
-            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-            if i < len(sizes) - 2:
-                layers.append(nn.ReLU())
-        self.model = nn.Sequential(*layers)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.ops = ops
+        if ops:
+            self.reader = reader_op(ctx, self.x, self.y, batch_size=batch, shuffle=True, passes=0)
+            self.val_reader = reader_op(ctx, self.vx, self.vy, batch_size=256)
+        self.model = model_mlp(ctx, sizes=sizes)
+        if ops:
+            self.opt = optimizer(ctx, self.model, lr=0.1, momentum=0.9)
+        else:
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.batch = batch
-        self.gen = torch.Generator().manual_seed(0)
+        self.seed = _mix(0, "local", 0)  # (plan seed, node, first reader of the node)
         self.log = log_path.open("a")
         self.epoch = 0
+        self.losses: list[float] = []
 
-    def run_epoch(self) -> float:
+    def run_epoch(self) -> tuple[float, float]:
+        """One epoch; (wall seconds, CPU seconds)."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.epoch += 1
+        loss, val_loss, accuracy = self._ops_epoch() if self.ops else self._hand_epoch()
+        done = accuracy >= 2.0
+        self.log.write(json.dumps({"epoch": self.epoch, "values": {
+            "loss": loss, "val_loss": val_loss, "accuracy": accuracy, "done": done}}) + "\n")
+        self.log.flush()
+        self.losses.append(loss)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def _hand_epoch(self) -> tuple[float, float, float]:
         torch, F = self.torch, self.F
         model, opt, x, y, b = self.model, self.opt, self.x, self.y, self.batch
-        t0 = time.perf_counter()
-        self.epoch += 1
-        order = torch.randperm(len(x), generator=self.gen)
+        gen = torch.Generator().manual_seed(_mix(self.seed, self.epoch - 1))
+        order = torch.randperm(len(x), generator=gen)
         loss = 0.0
         for start in range(0, len(x), b):
             idx = order[start:start + b]
@@ -113,13 +143,21 @@ class HandLoop:
                 loss_sum += F.cross_entropy(pred, vyb, reduction="sum").item()
                 correct += int((pred.argmax(dim=-1) == vyb).sum())
         model.train()
-        accuracy = correct / len(self.vx)
-        done = accuracy >= 2.0
-        self.log.write(json.dumps({"epoch": self.epoch, "values": {
-            "loss": loss, "val_loss": loss_sum / len(self.vx), "accuracy": accuracy}}) + "\n")
-        self.log.flush()
-        _ = done
-        return time.perf_counter() - t0
+        return loss, loss_sum / len(self.vx), correct / len(self.vx)
+
+    def _ops_epoch(self) -> tuple[float, float, float]:
+        from jobrun.ops.reader import read_op
+        from jobrun.ops.train import evaluate, train_step
+
+        ctx, model, opt, reader = self.ctx, self.model, self.opt, self.reader
+        loss = 0.0
+        while True:
+            xb, yb, end = read_op(ctx, reader)
+            if end:
+                break
+            loss = train_step(ctx, model, opt, xb, yb)
+        val_loss, accuracy = evaluate(ctx, model, self.val_reader)
+        return loss, val_loss, accuracy
 
 
 def _steps_per_epoch(batch: int) -> int:
@@ -129,33 +167,66 @@ def _steps_per_epoch(batch: int) -> int:
 def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
     import torch
 
+    from benchmarks.inproc import metrics
+
     torch.set_num_threads(1)
-    epochs = mode.pick(12, 6, 2)
-    reps = mode.pick(9, 5, 1)
+    epochs = mode.pick(16, 8, 2)
+    reps = mode.pick(5, 3, 1)
     steps = _steps_per_epoch(batch)
+    cpu: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": []}
+    wall: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": []}
+    ratios, op_ratios = [], []
+    same_losses = True
     with tempfile.TemporaryDirectory(prefix="jobrun-bench-runner-") as tmp:
         tmpd = Path(tmp)
         plan_path = write_plan(plan_for(sizes, batch, epochs), tmpd)
+        for _ in range(reps):
+            hand = HandLoop(sizes, batch, tmpd / "hand.jsonl")
+            ops = HandLoop(sizes, batch, tmpd / "ops.jsonl", ops=True)
+            times: dict[str, list[tuple[float, float]]] = {"hand": [], "ops": []}
 
-        def jobrun_rep() -> float:
-            secs = run_plan(plan_path)
-            return steps / median(secs[1:])
+            def between(epoch: int, hand=hand, ops=ops, times=times) -> None:
+                # After every jobrun epoch, one epoch of each loop (the order alternates):
+                # all three see the same noise of the shared machine.
+                pair = [("hand", hand), ("ops", ops)]
+                for name, loop in pair if epoch % 2 else pair[::-1]:
+                    times[name].append(loop.run_epoch())
 
-        def hand_rep() -> float:
-            loop = HandLoop(sizes, batch, tmpd / "hand.jsonl")
-            secs = [loop.run_epoch() for _ in range(epochs)]
-            loop.log.close()
-            return steps / median(secs[1:])
-
-        jobrun_sps, hand_sps = alternate(reps, jobrun_rep, hand_rep)
-    ratio = paired_ratio(jobrun_sps, hand_sps)
+            run_dir = tmpd / "run"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            job = run_plan(plan_path, run_dir=run_dir, between=between)
+            hand.log.close()
+            ops.log.close()
+            logged = [r["values"]["loss"] for r in metrics(run_dir) if "values" in r]
+            same_losses &= all(
+                abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(logged, hand.losses)
+            )
+            got = {"jobrun": [(e.seconds, e.cpu) for e in job], **times}
+            for name, rows in got.items():
+                cpu[name] += [c for _, c in rows[1:]]  # the first epoch is a warm-up
+                wall[name] += [w for w, _ in rows[1:]]
+            j = median([c for _, c in got["jobrun"][1:]])
+            ratios.append(median([c for _, c in got["hand"][1:]]) / j)
+            op_ratios.append(median([c for _, c in got["ops"][1:]]) / j)
+    ratio = median(ratios)
+    sps = {k: steps / median(v) for k, v in cpu.items()}
     return Row(
-        section="runner", name=f"{label} steps/s", value=median(jobrun_sps), unit="steps/s",
-        baseline=median(hand_sps), baseline_name="hand-written torch loop", ratio=ratio,
+        section="runner", name=f"{label} steps/s", value=sps["jobrun"], unit="steps/s",
+        baseline=sps["hand"], baseline_name="hand-written torch loop", ratio=ratio,
         goal=f"jobrun/hand >= {GOAL}", ok=ratio >= GOAL,
-        note=f"sizes {sizes}, batch {batch}, {steps} steps/epoch, {epochs - 1} timed epochs x {reps} reps",
-        extra={"jobrun_steps_per_s": jobrun_sps, "hand_steps_per_s": hand_sps,
-               "overhead_us_per_step": (1 / median(jobrun_sps) - 1 / median(hand_sps)) * 1e6},
+        note=f"sizes {sizes}, batch {batch}, {steps} steps/epoch; CPU time of "
+        f"{epochs - 1} epochs x {reps} reps, interleaved",
+        extra={
+            "ratio_per_rep": ratios,
+            "overhead_us_per_step": (1 / sps["jobrun"] - 1 / sps["hand"]) * 1e6,
+            "ops_loop_steps_per_s": sps["ops"],
+            "jobrun_vs_ops_loop": median(op_ratios),
+            "executor_overhead_us_per_step": (1 / sps["jobrun"] - 1 / sps["ops"]) * 1e6,
+            "ops_overhead_us_per_step": (1 / sps["ops"] - 1 / sps["hand"]) * 1e6,
+            "wall_ratio": median(wall["hand"]) / median(wall["jobrun"]),
+            "same_losses": same_losses,
+        },
     )
 
 

@@ -1,9 +1,10 @@
 """Run a plan in this process through the runner (`JobRunner`), timing its epochs.
 
 The runner is built as `jobrun train` builds it (compile, seed, JobConfig, JobRunner),
-with a Display that keeps every epoch's result instead of printing it. An epoch's time is
-the runner's own measure (``EpochResult.seconds``: the epoch group and the stop check,
-without checkpoint saves), so start-up (imports, init, data) is never counted.
+with a Display that keeps every epoch's times instead of printing them: the runner's own
+wall-clock measure (``EpochResult.seconds``: the epoch group and the stop check) and the
+CPU time of the process over the same span (plus the checkpoint save, when the plan has
+one). Start-up (imports, init, data) is never counted.
 """
 
 from __future__ import annotations
@@ -11,26 +12,48 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 
-class _Capture:
-    """Stands in for jobrun.runner.display.Display: silent, keeps the epoch results."""
+@dataclass
+class Epoch:
+    seconds: float  # the runner's own measure (wall clock)
+    cpu: float  # CPU time of this process from the start of the epoch group to its end
 
-    def __init__(self) -> None:
+
+class _Capture:
+    """Stands in for jobrun.runner.display.Display: silent, keeps every epoch's times.
+
+    The runner calls ``status("epoch N")`` as the epoch group starts and ``epoch_line``
+    once it ended (and after its checkpoint, if any): the CPU time between the two is
+    the epoch's. ``between`` is called after each epoch, outside both measures.
+    """
+
+    def __init__(self, between: Callable[[int], None] | None = None) -> None:
         from jobrun.runner.display import Display
 
         self._inner = Display(enabled=False, tty=False)
-        self.epochs: list[Any] = []
+        self.epochs: list[Epoch] = []
+        self._cpu0 = 0.0
+        self._between = between
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def status(self, what: str) -> None:
+        if what.startswith("epoch "):
+            self._cpu0 = time.process_time()
+
     def epoch_line(self, result: Any, max_epochs: int | None) -> None:
-        self.epochs.append(result)
+        cpu = time.process_time() - self._cpu0
+        self.epochs.append(Epoch(result.seconds, cpu))
+        if self._between is not None:
+            self._between(result.epoch)
 
 
 def write_plan(plan: dict[str, Any], directory: Path, name: str = "plan.yaml") -> Path:
@@ -39,8 +62,11 @@ def write_plan(plan: dict[str, Any], directory: Path, name: str = "plan.yaml") -
     return path
 
 
-def run_plan(plan_path: Path, run_dir: Path | None = None) -> list[float]:
-    """Run the job; the seconds of each epoch, in order."""
+def run_plan(
+    plan_path: Path, run_dir: Path | None = None, between: Callable[[int], None] | None = None
+) -> list[Epoch]:
+    """Run the job; the times of each epoch, in order. ``between(epoch)`` runs after each
+    epoch, outside its times (to interleave a baseline with the epochs)."""
     from jobrun.plans.compile import compile_file
     from jobrun.runner import rundir as rd
     from jobrun.runner.job import JobConfig, JobRunner, seed_everything
@@ -57,12 +83,12 @@ def run_plan(plan_path: Path, run_dir: Path | None = None) -> list[float]:
             "started": time.time(), "replicas": 1, "device": "cpu",
         })
         seed_everything(plan.seed)
-        display = _Capture()
+        display = _Capture(between)
         cfg = JobConfig(plan=plan, run_dir=rdir, plan_dir=plan_path.parent, device="cpu")
         code = JobRunner(cfg, display=display).run()  # type: ignore[arg-type]
         if code != 0:
             raise RuntimeError(f"job {plan.job} exited with {code}")
-        return [r.seconds for r in display.epochs]
+        return display.epochs
     finally:
         if tmp is not None:
             tmp.cleanup()

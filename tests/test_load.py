@@ -412,3 +412,19 @@ def test_sets_and_vars_cannot_nest_deeper_than_the_loader_allows() -> None:
             assert "levels deep" in error_of(compile_text, text, F).message
     chain = "vars:\n  v0: [1]\n" + "".join(f"  v{i}: ['${{v{i - 1}}}']\n" for i in range(1, 150))
     assert "levels deep" in error_of(subst, chain).message
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "job: j\nmax_epochs: 1\nepoch: [{task: t, do: [{copy: {in: a, out: '" + "x-" * 5000 + "'}}]}]\n",
+        "job: '" + "j" * 10_000 + "'\n",
+        "job: j\nmax_epochs: 1\nepoch: [{task: t, do: ['" + "w" * 10_000 + "']}]\n",
+        "job: j\nvars: {a: 1}\nx: '${" + "v" * 10_000 + "}'\n",
+        "job: j\nmax_epochs: 1\nepoch: [{task: t, do: [{loop: '" + "9" * 10_000 + "', do: []}]}]\n",
+    ],
+    ids=["blob", "job", "bare-word", "var", "loop-count"],
+)
+def test_messages_stay_short_for_huge_values(text: str) -> None:
+    e = error_of(compile_text, text, F)
+    assert len(e.format_message()) < 400, e.format_message()[:500]

@@ -388,7 +388,7 @@ def test_json_shape() -> None:
         "job", "source", "seed", "device", "replicas", "vars", "max_epochs", "stop_when",
         "checkpoint", "groups",
     ]
-    assert data["checkpoint"] == {"dir": "ckpt", "every": 2, "keep": None, "upload": "uploads"}
+    assert data["checkpoint"] == {"dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False}
     assert [g["name"] for g in data["groups"]] == ["init", "epoch", "download", "exit"]
     train = data["groups"][1]["tasks"][0]
     assert {k: train[k] for k in ("name", "node", "workspace", "instances", "outputs")} == {

@@ -16,7 +16,7 @@ from typing import Any
 
 from jobrun.errors import PlanError, Pos
 from jobrun.plans import ir
-from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc
+from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc, shorten, show
 from jobrun.plans.resolve import apply_sets, substitute
 
 BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
@@ -64,6 +64,7 @@ def compile_text(
     run_dir: str | None = None,
     plan_dir: str | None = None,
 ) -> ir.Plan:
+    """Like compile_file, for plan text that did not come from a file (tests, tools)."""
     with no_gc():
         return compile_tree(load_text(text, filename), filename, sets, run_dir=run_dir, plan_dir=plan_dir)
 
@@ -98,15 +99,15 @@ def _job_name(tree: PMap) -> str:
         raise PlanError(f"the job name must be a string, not {kind_of(job)}", pos, "write e.g. job: mnist-mlp")
     if "${" in job:
         raise PlanError(
-            f"the job name {job!r} uses a variable", pos,
+            f"the job name {show(job)} uses a variable", pos,
             "write the name out (the run directory is named after it; --set job=NAME overrides it)",
         )
     if not NODE_NAME.match(job) or ".." in job:
-        raise PlanError(f"bad job name {job!r}", pos, f"a job name is {_NAME_RULE}")
+        raise PlanError(f"bad job name {show(job)}", pos, f"a job name is {_NAME_RULE}")
     return job
 
 
-def suggest(word: str, choices: Iterable[str]) -> str | None:
+def _suggest(word: str, choices: Iterable[str]) -> str | None:
     """'did you mean ...' naming up to two close choices ('epochs' -> epoch, max_epochs)."""
     close = difflib.get_close_matches(word, list(choices), n=2, cutoff=0.6)
     if not close:
@@ -123,8 +124,8 @@ class _Compiler:
     def keys(self, m: PMap, allowed: tuple[str, ...], what: str) -> None:
         for key in m:
             if key not in allowed:
-                hint = suggest(key, allowed) or f"the keys of {what} are: {', '.join(allowed)}"
-                raise PlanError(f"unknown key {key!r} in {what}", m.key_at(key), hint)
+                hint = _suggest(key, allowed) or f"the keys of {what} are: {', '.join(allowed)}"
+                raise PlanError(f"unknown key {show(key)} in {what}", m.key_at(key), hint)
 
     def mapping(self, value: Any, pos: Pos, what: str, example: str) -> PMap:
         if not isinstance(value, PMap):
@@ -154,7 +155,7 @@ class _Compiler:
         if not isinstance(value, str):
             raise PlanError(f"{what} must be a blob name, not {kind_of(value)}", pos, f"a blob name is {_BLOB_RULE}")
         if not BLOB_NAME.match(value):
-            raise PlanError(f"bad blob name {value!r} in {what}", pos, f"a blob name is {_BLOB_RULE}")
+            raise PlanError(f"bad blob name {show(value)} in {what}", pos, f"a blob name is {_BLOB_RULE}")
         self.good_blobs.add(value)
 
     def blobs(self, value: Any, pos: Pos, what: str) -> tuple[ir.BlobRef, ...]:
@@ -168,7 +169,7 @@ class _Compiler:
         if not isinstance(value, str):
             raise PlanError(f"the {what} must be a string, not {kind_of(value)}", pos, f"a {what} is {_NAME_RULE}")
         if not NODE_NAME.match(value) or ".." in value:
-            raise PlanError(f"bad {what} {value!r}", pos, f"a {what} is {_NAME_RULE}")
+            raise PlanError(f"bad {what} {show(value)}", pos, f"a {what} is {_NAME_RULE}")
         return value
 
     # -- plan ------------------------------------------------------------------------
@@ -179,7 +180,7 @@ class _Compiler:
         device = t.get("device", "auto")
         if not isinstance(device, str) or not DEVICE.match(device):
             raise PlanError(
-                f"bad device {device!r}" if isinstance(device, str) else f"device must be a string, not {kind_of(device)}",
+                f"bad device {show(device)}" if isinstance(device, str) else f"device must be a string, not {kind_of(device)}",
                 t.at("device"), "use auto, cpu, cuda or cuda:N",
             )
         replicas = t.get("replicas", 1)
@@ -278,7 +279,7 @@ class _Compiler:
         node = self.name(m.get("node", "local"), m.at("node"), "node name")
         ws = m.get("workspace", "global" if group == "init" else "private")
         if not isinstance(ws, str) or ws not in ("global", "private"):
-            raise PlanError(f"bad workspace {ws!r} in {where}", m.at("workspace"), "use global or private")
+            raise PlanError(f"bad workspace {show(ws)} in {where}", m.at("workspace"), "use global or private")
         instances = self.int_(m.get("instances", 1), m.at("instances"), "instances", 1, MAX_INSTANCES)
         if "do" not in m:
             raise PlanError(f"{where} has no `do` steps", m.key_at("task"), "add `do: [STEP, ...]`")
@@ -310,9 +311,9 @@ class _Compiler:
         if value.__class__ is not PMap:
             if isinstance(value, str):
                 raise PlanError(
-                    f"step {value!r} is a bare word",
+                    f"step {show(value)} is a bare word",
                     parent.at(i),
-                    f"an op call is a mapping: `- {value}: {{in: ..., out: ...}}`",
+                    f"an op call is a mapping: `- {shorten(value)}: {{in: ..., out: ...}}`",
                 )
             self.mapping(value, parent.at(i), "a step", "- add: {in: [a, b], out: c}")
         m: PMap = value
@@ -340,7 +341,7 @@ class _Compiler:
     def op(self, m: PMap, name: str) -> ir.OpCall:
         pos = m.key_at(name)
         if not OP_NAME.match(name):
-            raise PlanError(f"bad op name {name!r}", pos, "op names are words joined by '.', e.g. train.step")
+            raise PlanError(f"bad op name {show(name)}", pos, "op names are words joined by '.', e.g. train.step")
         body = m[name]
         if body is None:
             body = PMap(m.at(name))
@@ -406,7 +407,7 @@ class _Compiler:
         elif isinstance(raw, str):
             if raw.strip().lstrip("+-").replace(".", "", 1).isdigit():
                 raise PlanError(
-                    f"loop count {raw!r} is a quoted string, not a number", pos,
+                    f"loop count {show(raw)} is a quoted string, not a number", pos,
                     "write a whole number without quotes, e.g. loop: 10",
                 )
             count = self.blob(raw, pos, "loop count")
@@ -490,7 +491,7 @@ def parse_duration(raw: Any, pos: Pos) -> tuple[float, str]:
     """'500ms' / '2s' / '1.5s' -> (seconds, text as written)."""
     match = DURATION.match(raw) if isinstance(raw, str) else None
     if not match:
-        shown = repr(raw) if isinstance(raw, str) else kind_of(raw)
+        shown = show(raw) if isinstance(raw, str) else kind_of(raw)
         unitless = isinstance(raw, int | float) and not isinstance(raw, bool) or (
             isinstance(raw, str) and raw.strip().replace(".", "", 1).isdigit()
         )
@@ -501,5 +502,5 @@ def parse_duration(raw: Any, pos: Pos) -> tuple[float, str]:
     number, unit = float(match.group(1)), match.group(2)
     seconds = number / 1000 if unit == "ms" else number
     if not 0.001 <= seconds <= 86400:
-        raise PlanError(f"report period {raw!r} is out of range", pos, "use 1ms to 86400s")
+        raise PlanError(f"report period {show(raw)} is out of range", pos, "use 1ms to 86400s")
     return seconds, raw.strip()

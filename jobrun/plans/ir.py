@@ -7,7 +7,7 @@ through :mod:`jobrun.plans.visit`. It never imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from jobrun.errors import Pos
 
@@ -30,7 +30,7 @@ class Literal:
     pos: Pos
 
 
-Input = Union[BlobRef, Literal]
+Input = BlobRef | Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ class Report:
     pos: Pos
 
 
-Step = Union[OpCall, Loop, StopIf, If, Parallel, Report]
+Step = OpCall | Loop | StopIf | If | Parallel | Report
 
 
 @dataclass(frozen=True, slots=True)

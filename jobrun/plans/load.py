@@ -216,13 +216,13 @@ def clone(value: Any, budget: list[int] | None = None) -> Any:
     """A copy of a loaded value: new containers (positions kept), shared scalars.
 
     `budget` is a one-item list counting down the containers and items it may still
-    create; a PlanError-free ValueError is raised when it runs out, so that callers can
-    report where the expansion came from.
+    create; CloneBudgetExceeded is raised when it runs out, and the caller reports it
+    with the position that asked for the copy.
     """
     if budget is not None:
         budget[0] -= len(value) + 1 if isinstance(value, list | dict) else 1
         if budget[0] < 0:
-            raise _BudgetExceeded
+            raise CloneBudgetExceeded
     if isinstance(value, PMap):
         m = dict.__new__(PMap)
         m._file, m._mark, m._pos = value._file, value._mark, value._pos
@@ -259,7 +259,7 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
     return 1 + max((nesting(v, limit - 1) for v in items if isinstance(v, list | dict)), default=0)
 
 
-class _BudgetExceeded(Exception):
+class CloneBudgetExceeded(Exception):
     """Raised by `clone` when its budget runs out (callers turn it into a PlanError)."""
 
 
@@ -336,7 +336,7 @@ def no_gc() -> Iterator[None]:
 
 _EMPTY = object()  # no document at all
 _NOKEY = object()  # the innermost mapping waits for a key
-_MISS = object()
+_MISS = object()  # not in the scalar cache yet
 
 
 class _Bad:
@@ -559,7 +559,7 @@ class _Builder:
         if text in top:
             first = top.key_at(text)
             raise self.error(
-                f"duplicate key {_short(text)!r} (first at line {first.line}, column {first.col})",
+                f"duplicate key {show(text)} (first at line {first.line}, column {first.col})",
                 mark, "remove one of them",
             )
         return text
@@ -575,7 +575,7 @@ class _Builder:
             )
         try:
             return clone(target, self.alias_budget)
-        except _BudgetExceeded:
+        except CloneBudgetExceeded:
             raise self.error(
                 f"aliases expand to more than {MAX_ALIAS_NODES} values (a 'billion laughs' document?)",
                 mark, "write the plan without deeply repeated aliases",
@@ -613,13 +613,13 @@ class _Builder:
                 return None
         except (ValueError, KeyError, IndexError):
             if tag == _INT and len(text) > _HUGE and text.lstrip("+-").replace("_", "").isdigit():
-                return _Bad(f"integer {_short(text)} is too large", f"use a value up to {MAX_INT}")
+                return _Bad(f"integer {shorten(text)} is too large", f"use a value up to {MAX_INT}")
             return _Bad(
-                f"{_short(text)!r} is not {_SCALAR_TYPES[tag]} (tag {_show_tag(tag)})",
+                f"{shorten(text)!r} is not {_SCALAR_TYPES[tag]} (tag {_show_tag(tag)})",
                 "remove the tag or fix the value",
             )
         if tag == _INT and abs(value) > MAX_INT:
-            return _Bad(f"integer {_short(text)} is too large", f"use a value from {-MAX_INT} to {MAX_INT}")
+            return _Bad(f"integer {shorten(text)} is too large", f"use a value from {-MAX_INT} to {MAX_INT}")
         if tag == _FLOAT and not math.isfinite(value):
             return _Bad(
                 f"{text} is not a finite number", "use a finite value; quote it if you meant a string"
@@ -642,7 +642,17 @@ def _show_tag(tag: str) -> str:
     return "!!" + tag[len(_YAML) :] if tag.startswith(_YAML) else tag
 
 
-def _short(text: str) -> str:
+def show(value: Any) -> str:
+    """A value as a message quotes it: its repr, with long strings cut short."""
+    if isinstance(value, list | dict):
+        return kind_of(value)
+    if isinstance(value, str) and len(value) > _HUGE:
+        return repr(value[:20]) + f"...({len(value)} characters)"
+    return repr(value)
+
+
+def shorten(text: str) -> str:
+    """`text`, cut short for a message when it is long (a number with 5000 digits)."""
     return text if len(text) <= _HUGE else text[:20] + f"...({len(text)} characters)"
 
 

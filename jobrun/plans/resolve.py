@@ -14,13 +14,15 @@ from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans.load import (
     MAX_ALIAS_NODES,
     MAX_DEPTH,
+    CloneBudgetExceeded,
     PList,
     PMap,
-    _BudgetExceeded,
     clone,
     kind_of,
     nesting,
     parse_value,
+    shorten,
+    show,
     to_plain,
 )
 
@@ -144,7 +146,7 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
             kpos = raw_vars.key_at(name) if isinstance(raw_vars, PMap) else _at(tree, "vars")
             if not VAR_NAME.match(name):
                 raise PlanError(
-                    f"bad var name {name!r}", kpos,
+                    f"bad var name {show(name)}", kpos,
                     "a var name is letters, digits and _, not starting with a digit",
                 )
             if name in BUILTINS:
@@ -219,7 +221,7 @@ def _subst_str(text: str, ctx: _Ctx, pos: Pos, depth: int) -> Any:
             )
         try:
             return clone(value, ctx.budget)
-        except _BudgetExceeded:
+        except CloneBudgetExceeded:
             raise PlanError(
                 f"vars expand to more than {MAX_ALIAS_NODES} values",
                 pos,
@@ -250,9 +252,10 @@ def _lookup(name: str, ctx: _Ctx, pos: Pos) -> Any:
     elif name in ctx.later:
         hint = f"{name!r} is defined below; a var may only use the vars defined above it"
     else:
-        known = ", ".join(sorted(ctx.env))
-        hint = did_you_mean(name, ctx.env) or f"define it under `vars:` (known: {known})"
-    raise PlanError(f"undefined variable ${{{name}}}", pos, hint)
+        known = sorted(ctx.env)
+        shown = ", ".join(known[:12]) + (f" and {len(known) - 12} more" if len(known) > 12 else "")
+        hint = did_you_mean(name, ctx.env) or f"define it under `vars:` (known: {shown})"
+    raise PlanError(f"undefined variable ${{{shorten(name)}}}", pos, hint)
 
 
 def _as_text(value: Any) -> str:

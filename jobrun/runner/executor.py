@@ -22,6 +22,7 @@ from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
 
 Thunk = Callable[[], None]
+_MISSING = object()  # "not in the task's own workspace"
 
 
 class StopBlock(Exception):
@@ -155,12 +156,14 @@ class _Builder:
         g, l_ = self.g, self.l
         if not self.private:
             return lambda: g[name]
+        local_get = l_.get
+        missing = _MISSING
 
         def get() -> Any:
-            try:
-                return l_[name]
-            except KeyError:
-                return g[name]
+            # Most reads in a private task are of global blobs (model, optimizer,
+            # reader): a miss must not cost a raised and caught KeyError.
+            v = local_get(name, missing)
+            return g[name] if v is missing else v
 
         return get
 
@@ -354,17 +357,42 @@ class _Builder:
 
             return run_op2
 
+        call = _caller(impl, ctx, getters, kwargs)
+
+        if n_out == 0:
+
+            def run_op0() -> None:
+                try:
+                    call()
+                except (StopBlock, KeyboardInterrupt, Interrupted):
+                    raise
+                except BaseException as e:  # noqa: BLE001 - re-raised with its position
+                    raise fail(e) from e
+
+            return run_op0
+
+        if n_out == 1:
+            set0 = setters[0]
+
+            def run_op1() -> None:
+                try:
+                    set0(call())
+                except (StopBlock, KeyboardInterrupt, Interrupted):
+                    raise
+                except BaseException as e:  # noqa: BLE001 - re-raised with its position
+                    raise fail(e) from e
+
+            return run_op1
+
         def run_op() -> None:
             try:
-                result = impl(ctx, *[get() for get in getters], **kwargs)
-                if n_out == 1:
-                    setters[0](result)
-                elif n_out:
-                    if not isinstance(result, tuple | list) or len(result) != n_out:
-                        got = len(result) if isinstance(result, tuple | list) else 1
-                        raise RunError(f"op returned {got} value(s) for {n_out} outputs")
-                    for set_, value in zip(setters, result):
-                        set_(value)
+                result = call()
+                if not isinstance(result, tuple | list):
+                    raise RunError(f"op returned 1 value(s) for {n_out} outputs")
+                if len(result) != n_out:
+                    raise RunError(f"op returned {len(result)} value(s) for {n_out} outputs")
+                for set_, value in zip(setters, result):
+                    set_(value)
             except (StopBlock, KeyboardInterrupt, Interrupted):
                 raise
             except BaseException as e:  # noqa: BLE001 - re-raised with its position
@@ -397,6 +425,39 @@ class _Builder:
             return OpFailed(f"op `{s.op}` {where} failed: {type(e).__name__}: {e}", s.pos)
 
         return fail
+
+
+def _caller(
+    impl: Callable[..., Any], ctx: OpContext, getters: list[Callable[[], Any]], kwargs: dict
+) -> Callable[[], Any]:
+    """``impl(ctx, *inputs, **kwargs)`` as a thunk; the common arities without building a
+    list of inputs (and without ``**`` when there are no arguments)."""
+    n = len(getters)
+    if kwargs:
+        if n == 0:
+            return lambda: impl(ctx, **kwargs)
+        if n == 1:
+            (a,) = getters
+            return lambda: impl(ctx, a(), **kwargs)
+        if n == 2:
+            a, b = getters
+            return lambda: impl(ctx, a(), b(), **kwargs)
+        return lambda: impl(ctx, *[get() for get in getters], **kwargs)
+    if n == 0:
+        return lambda: impl(ctx)
+    if n == 1:
+        (a,) = getters
+        return lambda: impl(ctx, a())
+    if n == 2:
+        a, b = getters
+        return lambda: impl(ctx, a(), b())
+    if n == 3:
+        a, b, c = getters
+        return lambda: impl(ctx, a(), b(), c())
+    if n == 4:
+        a, b, c, d = getters
+        return lambda: impl(ctx, a(), b(), c(), d())
+    return lambda: impl(ctx, *[get() for get in getters])
 
 
 def _as_int(n: Any, s: ir.Loop) -> int:

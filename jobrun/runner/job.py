@@ -13,10 +13,8 @@ Every rank of a data-parallel job runs this same loop on its own device.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -441,19 +439,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def configure_threads() -> None:
-    # Deterministic CPU results across runs and resumes need a fixed thread count.
-    import torch
-
-    n = os.environ.get("JOBRUN_THREADS")
-    if n:
-        torch.set_num_threads(int(n))
-
-
-def stderr_is_tty() -> bool:
-    return sys.stderr.isatty()
 
 
 __all__ = ["JobConfig", "JobRunner", "Interrupted", "RunError", "seed_everything"]

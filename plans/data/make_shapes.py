@@ -69,7 +69,9 @@ def make(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 def main() -> None:
     here = Path(__file__).resolve().parent
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("-o", "--output", type=Path, default=here / "shapes.npz")
     p.add_argument("--train", type=int, default=1200)
     p.add_argument("--val", type=int, default=300)

@@ -1,0 +1,123 @@
+"""3. Plan scale: compile, analyze and print generated plans of 10^3, 10^4, 10^5 ops.
+
+The generated plan repeats a block of 10 op calls that uses every kind of step (ops with
+literals and blobs, a loop with an index, an if/else, a stop_if) and defines new blobs,
+so that the analyzer's sets grow with the plan as in a real one; it is clean (no
+diagnostics). Each stage is timed on its own (CPU time, the median of several runs):
+``compile_file`` (read, parse, substitute, build the IR), ``analyze``, ``render_text``.
+The baseline is PyYAML's C parser reading the same file (``yaml.load`` with CSafeLoader,
+no positions, no checks): the ratio says how many plain parses each stage costs. The
+growth factor is t(10N) / t(N): 10 means linear.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import Mode, Row, median
+
+GOAL_S = 2.0
+BLOCK_OPS = 10
+
+
+def plan_text(n_ops: int) -> str:
+    blocks = max(1, n_ops // BLOCK_OPS)
+    lines = [
+        "job: bench-plan-scale",
+        "max_epochs: 1",
+        "vars: {step: 2}",
+        "init:",
+        "  - task: setup",
+        "    do:",
+        "      - const: {out: total, value: 0}",
+        "      - const: {out: flag, value: true}",
+        "epoch:",
+        "  - task: work",
+        "    do:",
+    ]
+    for k in range(blocks):
+        b = f"b{k}"
+        lines += [
+            f"      - add: {{in: [total, 1], out: {b}_a}}",
+            f"      - mul: {{in: [{b}_a, \"${{step}}\"], out: {b}_m}}",
+            f"      - sub: {{in: [{b}_m, total], out: {b}_s}}",
+            "      - loop: 2",
+            f"        as: {b}_i",
+            "        do:",
+            f"          - add: {{in: [total, {b}_i], out: total}}",
+            f"          - ge: {{in: [total, 1000000], out: {b}_big}}",
+            f"          - stop_if: {b}_big",
+            "      - if: flag",
+            f"        then: [{{add: {{in: [{b}_s, 1], out: {b}_r}}}}]",
+            f"        else: [{{sub: {{in: [{b}_s, 1], out: {b}_r}}}}]",
+            f"      - fill: {{out: {b}_w, shape: [1], value: 0.5}}",
+            f"      - copy: {{in: {b}_w, out: {b}_c}}",
+            f"      - lt: {{in: [{b}_r, {b}_c], out: done}}",
+        ]
+    lines += ["    outputs: [total, done]", "stop_when: [done]", ""]
+    return "\n".join(lines)
+
+
+def _cpu(fn) -> tuple[float, object]:
+    gc.collect()
+    c0 = time.process_time()
+    out = fn()
+    return time.process_time() - c0, out
+
+
+def run(mode: Mode) -> list[Row]:
+    import yaml
+
+    from jobrun.plans.analyze import analyze
+    from jobrun.plans.compile import compile_file
+    from jobrun.plans.printer import render_text
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    sizes = mode.pick([1_000, 10_000, 100_000], [1_000, 10_000, 100_000], [1_000, 10_000])
+    reps = mode.pick(5, 3, 1)
+    stages = ("compile", "analyze", "print")
+    times: dict[int, dict[str, float]] = {}
+    base: dict[int, float] = {}
+    with tempfile.TemporaryDirectory(prefix="jobrun-bench-plans-") as tmp:
+        for n in sizes:
+            path = Path(tmp) / f"plan{n}.yaml"
+            path.write_text(plan_text(n))
+            got: dict[str, list[float]] = {s: [] for s in (*stages, "yaml")}
+            for _ in range(reps):
+                t, _ = _cpu(lambda path=path: yaml.load(path.read_text(), Loader=loader))
+                got["yaml"].append(t)
+                t, plan = _cpu(lambda path=path: compile_file(path))
+                got["compile"].append(t)
+                t, diags = _cpu(lambda plan=plan: analyze(plan))
+                got["analyze"].append(t)
+                if diags:
+                    raise RuntimeError(f"the generated plan has diagnostics: {diags[:3]}")
+                t, text = _cpu(lambda plan=plan: render_text(plan))
+                got["print"].append(t)
+                del plan, text
+            times[n] = {s: median(got[s]) for s in stages}
+            base[n] = median(got["yaml"])
+    rows: list[Row] = []
+    big = sizes[-1]
+    for stage in (*stages, "total"):
+        def t(n: int, stage: str = stage) -> float:
+            return sum(times[n].values()) if stage == "total" else times[n][stage]
+
+        growth = [t(b) / t(a) for a, b in zip(sizes, sizes[1:])]
+        worst = max(growth)
+        ok = t(big) < GOAL_S and worst <= 13.0 if big >= 100_000 else worst <= 13.0
+        rows.append(Row(
+            section="plans", name=f"{stage} {big:,} ops", value=t(big), unit="s",
+            baseline=base[big], baseline_name="yaml.load (C parser) of the same file",
+            ratio=t(big) / base[big],
+            goal=(f"< {GOAL_S} s at 100,000 ops; " if big >= 100_000 else "")
+            + "growth per 10x <= 13",
+            ok=ok if stage == "total" or big < 100_000 else worst <= 13.0,
+            note="growth per 10x: " + ", ".join(f"{g:.1f}" for g in growth),
+            extra={"seconds": {str(n): t(n) for n in sizes}, "growth_per_10x": growth,
+                   "yaml_seconds": {str(n): base[n] for n in sizes}},
+        ))
+    return rows
