@@ -79,9 +79,18 @@ class Interrupted(JobrunError):
         self.exit_code = 128 + signum
 
 
-def did_you_mean(word: str, choices) -> str | None:
-    """A 'did you mean' hint for a misspelled name, or None when nothing is close."""
+def did_you_mean(word: str, choices, most: int = 1) -> str | None:
+    """A 'did you mean' hint, or None when nothing is close.
+
+    Names every candidate as close as the closest one (`ad`: 'add' or 'and'), then, up to
+    `most` in all, the next closest (`epochs`: 'epoch' or 'max_epochs').
+    """
     import difflib
 
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else None
+    close = difflib.get_close_matches(word, list(choices), n=max(most, 5), cutoff=0.6)
+    if not close:
+        return None
+    score = {c: difflib.SequenceMatcher(None, c, word).ratio() for c in close}
+    best = sorted(c for c in close if score[c] == score[close[0]])
+    rest = [c for c in close if c not in best][: max(0, most - len(best))]
+    return "did you mean " + " or ".join(repr(c) for c in best + rest) + "?"

@@ -17,13 +17,12 @@ entries to MAYBE in place. A step costs O(1) and no workspace is ever copied.
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobrun.errors import Pos
+from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
 from jobrun.plans.compile import DURATION
@@ -140,20 +139,10 @@ def _bounds_text(lo: int, hi: int | None, word: str) -> str:
 
 def _type_hint(key: str, value: Any, t: Any) -> str:
     if isinstance(value, str) and isinstance(t, tuple) and t[:1] == ("choice",):
-        close = _did_you_mean(value, t[1:])
+        close = did_you_mean(value, t[1:])
         if close:
             return close
     return f"give `{key}` {_describe(t)}"
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    """A "did you mean" hint naming every equally close candidate (`ad`: 'add' or 'and')."""
-    close = difflib.get_close_matches(word, list(choices), n=5, cutoff=0.6)
-    if not close:
-        return None
-    scores = {c: difflib.SequenceMatcher(None, c, word).ratio() for c in close}
-    best = sorted(c for c in close if scores[c] == scores[close[0]])
-    return "did you mean " + " or ".join(repr(c) for c in best) + "?"
 
 
 def _op_hint(spec: OpSpec) -> str:
@@ -451,7 +440,7 @@ class _Analyzer(Visitor):
         if spec is None:
             self._emit(
                 "error", "unknown-op", call.pos, f"unknown op {call.op!r}",
-                _did_you_mean(call.op, self.ops) or "run `jobrun ops` to list the ops",
+                did_you_mean(call.op, self.ops) or "run `jobrun ops` to list the ops",
             )
         else:
             self._check_call(call, spec)
@@ -640,7 +629,7 @@ class _Analyzer(Visitor):
                 known = [x.name for x in spec.args]
                 self._emit(
                     "error", "unknown-arg", pos, f"`{call.op}` has no argument `{key}`",
-                    _did_you_mean(key, known)
+                    did_you_mean(key, known)
                     or (f"its arguments are: {', '.join(known)}" if known
                         else f"`{call.op}` takes no arguments"),
                 )
@@ -699,7 +688,7 @@ class _Analyzer(Visitor):
                 self._emit(
                     "error", "stop-when", ref.pos,
                     f"stop_when names {ref.name!r}, which is not an output of any epoch task",
-                    _did_you_mean(ref.name, outputs)
+                    did_you_mean(ref.name, outputs)
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
                 )
 
@@ -779,7 +768,7 @@ class _Analyzer(Visitor):
         if self.suggestions >= _MAX_SUGGESTIONS:
             return None
         self.suggestions += 1
-        return _did_you_mean(name, names)
+        return did_you_mean(name, names)
 
 
 class _SpecInfo:

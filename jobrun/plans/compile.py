@@ -8,13 +8,12 @@ problem at once.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from jobrun.errors import PlanError, Pos
+from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans import ir
 from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc, shorten, show
 from jobrun.plans.resolve import apply_sets, substitute
@@ -108,11 +107,7 @@ def _job_name(tree: PMap) -> str:
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str | None:
-    """'did you mean ...' naming up to two close choices ('epochs' -> epoch, max_epochs)."""
-    close = difflib.get_close_matches(word, list(choices), n=2, cutoff=0.6)
-    if not close:
-        return None
-    return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    return did_you_mean(word, choices, most=2)
 
 
 class _Compiler:
