@@ -140,6 +140,7 @@ def python_env() -> dict[str, str]:
     paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = env["JOBRUN_THREADS"] = "1"  # as in this process (see run.py)
     return env
 
 

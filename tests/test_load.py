@@ -428,3 +428,18 @@ def test_sets_and_vars_cannot_nest_deeper_than_the_loader_allows() -> None:
 def test_messages_stay_short_for_huge_values(text: str) -> None:
     e = error_of(compile_text, text, F)
     assert len(e.format_message()) < 400, e.format_message()[:500]
+
+
+def test_set_reaches_arguments_of_dotted_op_names():
+    from jobrun.plans.compile import compile_text
+
+    text = """
+job: j
+max_epochs: 1
+epoch:
+  - task: t
+    do:
+      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}
+"""
+    plan = compile_text(text, "p.yaml", sets=["epoch.0.do.0.data.synthetic.n=64"])
+    assert plan.epoch.tasks[0].do[0].kwargs["n"] == 64

@@ -138,7 +138,8 @@ def test_kill_9_during_saves(tmp_path, reference):
         assert not leftovers or all(p.exists() for p in leftovers)  # never taken for a checkpoint
 
 
-def test_sigterm_stops_cleanly_and_resumes(reference, tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
     run = tmp_path / "run"
@@ -146,10 +147,10 @@ def test_sigterm_stops_cleanly_and_resumes(reference, tmp_path):
     deadline = time.time() + 60
     while time.time() < deadline and not (run / "ckpt" / "local.1" / "rank-0" / "COMMIT").exists():
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 143, out
-    assert "stopped by SIGTERM" in out and "jobrun resume" in out
+    assert proc.returncode == code, out
+    assert f"stopped by {sig.name}" in out and "jobrun resume" in out
     assert "Traceback" not in out
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text

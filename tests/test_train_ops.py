@@ -409,3 +409,23 @@ def test_data_parallel_matches_one_process(tmp_path: Path):
     for a, b in zip(r0["buffers"], r1["buffers"]):  # BatchNorm stats follow rank 0
         assert torch.equal(a, b)
     assert r0["gathered"] and not r1["gathered"]
+
+
+def test_sequence_outputs_cross_entropy_and_accuracy_per_position():
+    """Logits [B, T, V] against labels [B, T]: loss over all positions, accuracy per label."""
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import reader_op
+    from jobrun.ops.train import evaluate
+
+    class Echo(torch.nn.Module):
+        def forward(self, x):  # perfect logits for labels equal to the inputs
+            return torch.nn.functional.one_hot(x, 5).float() * 10
+
+    ctx = OpContext()
+    x = torch.randint(0, 5, (6, 10))
+    y = x.clone()
+    y[0, 0] = (y[0, 0] + 1) % 5  # one wrong label out of 60
+    r = reader_op(ctx, x, y, batch_size=4)
+    loss, accuracy = evaluate(ctx, Echo(), r)
+    assert accuracy == pytest.approx(59 / 60)
+    assert loss > 0

@@ -569,6 +569,9 @@ def _require_optimizer(op: str, opt: Any) -> None:
 def _cross_entropy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if y.is_floating_point() and y.dim() == pred.dim() - 1:
         y = y.long()  # class indices stored as floats (e.g. read from a CSV file)
+    if pred.dim() > 2 and y.dim() == pred.dim() - 1:
+        # sequence outputs [B, T, V] against labels [B, T]: one class per position
+        return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), y.reshape(-1))
     return F.cross_entropy(pred, y)
 
 
@@ -734,7 +737,7 @@ def evaluate(
     if len(reader.fields) < 2:
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     loss_fn = _loss_fn(loss)
-    # [sum of loss * count, count, correct, saw class labels]: one reduction at the end.
+    # [sum of loss * count, count, correct labels, labels compared]: one reduction at the end.
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)
     was_training = getattr(model, "training", False)
     if isinstance(model, nn.Module):
@@ -753,7 +756,8 @@ def evaluate(
     loss_sum, count, correct, classified = sums.tolist()
     if count == 0:
         raise RunError("evaluate: the reader has no records", hint="check the eval data")
-    return loss_sum / count, (correct / count if classified > 0 else None)
+    # Accuracy per label: for sequence outputs every position is one prediction.
+    return loss_sum / count, (correct / classified if classified > 0 else None)
 
 
 def _accumulate_eval(ctx, model, loss_fn, loss: str, x, y, sums: torch.Tensor) -> None:
@@ -768,7 +772,7 @@ def _accumulate_eval(ctx, model, loss_fn, loss: str, x, y, sums: torch.Tensor) -
     labels = not y.is_floating_point() or loss == "cross_entropy"
     if labels and pred.dim() == y.dim() + 1:
         sums[2] += (pred.argmax(dim=-1) == y.to(torch.long)).sum()
-        sums[3] += 1
+        sums[3] += y.numel()
 
 
 # --------------------------------------------------------------- export, distributed

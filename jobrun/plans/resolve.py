@@ -73,7 +73,13 @@ def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
     # Errors point at the list or value in the plan file that the path cannot go
     # through (the user may not know the plan by heart); `where` names the --set itself.
     node, node_pos = tree, _own_pos(tree, where)
-    for depth, part in enumerate(parts):
+    parts = list(parts)
+    depth = -1
+    while depth + 1 < len(parts):
+        depth += 1
+        if isinstance(node, dict):
+            _join_dotted_key(node, parts, depth)
+        part = parts[depth]
         last = depth == len(parts) - 1
         shown = ".".join(parts[: depth + 1])
         parent = ".".join(parts[:depth]) or "the plan"
@@ -112,6 +118,16 @@ def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
                 node_pos,
                 f"set {parent} itself: --set {parent}=VALUE",
             )
+
+
+def _join_dotted_key(node: dict, parts: list[str], depth: int) -> None:
+    """Op names contain dots (`data.synthetic`): where the mapping has a key made of
+    several parts of the path, take the longest such key as one part."""
+    for end in range(len(parts), depth + 1, -1):
+        key = ".".join(parts[depth:end])
+        if key in node:
+            parts[depth:end] = [key]
+            return
 
 
 def _own_pos(node: Any, default: Pos) -> Pos:
