@@ -65,18 +65,24 @@ def plan_for(epochs: int, hidden: int) -> dict:
 def run(mode: Mode) -> list[Row]:
     epochs = mode.pick(5, 3, 3)
     hidden = mode.pick(2048, 1024, 128)
-    width = mode.pick(2048, 1024, 256)
+    width = mode.pick(2048, 1024, 512)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="jobrun-bench-memory-") as tmp:
         tmpd = Path(tmp)
         plan = write_plan(plan_for(epochs, hidden), tmpd)
         run_dir = tmpd / "run"
+        # The save-peak probe runs meanwhile in its own process (RSS is per process).
+        child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.memprobe", "save-peak", str(width), str(tmpd / "ck")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(), cwd=ROOT,
+        )
         proc = subprocess.run(
             [sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run_dir)],
             capture_output=True, text=True, env=python_env(),
             cwd=ROOT, timeout=900,
         )
         if proc.returncode != 0:
+            child.kill()
             raise RuntimeError(f"the memory job failed:\n{proc.stdout}\n{proc.stderr}")
         samples = [r for r in metrics(run_dir) if r.get("msg") == "memory"]
         per_epoch = [s["values"] for s in samples if s.get("group") == "epoch"]
@@ -94,14 +100,10 @@ def run(mode: Mode) -> list[Row]:
                 + ", ".join(f"{v:.0f}" for v in series),
                 extra={"series_mb": series, "after_download_mb": after},
             ))
-        child = subprocess.run(
-            [sys.executable, "-m", "benchmarks.memprobe", "save-peak", str(width), str(tmpd / "ck")],
-            capture_output=True, text=True, env=python_env(),
-            cwd=ROOT, timeout=900,
-        )
+        out, err = child.communicate(timeout=900)
         if child.returncode != 0:
-            raise RuntimeError(f"the save-peak probe failed:\n{child.stderr}")
-        got = json.loads(child.stdout.strip().splitlines()[-1])
+            raise RuntimeError(f"the save-peak probe failed:\n{err}")
+        got = json.loads(out.strip().splitlines()[-1])
     size = got["state_bytes"]
     for key, label, goal in (
         ("save", "checkpoint.save: peak added / state", GOAL_SAVE),

@@ -22,8 +22,10 @@ import yaml
 
 @dataclass
 class Epoch:
-    seconds: float  # the runner's own measure (wall clock)
+    seconds: float  # the runner's own measure (wall clock, the epoch group only)
     cpu: float  # CPU time of this process from the start of the epoch group to its end
+    wall: float  # wall clock over the same span (the checkpoint save included)
+    ckpt: str  # the epoch line's checkpoint note ("ckpt 12 MB in 30 ms", "... async")
 
 
 class _Capture:
@@ -40,6 +42,7 @@ class _Capture:
         self._inner = Display(enabled=False, tty=False)
         self.epochs: list[Epoch] = []
         self._cpu0 = 0.0
+        self._wall0 = 0.0
         self._between = between
 
     def __getattr__(self, name: str) -> Any:
@@ -48,10 +51,12 @@ class _Capture:
     def status(self, what: str) -> None:
         if what.startswith("epoch "):
             self._cpu0 = time.process_time()
+            self._wall0 = time.perf_counter()
 
     def epoch_line(self, result: Any, max_epochs: int | None) -> None:
         cpu = time.process_time() - self._cpu0
-        self.epochs.append(Epoch(result.seconds, cpu))
+        wall = time.perf_counter() - self._wall0
+        self.epochs.append(Epoch(result.seconds, cpu, wall, getattr(result, "ckpt", "") or ""))
         if self._between is not None:
             self._between(result.epoch)
 

@@ -373,24 +373,9 @@ def _pick(mapping: dict[str, Any], keys: list[str] | None, file: Path) -> list[A
 
 
 def _load_safetensors(file: Path) -> dict[str, Any]:
-    try:
-        from jobrun.runner.safetensors_io import read_safetensors
-    except ImportError:
-        read_safetensors = None
-    try:
-        if read_safetensors is not None:
-            loaded = read_safetensors(file)
-            # Accept both `tensors` and `(tensors, metadata)` return shapes.
-            return dict(loaded[0] if isinstance(loaded, tuple) else loaded)
-        from safetensors.torch import load_file
+    from jobrun.runner.safetensors_io import read_safetensors
 
-        return load_file(str(file))
-    except ImportError as e:
-        raise RunError("data.load: no safetensors reader is available") from e
-    except RunError:
-        raise
-    except Exception as e:
-        raise RunError(f"data.load: cannot read {file.name!r}: {e}") from e
+    return read_safetensors(file)  # bad files raise CheckpointError naming the file
 
 
 def _load_pt(file: Path, keys: list[str] | None) -> list[Any]:
