@@ -1,12 +1,14 @@
 """5. Memory: the resident set size of a job does not grow from epoch to epoch, and a
 checkpoint save adds at most 1.1x the state size at its peak.
 
-* A job (`jobrun train` in its own process) with an MLP, a checkpoint every epoch and a
-  download group runs 5 epochs (3 in --quick); at the end of each epoch's task a `call`
-  of ``benchmarks.memprobe:rss`` logs the current and the peak RSS (the peak covers the
-  previous epoch's checkpoint save). The figure is the RSS after the last epoch over the
-  RSS after epoch 2 (epoch 1 creates the optimizer state and warms the allocator), and
-  the same for the peak.
+* A job (`jobrun train` in its own process) with an MLP and Adam, a checkpoint every
+  epoch and a download group runs 8 epochs (5 in --quick); at the end of each epoch's
+  task a `call` of ``benchmarks.memprobe:rss`` logs the live RSS (after a garbage
+  collection and malloc_trim: memory in use, not what malloc keeps for later, which moves
+  by tens of MB from one epoch to the next) and the peak RSS since the previous call (so
+  the epoch's own peak, the previous epoch's save included). Figures, from epoch 2 on
+  (epoch 1 creates the optimizer state): the live RSS after the last epoch over that
+  after epoch 2, and the median per-epoch peak of the later half over the earlier half.
 * In a fresh process: the state of the checkpoint benchmark (model + Adam), then the
   peak RSS is reset (/proc/self/clear_refs) before a synchronous ``checkpoint.save``, a
   ``prepare(copy=True)`` + ``write`` (what an async save costs in memory) and a
@@ -21,10 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, Mode, Row, python_env
+from benchmarks.common import ROOT, Mode, Row, median, python_env
 from benchmarks.inproc import metrics, write_plan
 
 GOAL_GROWTH = 1.02
+GOAL_PEAK_GROWTH = 1.05  # transient allocations move an epoch's peak by a few %
 GOAL_SAVE = 1.1
 
 
@@ -63,7 +66,7 @@ def plan_for(epochs: int, hidden: int) -> dict:
 
 
 def run(mode: Mode) -> list[Row]:
-    epochs = mode.pick(5, 3, 3)
+    epochs = mode.pick(8, 5, 3)
     hidden = mode.pick(2048, 1024, 128)
     width = mode.pick(2048, 1024, 512)
     rows: list[Row] = []
@@ -89,17 +92,28 @@ def run(mode: Mode) -> list[Row]:
         after = [s["values"] for s in samples if s.get("group") == "download"]
         rss = [v["rss_mb"] for v in per_epoch]
         peak = [v["peak_mb"] for v in per_epoch]
-        ref = 1  # after epoch 2
-        for name, series in (("RSS after each epoch", rss), ("peak RSS after each epoch", peak)):
-            ratio = series[-1] / series[ref]
-            rows.append(Row(
-                section="memory", name=name, value=series[-1], unit="MB", baseline=series[ref],
-                baseline_name="the same after epoch 2", ratio=ratio,
-                goal=f"last / epoch 2 <= {GOAL_GROWTH}", ok=ratio <= GOAL_GROWTH,
-                note=f"{epochs} epochs, checkpoint every epoch; per epoch: "
-                + ", ".join(f"{v:.0f}" for v in series),
-                extra={"series_mb": series, "after_download_mb": after},
-            ))
+        # From epoch 2 on (epoch 1 creates the optimizer state and warms the allocator).
+        live, peaks = rss[1:], peak[1:]
+        half = len(live) // 2
+        ratio = live[-1] / live[0]
+        rows.append(Row(
+            section="memory", name="live RSS after each epoch", value=live[-1], unit="MB",
+            baseline=live[0], baseline_name="the same after epoch 2", ratio=ratio,
+            goal=f"last / epoch 2 <= {GOAL_GROWTH}", ok=ratio <= GOAL_GROWTH,
+            note=f"{epochs} epochs, checkpoint every epoch; per epoch: "
+            + ", ".join(f"{v:.0f}" for v in rss),
+            extra={"series_mb": rss, "after_download_mb": after},
+        ))
+        early, late = median(peaks[:half] or peaks[:1]), median(peaks[half:])
+        ratio = late / early
+        rows.append(Row(
+            section="memory", name="peak RSS within each epoch", value=late, unit="MB",
+            baseline=early, baseline_name="the same, earlier epochs", ratio=ratio,
+            goal=f"later / earlier epochs (medians) <= {GOAL_PEAK_GROWTH}",
+            ok=ratio <= GOAL_PEAK_GROWTH,
+            note="per epoch (its save included): " + ", ".join(f"{v:.0f}" for v in peak),
+            extra={"series_mb": peak},
+        ))
         out, err = child.communicate(timeout=900)
         if child.returncode != 0:
             raise RuntimeError(f"the save-peak probe failed:\n{err}")

@@ -23,9 +23,29 @@ def status_kb() -> dict[str, int]:
 
 
 def rss() -> tuple[float, float]:
-    """(current RSS, peak RSS) of this process, in MB."""
+    """(live RSS, peak RSS since the last call) of this process, in MB.
+
+    The live RSS is read after a garbage collection and after handing the allocator's
+    free memory back to the system (glibc's malloc_trim), so that it counts memory in
+    use, not what malloc keeps for later (which moves by tens of MB from one epoch to
+    the next). The peak is then reset, so the next call gives the peak of its epoch.
+    """
+    import gc
+
+    gc.collect()
+    _malloc_trim()
     s = status_kb()
+    reset_peak()
     return s["VmRSS"] / 1024, s["VmHWM"] / 1024
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the figure is then the allocator's view
 
 
 def reset_peak() -> bool:

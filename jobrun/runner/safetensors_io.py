@@ -17,6 +17,7 @@ when torch tensors are written or asked for, so tools that only inspect checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -296,10 +297,8 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     starts writeback of the range's dirty pages and drops only pages already clean, so
     nothing written is lost or re-read; the final fsync still makes it all durable.
     """
-    try:
+    with contextlib.suppress(OSError):  # only a hint
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass  # only a hint
 
 
 class _Sink:
