@@ -102,6 +102,8 @@ class Reader:
         self.position = 0  # records of the current pass already read
         self._order: torch.Tensor | None = None  # the current pass's permutation
         self._order_pass = -1
+        # Batches already on the target device skip `.to` (a dispatch per field per read).
+        self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
 
     # -- geometry -----------------------------------------------------------------
 
@@ -166,14 +168,16 @@ class Reader:
 
     def _record(self, field: Any, i: int) -> Any:
         value = field[i]
-        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
 
     def _slice(self, field: Any, lo: int, hi: int) -> Any:
         value = field[lo:hi]
-        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
 
     def _gather(self, field: Any, idx: torch.Tensor) -> Any:
         if isinstance(field, torch.Tensor):
+            if not self._move and field.device.type == "cpu":
+                return field[idx]
             return field[idx.to(field.device)].to(self.device)
         if isinstance(field, np.ndarray):
             return field[idx.numpy()]

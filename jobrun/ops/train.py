@@ -127,6 +127,9 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
 
 def _as_tensor(value: Any, device: torch.device | str, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        # `.to` costs a dispatch even when it does nothing: skip it on the CPU hot path.
+        if device == "cpu" and value.device.type == "cpu":
+            return value
         return value.to(device)
     if value is None:
         raise RunError(
@@ -659,6 +662,8 @@ def train_step(
         raise RunError(f"train.step: clip_grad_norm must be > 0, got {clip_grad_norm}")
     loss_fn = _loss_fn(loss)
     dtype = _amp_dtype(ctx, amp)
+    if not ctx.distributed and accumulate == 1 and dtype is None:
+        return _plain_step(ctx, model, opt, x, y, loss_fn, clip_grad_norm)
     scaler = _scaler(opt) if dtype is torch.float16 else None
     x = _as_tensor(x, ctx.device, "train.step input x")
     y = _as_tensor(y, ctx.device, "train.step input y")
@@ -681,6 +686,20 @@ def train_step(
         with torch.no_grad():  # e.g. BatchNorm running statistics follow rank 0
             _broadcast_tensors(ctx, list(model.buffers()), src=0)
     return value
+
+
+def _plain_step(ctx: OpContext, model, opt, x, y, loss_fn, clip_grad_norm) -> float:
+    """One process, one micro-batch, full precision: what a hand-written loop does."""
+    x = _as_tensor(x, ctx.device, "train.step input x")
+    y = _as_tensor(y, ctx.device, "train.step input y")
+    _check_total(_count(y))
+    opt.zero_grad(set_to_none=True)
+    out = loss_fn(model(x), y)
+    out.backward()
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(_trained_params(opt), float(clip_grad_norm))
+    opt.step()
+    return out.item()
 
 
 def _backward(model, loss_fn, batches, total_n: _GlobalCount, dtype, scaler) -> torch.Tensor:

@@ -282,6 +282,7 @@ def _worker(run_dir: str, resume_epoch: int | None) -> int:
         if world > 1:
             _init_process_group(device)
         seed_everything(plan.seed)
+        _set_threads()
         cfg = JobConfig(plan=plan, run_dir=path.resolve(), plan_dir=Path(info["plan_dir"]),
                         device=device, rank=rank, world_size=world, resume_epoch=resume_epoch)
         return JobRunner(cfg).run()
@@ -297,6 +298,20 @@ def _worker(run_dir: str, resume_epoch: int | None) -> int:
         raise
     finally:
         _destroy_process_group()
+
+
+def _set_threads() -> None:
+    # Float results depend on the thread count (reductions split differently): a resume
+    # is bit-exact on the same machine with the same count; JOBRUN_THREADS pins it.
+    threads = os.environ.get("JOBRUN_THREADS")
+    if threads:
+        import torch
+
+        try:
+            torch.set_num_threads(max(1, int(threads)))
+        except ValueError:
+            raise UsageError(f"JOBRUN_THREADS={threads!r} is not a number",
+                             hint="set it to the number of CPU threads torch may use") from None
 
 
 def _device(wanted: str, world: int) -> str:
