@@ -72,7 +72,23 @@ def _mark_pos(file: str, mark: Any) -> Pos:
     return Pos(file, mark.line + 1, mark.column + 1)
 
 
-class PMap(dict):
+class _Located:
+    """`pos` of a loaded container, computed from the parser's mark on first use."""
+
+    __slots__ = ()
+
+    @property
+    def pos(self) -> Pos:
+        if self._pos is None:
+            self._pos = _mark_pos(self._file, self._mark)
+        return self._pos
+
+    @pos.setter
+    def pos(self, value: Pos) -> None:
+        self._pos = value
+
+
+class PMap(_Located, dict):
     """A mapping with the position of itself, of each key and of each value.
 
     `pos`, `key_pos` and `val_pos` read like plain attributes; a loaded PMap computes them
@@ -104,16 +120,6 @@ class PMap(dict):
         m._key_pos = None
         m._val_pos = None
         return m
-
-    @property
-    def pos(self) -> Pos:
-        if self._pos is None:
-            self._pos = _mark_pos(self._file, self._mark)
-        return self._pos
-
-    @pos.setter
-    def pos(self, value: Pos) -> None:
-        self._pos = value
 
     @property
     def key_pos(self) -> dict[str, Pos]:
@@ -158,7 +164,7 @@ class PMap(dict):
         return p if p is not None else self.pos
 
 
-class PList(list):
+class PList(_Located, list):
     """A list with the position of itself and of each item."""
 
     __slots__ = ("_file", "_mark", "_pos", "_marks", "_item_pos")
@@ -180,16 +186,6 @@ class PList(list):
         lst._marks = []
         lst._item_pos = None
         return lst
-
-    @property
-    def pos(self) -> Pos:
-        if self._pos is None:
-            self._pos = _mark_pos(self._file, self._mark)
-        return self._pos
-
-    @pos.setter
-    def pos(self, value: Pos) -> None:
-        self._pos = value
 
     @property
     def item_pos(self) -> list[Pos]:
