@@ -96,7 +96,7 @@ class PMap(_Located, dict):
     building the whole `val_pos` dict.
     """
 
-    __slots__ = ("_file", "_mark", "_pos", "_kmarks", "_vmarks", "_key_pos", "_val_pos")
+    __slots__ = ("_file", "_mark", "_pos", "_kmarks", "_vmarks", "_key_pos", "_val_pos", "refs")
 
     def __init__(self, pos: Pos):
         super().__init__()
@@ -304,6 +304,8 @@ def load_text(text: str, filename: str = "<plan>") -> PMap:
             _mark_pos(filename, mark),
             "start the file with `job: NAME`",
         )
+    # Whether any `${` was written: a plan without one skips the substitution walk.
+    value.refs = "${" in text
     return value
 
 

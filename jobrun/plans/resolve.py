@@ -40,6 +40,8 @@ def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
     A list item is addressed by its index (`epoch.0.do.1.loop=20`); missing mappings on
     the way are created (`vars.lr=0.05` works in a plan without `vars`).
     """
+    if sets and isinstance(tree, PMap):
+        tree.refs = True  # a value given here may hold `${...}`
     for item in sets:
         where = Pos(f"--set {item}")
         key, eq, raw = item.partition("=")
@@ -172,6 +174,8 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
             ctx = _Ctx(env, budget, later, name)
             resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None, 3)
             raw_vars[name] = env[name] = resolved
+    if not getattr(tree, "refs", True):
+        return tree  # no `${` in the file and no --set: nothing to replace
     ctx = _Ctx(env, budget, [], None)
     for key, value in tree.items():
         if key != "vars":
