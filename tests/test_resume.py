@@ -226,18 +226,23 @@ def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path):
     assert summary_at > r.err.find("was NOT saved")
 
 
-def test_disk_full_during_save_warns_and_keeps_earlier_checkpoints(tmp_path, monkeypatch):
+def _disk_full_at(monkeypatch, failing_epoch: int) -> None:
+    """Make the checkpoint store fail one epoch's write as a full disk would."""
     from jobrun.errors import CheckpointError
     from jobrun.runner import checkpoint as store
 
     real_write = store.write
 
     def flaky(prepared, ckpt_dir, node, epoch, **kw):
-        if epoch == 2:
+        if epoch == failing_epoch:
             raise CheckpointError("no space left on device while writing tensors.safetensors")
         return real_write(prepared, ckpt_dir, node, epoch, **kw)
 
     monkeypatch.setattr(store, "write", flaky)
+
+
+def test_disk_full_during_save_warns_and_keeps_earlier_checkpoints(tmp_path, monkeypatch):
+    _disk_full_at(monkeypatch, 2)
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[0.0]"))
     run = tmp_path / "run"
@@ -321,17 +326,7 @@ def test_async_checkpoints_resume_bit_exact(reference, tmp_path):
 
 
 def test_async_save_failure_is_reported(tmp_path, monkeypatch):
-    from jobrun.errors import CheckpointError
-    from jobrun.runner import checkpoint as store
-
-    real_write = store.write
-
-    def flaky(prepared, ckpt_dir, node, epoch, **kw):
-        if epoch == 3:
-            raise CheckpointError("no space left on device")
-        return real_write(prepared, ckpt_dir, node, epoch, **kw)
-
-    monkeypatch.setattr(store, "write", flaky)
+    _disk_full_at(monkeypatch, 3)
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", "dir: ckpt, async: true}"))
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
