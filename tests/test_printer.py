@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -507,12 +506,7 @@ def big_plan() -> ir.Plan:
 
 
 @pytest.mark.parametrize("factor", [False, True])
-def test_100k_ops_render_fast(big_plan: ir.Plan, factor: bool) -> None:
-    plan = big_plan
-    best = float("inf")
-    for _ in range(2):  # CPU time, the best of two: other processes on the machine do not count
-        start = time.process_time()
-        text = render_text(plan, factor_prefixes=factor)
-        best = min(best, time.process_time() - start)
+def test_100k_ops_render(big_plan: ir.Plan, factor: bool) -> None:
+    # Its speed is measured in benchmarks/ (plan scale), not here.
+    text = render_text(big_plan, factor_prefixes=factor)
     assert text.count("\n") > 100_000
-    assert best < 1.0, f"rendering 100,000 ops took {best:.2f} s of CPU"
