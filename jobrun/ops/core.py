@@ -11,7 +11,6 @@ import json
 import math
 import operator
 from functools import reduce
-from pathlib import Path
 from typing import Any
 
 from jobrun.errors import RunError
@@ -272,7 +271,3 @@ def call(ctx: OpContext, *args: Any, fn: str, **kwargs: Any) -> Any:
     if not callable(func):
         raise RunError(f"call: {fn!r} is not callable")
     return func(*args, **kwargs)
-
-
-def resolve_path(ctx: OpContext, path: str) -> Path:
-    return ctx.resolve_write(path)

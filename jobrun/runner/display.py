@@ -107,8 +107,9 @@ def _fmt(value: Any) -> str:
 
 def human_size(n: float) -> str:
     """1536 -> '1.5 KB' (binary units, as `ls -h`)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    units = ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
         n /= 1024
-    return f"{n:.1f} TB"
+        i += 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"

@@ -71,6 +71,7 @@ class JobRunner:
         self._pending_signal: int | None = None
         self._writer: _Writer | None = None
         self._buffers: dict[str, Any] = {}
+        self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         ck = self.plan.checkpoint
         self.ckpt_dir = _under(cfg.run_dir, ck.dir) if ck else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
@@ -189,8 +190,6 @@ class JobRunner:
         return {t.task.name: results[t.task.name] for t in tasks}
 
     # -- checkpoints ----------------------------------------------------------------
-    _last_saved = 0
-
     def _save(self, epoch: int, stop: bool, outputs: dict | None = None) -> str:
         """Save every node's checkpoint of `epoch`; returns the epoch line's note.
 
@@ -210,20 +209,16 @@ class JobRunner:
             try:
                 prepared = {name: self._prepare(node, meta, copy=background)
                             for name, node in self.nodes.items()}
+                if not background:
+                    total_bytes, seconds = self._write_all(epoch, prepared)
+                    return f"ckpt {human_size(total_bytes)} in {seconds * 1000:.0f} ms"
             except (CheckpointError, OSError) as e:
                 self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
                 return "ckpt FAILED"
-            if background:
-                blocked = time.perf_counter() - t0
-                self._writer = _Writer(epoch, lambda: self._write_all(epoch, prepared))
-                size = sum(p.tensor_bytes for p in prepared.values())
-                return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
-            try:
-                total_bytes, seconds = self._write_all(epoch, prepared)
-            except (CheckpointError, OSError) as e:
-                self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
-                return "ckpt FAILED"
-            return f"ckpt {human_size(total_bytes)} in {seconds * 1000:.0f} ms"
+            blocked = time.perf_counter() - t0
+            self._writer = _Writer(epoch, lambda: self._write_all(epoch, prepared))
+            size = sum(p.tensor_bytes for p in prepared.values())
+            return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
         finally:
             self._saving = False
             if self._pending_signal is not None:

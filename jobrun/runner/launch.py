@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import time
 import uuid
@@ -259,7 +260,7 @@ def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
 
     def order(item: tuple[int, Any]) -> tuple[int, float, int]:
         rank, f = item
-        killed = f.exitcode < 0 and f.exitcode != -15
+        killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM
         return (0 if killed else 1, float(getattr(f, "timestamp", 0) or 0), rank)
 
     return min(failures.items(), key=order)
