@@ -6,16 +6,36 @@ to fix it, plus the exit code the CLI should use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
 class Pos:
-    """A position in a source file (1-based line and column)."""
+    """A position in a source file (1-based line and column; 0 when unknown).
 
-    file: str
-    line: int = 0
-    col: int = 0
+    Treat it as immutable. A plain class rather than a frozen dataclass: a big plan
+    makes a few hundred thousand of these, and a frozen dataclass is slower to build.
+    Positions that the loader has not computed yet are a subclass that works them out
+    on first use (`jobrun.plans.tree.LazyPos`); they compare equal to plain ones.
+    """
+
+    __slots__ = ("file", "line", "col")
+
+    def __init__(self, file: str, line: int = 0, col: int = 0):
+        self.file = file
+        self.line = line
+        self.col = col
+
+    def _triple(self) -> tuple[str, int, int]:
+        return (self.file, self.line, self.col)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Pos):
+            return NotImplemented
+        return self._triple() == other._triple()
+
+    def __hash__(self) -> int:
+        return hash(self._triple())
+
+    def __repr__(self) -> str:
+        return f"Pos({self.file!r}, {self.line}, {self.col})"
 
     def __str__(self) -> str:
         if self.line <= 0:

@@ -154,6 +154,20 @@ def _op_hint(spec: OpSpec) -> str:
 _Changes = dict[str, tuple[int, Pos, bool]]  # name -> (status, first definition, newly created)
 
 
+class Why:
+    """Why a blob is only MAYBE defined, with the line it names worked out only when a
+    diagnostic says it: positions cost a second parse of the file the first time."""
+
+    __slots__ = ("text", "pos")
+
+    def __init__(self, text: str, pos: Pos):
+        self.text = text  # with a {line} field
+        self.pos = pos
+
+    def __str__(self) -> str:
+        return self.text.format(line=self.pos.line)
+
+
 class _Flow:
     """The blobs one node's tasks can see: a dict plus an undo log of its changes.
 
@@ -163,7 +177,7 @@ class _Flow:
 
     def __init__(self) -> None:
         self.state: dict[str, int] = {}
-        self.why: dict[str, str] = {}  # why a blob is only MAYBE defined
+        self.why: dict[str, Why] = {}  # why a blob is only MAYBE defined
         # The log is parallel lists, not a list of tuples: a tuple per definition would make
         # the garbage collector rescan the whole plan every few thousand steps.
         self.names: list[str] = []
@@ -173,18 +187,18 @@ class _Flow:
     def mark(self) -> int:
         return len(self.names)
 
-    def define(self, name: str, status: int, pos: Pos, why: str = "") -> int | None:
+    def define(self, name: str, status: int, pos: Pos, why: Why | None = None) -> int | None:
         old = self.state.get(name)
         if old is None or old < status:
             self.names.append(name)
             self.olds.append(old)
             self.where.append(pos)
             self.state[name] = status
-            if status == MAYBE and why:
+            if status == MAYBE and why is not None:
                 self.why[name] = why
         return old
 
-    def weaken(self, mark: int, why: str, keep: set[str] | None = None) -> None:
+    def weaken(self, mark: int, why: Why, keep: set[str] | None = None) -> None:
         """Only MAYBE for what was defined since `mark`, except the names in `keep`."""
         state = self.state
         for i in range(mark, len(self.names)):
@@ -350,7 +364,7 @@ class _Analyzer(Visitor):
     def _weaken_after_stop(self, frame: _Frame) -> None:
         if frame.stop_mark is not None and frame.stop_pos is not None:
             self.flow.weaken(
-                frame.stop_mark, f"it is defined after the stop_if at line {frame.stop_pos.line}"
+                frame.stop_mark, Why("it is defined after the stop_if at line {line}", frame.stop_pos)
             )
 
     def _check_outputs(self, task: ir.Task) -> None:
@@ -371,7 +385,7 @@ class _Analyzer(Visitor):
                 self._emit(
                     "warning", "maybe-undefined", out.pos,
                     f"output {out.name!r} of task {task.name!r} may be undefined when the task ends: "
-                    + self.flow.why.get(out.name, "it is defined only on some paths"),
+                    + str(self.flow.why.get(out.name, "it is defined only on some paths")),
                     f"define {out.name!r} on every path, e.g. with a `const` at the start of the task",
                 )
 
@@ -406,7 +420,7 @@ class _Analyzer(Visitor):
             self._emit(
                 "warning", "maybe-undefined", ref.pos,
                 f"blob {name!r} may be undefined here: "
-                + self.flow.why.get(name, "it is defined only on some paths"),
+                + str(self.flow.why.get(name, "it is defined only on some paths")),
                 f"define {name!r} on every path before this read (e.g. with a `const` before it)",
             )
         else:
@@ -422,7 +436,7 @@ class _Analyzer(Visitor):
             ctx.new_pos[name] = pos
             ctx.new_call[name] = self.call
 
-    def _apply(self, changes: _Changes, why: str = "") -> None:
+    def _apply(self, changes: _Changes, why: Why | None = None) -> None:
         """Re-apply what an undone scope changed (a parallel branch, a report)."""
         for name, (status, pos, _) in changes.items():
             self.flow.define(name, status, pos, why)
@@ -468,7 +482,7 @@ class _Analyzer(Visitor):
         else:
             self.flow.weaken(
                 mark,
-                f"it is defined only inside the loop at line {loop.pos.line}, which may run 0 times",
+                Why("it is defined only inside the loop at line {line}, which may run 0 times", loop.pos),
             )
 
     def visit_StopIf(self, stop: ir.StopIf) -> None:
@@ -483,7 +497,7 @@ class _Analyzer(Visitor):
         All arms but the last are undone and kept as changes; the last stays in place and is
         then weakened where another arm (or the missing `else`) leaves a blob undefined.
         """
-        why = f"it is defined only in some branches of the `if` at line {node.pos.line}"
+        why = Why("it is defined only in some branches of the `if` at line {line}", node.pos)
         arms: list[_Changes] = []
         last = len(node.branches) - (node.orelse is None)
         mark = self.flow.mark()

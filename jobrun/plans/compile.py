@@ -17,6 +17,7 @@ from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans import ir
 from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc, shorten, show
 from jobrun.plans.resolve import apply_sets, substitute
+from jobrun.plans.tree import positions
 
 BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -114,6 +115,8 @@ class _Compiler:
     def __init__(self, source: str):
         self.source = source
         self.good_blobs: set[str] = set()  # names already checked: big plans repeat them
+        self.good_ops: set[str] = set()
+        self.control = {key: getattr(self, "step_" + key) for key in CONTROL_KEYS}
 
     # -- helpers ---------------------------------------------------------------------
     def keys(self, m: PMap, allowed: tuple[str, ...], what: str) -> None:
@@ -141,9 +144,10 @@ class _Compiler:
             raise PlanError(f"{what} is {value}; it must be {bound}", pos, f"use a value {bound}")
         return value
 
-    def blob(self, value: Any, pos: Pos, what: str) -> ir.BlobRef:
+    def blob(self, value: Any, pos: Pos, what: str, op: str | None = None) -> ir.BlobRef:
+        """A checked blob name; `what` names the place (with `op`: "`what` of `op`")."""
         if value.__class__ is not str or value not in self.good_blobs:
-            self.check_blob(value, pos, what)
+            self.check_blob(value, pos, f"`{what}` of `{op}`" if op is not None else what)
         return ir.BlobRef(value, pos)
 
     def check_blob(self, value: Any, pos: Pos, what: str) -> None:
@@ -291,7 +295,7 @@ class _Compiler:
     def block(self, value: Any, pos: Pos, what: str) -> tuple[ir.Step, ...]:
         if value is None:
             return ()
-        if value.__class__ is not PList:
+        if not isinstance(value, PList):
             self.seq(value, pos, what, "do: [{add: {in: [a, b], out: c}}]")
         step = self.step
         return tuple([step(s, value, i) for i, s in enumerate(value)])
@@ -299,11 +303,11 @@ class _Compiler:
     def step(self, value: Any, parent: PList, i: int) -> ir.Step:
         # The step's own position is computed only for errors: an op call is placed at
         # its name, a control step at its keyword.
-        if value.__class__ is PMap and len(value) == 1:
+        if isinstance(value, PMap) and len(value) == 1:
             (name,) = value
             if name not in CONTROL_KEYS and name not in _INNER_KEYS:
                 return self.op(value, name)
-        if value.__class__ is not PMap:
+        if not isinstance(value, PMap):
             if isinstance(value, str):
                 raise PlanError(
                     f"step {show(value)} is a bare word",
@@ -314,7 +318,7 @@ class _Compiler:
         m: PMap = value
         for key in CONTROL_KEYS:
             if key in m:
-                return getattr(self, "step_" + key)(m)
+                return self.control[key](m)
         if not m:
             raise PlanError(
                 "empty step", parent.at(i), "write an op call (- add: {in: [a, b], out: c}) or a control step"
@@ -335,48 +339,58 @@ class _Compiler:
 
     def op(self, m: PMap, name: str) -> ir.OpCall:
         pos = m.key_at(name)
-        if not OP_NAME.match(name):
-            raise PlanError(f"bad op name {show(name)}", pos, "op names are words joined by '.', e.g. train.step")
+        if name not in self.good_ops:
+            if not OP_NAME.match(name):
+                raise PlanError(f"bad op name {show(name)}", pos, "op names are words joined by '.', e.g. train.step")
+            self.good_ops.add(name)
         body = m[name]
         if body is None:
             body = PMap(m.at(name))
-        elif body.__class__ is not PMap:
+        elif not isinstance(body, PMap):
             if isinstance(body, str | int | float) and not isinstance(body, bool):
                 hint = f"write `- {name}: {{in: {body}}}`, or `{{out: {body}}}`"
             else:
                 hint = f"write `- {name}: {{in: [a], out: b}}`"
             self.mapping(body, m.at(name), f"the arguments of `{name}`", hint.removeprefix("write "))
+        # The hot loop of compiling a big plan: names already checked skip the checks.
         ins: tuple[ir.Input, ...] = ()
         outs: tuple[ir.BlobRef, ...] = ()
-        args: list[tuple[str, Any]] = []
+        args: list[tuple[str, Any]] | None = None
+        good = self.good_blobs
+        ref = ir.BlobRef
         for key, value in body.items():
             if key == "in":
-                ins = self.inputs(name, value, body)
-            elif key == "out":
-                what = f"`out` of `{name}`"
-                if value.__class__ is PList:
-                    outs = tuple([self.blob(v, value.at(i), what) for i, v in enumerate(value)])
+                if isinstance(value, PList):
+                    at = positions(value)
+                    ins = tuple([
+                        ref(v, at(i)) if v.__class__ is str and v in good else self.input(name, v, at(i))
+                        for i, v in enumerate(value)
+                    ])
                 elif value is not None:
-                    outs = (self.blob(value, body.at("out"), what),)
+                    ins = (self.input(name, value, body.at("in")),)
+            elif key == "out":
+                if isinstance(value, PList):
+                    at = positions(value)
+                    outs = tuple([
+                        ref(v, at(i)) if v.__class__ is str and v in good else self.blob(v, at(i), "out", name)
+                        for i, v in enumerate(value)
+                    ])
+                elif value.__class__ is str and value in good:
+                    outs = (ref(value, body.at("out")),)
+                elif value is not None:
+                    outs = (self.blob(value, body.at("out"), "out", name),)
+            elif args is None:
+                args = [(key, value)]
             else:
                 args.append((key, value))
-        arg_pos = tuple([(k, body.at(k)) for k, _ in args]) if args else ()
+        if args is None:
+            return ir.OpCall(name, ins, outs, (), pos)
+        arg_pos = tuple([(k, body.at(k)) for k, _ in args])
         return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos)
-
-    def inputs(self, op: str, value: Any, body: PMap) -> tuple[ir.Input, ...]:
-        if value.__class__ is PList:
-            good = self.good_blobs
-            return tuple([
-                ir.BlobRef(v, value.at(i)) if v.__class__ is str and v in good else self.input(op, v, value.at(i))
-                for i, v in enumerate(value)
-            ])
-        if value is None:
-            return ()
-        return (self.input(op, value, body.at("in")),)
 
     def input(self, op: str, item: Any, pos: Pos) -> ir.Input:
         if item.__class__ is str:
-            return self.blob(item, pos, f"`in` of `{op}`")
+            return self.blob(item, pos, "in", op)
         if isinstance(item, bool | int | float):
             return ir.Literal(item, pos)
         if item is None:

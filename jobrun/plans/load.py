@@ -35,6 +35,8 @@ from yaml.events import (
 )
 
 from jobrun.errors import PlanError, Pos
+from jobrun.plans import fastyaml
+from jobrun.plans.tree import CloneBudgetExceeded, PList, PMap, clone, mark_pos
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_NODES = 5_000_000  # values in one plan, aliases expanded
@@ -68,182 +70,6 @@ _BAD_CHAR = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-
 _HUGE = 30  # integers and strings longer than this are shortened in messages
 
 
-def _mark_pos(file: str, mark: Any) -> Pos:
-    return Pos(file, mark.line + 1, mark.column + 1)
-
-
-class _Located:
-    """`pos` of a loaded container, computed from the parser's mark on first use."""
-
-    __slots__ = ()
-
-    @property
-    def pos(self) -> Pos:
-        if self._pos is None:
-            self._pos = _mark_pos(self._file, self._mark)
-        return self._pos
-
-    @pos.setter
-    def pos(self, value: Pos) -> None:
-        self._pos = value
-
-
-class PMap(_Located, dict):
-    """A mapping with the position of itself, of each key and of each value.
-
-    `pos`, `key_pos` and `val_pos` read like plain attributes; a loaded PMap computes them
-    from the parser's marks on first use. `at(key)` gives a value's position without
-    building the whole `val_pos` dict.
-    """
-
-    __slots__ = ("_file", "_mark", "_pos", "_kmarks", "_vmarks", "_key_pos", "_val_pos", "refs")
-
-    def __init__(self, pos: Pos):
-        super().__init__()
-        self._pos: Pos | None = pos
-        self._file = pos.file
-        self._mark: Any = None
-        self._kmarks: dict[str, Any] | None = None
-        self._vmarks: dict[str, Any] | None = None
-        self._key_pos: dict[str, Pos] | None = {}
-        self._val_pos: dict[str, Pos] | None = {}
-
-    @classmethod
-    def _loaded(cls, file: str, mark: Any) -> PMap:
-        # dict.__new__ skips __init__: the loader fills the slots itself, for speed.
-        m = dict.__new__(cls)
-        m._file = file
-        m._mark = mark
-        m._pos = None
-        m._kmarks = {}
-        m._vmarks = {}
-        m._key_pos = None
-        m._val_pos = None
-        return m
-
-    @property
-    def key_pos(self) -> dict[str, Pos]:
-        """Position of each key (a dict you may update)."""
-        if self._key_pos is None:
-            f = self._file
-            self._key_pos = {k: _mark_pos(f, m) for k, m in (self._kmarks or {}).items()}
-        return self._key_pos
-
-    @key_pos.setter
-    def key_pos(self, value: dict[str, Pos]) -> None:
-        self._key_pos = value
-
-    @property
-    def val_pos(self) -> dict[str, Pos]:
-        """Position of each value (a dict you may update)."""
-        if self._val_pos is None:
-            f = self._file
-            self._val_pos = {k: _mark_pos(f, m) for k, m in (self._vmarks or {}).items()}
-        return self._val_pos
-
-    @val_pos.setter
-    def val_pos(self, value: dict[str, Pos]) -> None:
-        self._val_pos = value
-
-    def at(self, key: str) -> Pos:
-        """Position of the value under `key` (or of the mapping when it is absent)."""
-        if self._val_pos is not None:
-            p = self._val_pos.get(key)
-        else:
-            mark = self._vmarks.get(key) if self._vmarks else None
-            p = _mark_pos(self._file, mark) if mark is not None else None
-        return p if p is not None else self.pos
-
-    def key_at(self, key: str) -> Pos:
-        """Position of `key` itself (or of the mapping when it is absent)."""
-        if self._key_pos is not None:
-            p = self._key_pos.get(key)
-        else:
-            mark = self._kmarks.get(key) if self._kmarks else None
-            p = _mark_pos(self._file, mark) if mark is not None else None
-        return p if p is not None else self.pos
-
-
-class PList(_Located, list):
-    """A list with the position of itself and of each item."""
-
-    __slots__ = ("_file", "_mark", "_pos", "_marks", "_item_pos")
-
-    def __init__(self, pos: Pos):
-        super().__init__()
-        self._pos: Pos | None = pos
-        self._file = pos.file
-        self._mark: Any = None
-        self._marks: list[Any] | None = None
-        self._item_pos: list[Pos] | None = []
-
-    @classmethod
-    def _loaded(cls, file: str, mark: Any) -> PList:
-        lst = list.__new__(cls)
-        lst._file = file
-        lst._mark = mark
-        lst._pos = None
-        lst._marks = []
-        lst._item_pos = None
-        return lst
-
-    @property
-    def item_pos(self) -> list[Pos]:
-        """Position of each item (a list you may update)."""
-        if self._item_pos is None:
-            f = self._file
-            self._item_pos = [_mark_pos(f, m) for m in self._marks or ()]
-        return self._item_pos
-
-    @item_pos.setter
-    def item_pos(self, value: list[Pos]) -> None:
-        self._item_pos = value
-
-    def at(self, i: int) -> Pos:
-        if self._item_pos is not None:
-            if 0 <= i < len(self._item_pos):
-                return self._item_pos[i]
-        elif self._marks and 0 <= i < len(self._marks):
-            return _mark_pos(self._file, self._marks[i])
-        return self.pos
-
-
-def clone(value: Any, budget: list[int] | None = None) -> Any:
-    """A copy of a loaded value: new containers (positions kept), shared scalars.
-
-    `budget` is a one-item list counting down the containers and items it may still
-    create; CloneBudgetExceeded is raised when it runs out, and the caller reports it
-    with the position that asked for the copy.
-    """
-    if budget is not None:
-        budget[0] -= len(value) + 1 if isinstance(value, list | dict) else 1
-        if budget[0] < 0:
-            raise CloneBudgetExceeded
-    if isinstance(value, PMap):
-        m = dict.__new__(PMap)
-        m._file, m._mark, m._pos = value._file, value._mark, value._pos
-        # Marks never change once loaded, so copies share them; materialized position
-        # dicts may be edited (`--set`), so copies get their own.
-        m._kmarks, m._vmarks = value._kmarks, value._vmarks
-        m._key_pos = None if value._key_pos is None else dict(value._key_pos)
-        m._val_pos = None if value._val_pos is None else dict(value._val_pos)
-        for k, v in value.items():
-            dict.__setitem__(m, k, clone(v, budget) if isinstance(v, list | dict) else v)
-        return m
-    if isinstance(value, PList):
-        lst = list.__new__(PList)
-        lst._file, lst._mark, lst._pos = value._file, value._mark, value._pos
-        lst._marks = value._marks
-        lst._item_pos = None if value._item_pos is None else list(value._item_pos)
-        list.extend(lst, [clone(v, budget) if isinstance(v, list | dict) else v for v in value])
-        return lst
-    if isinstance(value, dict):
-        return {k: clone(v, budget) for k, v in value.items()}
-    if isinstance(value, list):
-        return [clone(v, budget) for v in value]
-    return value
-
-
 def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
     """How many containers deep `value` is (a scalar is 0), counting no further than
     `limit` + 1: enough to refuse a value that would be nested too deep."""
@@ -253,10 +79,6 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
         return 1
     items = value.values() if isinstance(value, dict) else value
     return 1 + max((nesting(v, limit - 1) for v in items if isinstance(v, list | dict)), default=0)
-
-
-class CloneBudgetExceeded(Exception):
-    """Raised by `clone` when its budget runs out (callers turn it into a PlanError)."""
 
 
 def load_file(path: str | Path) -> PMap:
@@ -294,19 +116,36 @@ def load_file(path: str | Path) -> PMap:
 
 
 def load_text(text: str, filename: str = "<plan>") -> PMap:
-    """Parse YAML text whose top level must be a mapping."""
-    value, mark = _Builder(filename).build(text)
+    """Parse YAML text whose top level must be a mapping.
+
+    The fast loader reads the plain YAML that plans are written in; whatever it does
+    not take (and every error) goes through libyaml here, which knows every position.
+    """
+    builder = _Builder(filename)
+    if len(text) <= MAX_FILE_BYTES and _BAD_CHAR.search(text) is None:
+        tree = fastyaml.parse(
+            text, filename, builder.resolve_plain, _exact,
+            max_depth=MAX_DEPTH, max_nodes=MAX_NODES, bad=_Bad,
+        )
+        if tree is not None:
+            return tree
+    value, mark = builder.build(text)
     if value is _EMPTY or value is None:
         raise PlanError("plan file is empty", Pos(filename, 1, 1), "start with `job: NAME`")
     if not isinstance(value, PMap):
         raise PlanError(
             f"a plan must be a mapping of keys (job, epoch, ...), not {kind_of(value)}",
-            _mark_pos(filename, mark),
+            mark_pos(filename, mark),
             "start the file with `job: NAME`",
         )
     # Whether any `${` was written: a plan without one skips the substitution walk.
     value.refs = "${" in text
     return value
+
+
+def _exact(text: str, filename: str) -> Any:
+    """The tree of text the fast loader took, with libyaml's positions."""
+    return _Builder(filename).build(text)[0]
 
 
 def parse_value(text: str, filename: str) -> Any:
@@ -356,7 +195,7 @@ class _Builder:
         self.alias_budget = [MAX_ALIAS_NODES]
 
     def error(self, message: str, mark: Any, hint: str | None = None) -> PlanError:
-        return PlanError(message, _mark_pos(self.file, mark), hint)
+        return PlanError(message, mark_pos(self.file, mark), hint)
 
     def build(self, text: str) -> tuple[Any, Any]:
         """(top value or _EMPTY, its mark)."""
@@ -390,7 +229,7 @@ class _Builder:
     def yaml_error(self, e: yaml.MarkedYAMLError, text: str) -> PlanError:
         """libyaml's message, placed at the problem, with the likely cause as the hint."""
         mark = e.problem_mark or e.context_mark
-        pos = _mark_pos(self.file, mark) if mark is not None else Pos(self.file)
+        pos = mark_pos(self.file, mark) if mark is not None else Pos(self.file)
         what = e.problem or e.context or "invalid YAML"
         hint = "check indentation, colons and quotes"
         cm = e.context_mark
@@ -414,7 +253,7 @@ class _Builder:
         elif e.context and "quoted scalar" in e.context and cm is not None:
             return PlanError(
                 "invalid YAML: the quoted string that starts here is never closed",
-                _mark_pos(self.file, cm), "add the closing quote",
+                mark_pos(self.file, cm), "add the closing quote",
             )
         elif "cannot start any token" in what and line[mark.column : mark.column + 1] in ("@", "`", "%"):
             hint = f"{line[mark.column]!r} cannot start a plain value in YAML: quote the value"

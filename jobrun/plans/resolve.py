@@ -41,7 +41,7 @@ def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
     the way are created (`vars.lr=0.05` works in a plan without `vars`).
     """
     if sets and isinstance(tree, PMap):
-        tree.refs = True  # a value given here may hold `${...}`
+        tree.refs = True  # a value given here may hold `${...}`: look everywhere
     for item in sets:
         where = Pos(f"--set {item}")
         key, eq, raw = item.partition("=")
@@ -174,12 +174,20 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
             ctx = _Ctx(env, budget, later, name)
             resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None, 3)
             raw_vars[name] = env[name] = resolved
-    if not getattr(tree, "refs", True):
+    refs = getattr(tree, "refs", True)
+    if not refs:
         return tree  # no `${` in the file and no --set: nothing to replace
     ctx = _Ctx(env, budget, [], None)
-    for key, value in tree.items():
-        if key != "vars":
-            tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None, 2)
+    if refs is True:
+        for key, value in tree.items():
+            if key != "vars":
+                tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None, 2)
+        return tree
+    # The fast loader listed where `${` was written, in order: no need to walk the rest.
+    for top, container, key, depth in refs:
+        if top != "vars":
+            value = container[key]
+            container[key] = _subst(value, ctx, _at(container, key) if value.__class__ is str else None, depth)
     return tree
 
 
