@@ -185,6 +185,7 @@ class _Reader:
         lst = self.list()
         rows = self.rows
         n = len(rows)
+        new_map, flows, homes = self.map, self.flows, self.homes
         while k < n:
             ind, dash, key, rest = rows[k]
             if len(ind) != col or not dash:
@@ -192,8 +193,18 @@ class _Reader:
                     break
                 raise _Fallback
             if key and (k + 1 == n or len(rows[k + 1][0]) <= col) and rest and rest[0] != "#":
-                # `- name: value` alone (most steps of a plan): the mapping in one go.
-                item = self.single(key, rest, depth + 1)
+                # `- name: value` alone (most steps of a plan): the mapping in one go,
+                # and for `- op: {...}` without even a call.
+                if (
+                    rest[0] == "{" and key[0] not in "\"'" and key != "<<" and "${" not in rest
+                    and depth + 1 + rest.count("{") + rest.count("[") < self.max_depth
+                ):
+                    item = new_map()
+                    item[key] = None
+                    flows.append(rest)
+                    homes.append((item, key))
+                else:
+                    item = self.single(key, rest, depth + 1)
                 k += 1
             elif key:
                 item, k = self.mapping(k, col + len(dash), True, depth + 1)
@@ -268,12 +279,7 @@ class _Reader:
     # -- flow collections ------------------------------------------------------------
     def place_flows(self) -> None:
         """Parse every flow collection at once and put each where it belongs."""
-        words, tokens = [], []
-        for i, flow in enumerate(self.flows):
-            simple = "'" not in flow and "#" not in flow and flow.count(":") == flow.count(": ")
-            if simple and '"' in flow:
-                simple = _STRINGS_APART.match(flow) is not None
-            (words if simple else tokens).append(i)
+        words, tokens = self.sort_flows()
         values: dict[int, Any] = {}
         if words:
             try:
@@ -284,6 +290,17 @@ class _Reader:
             values.update(zip(tokens, self.parse_flows(self.by_tokens(tokens)), strict=True))
         for i, (up, ukey) in enumerate(self.homes):
             up[ukey] = values[i]
+
+    def sort_flows(self) -> tuple[list[int], list[int]]:
+        """The collections `by_words` can take, and the others."""
+        flows = self.flows
+        every = "\x00".join(flows)
+        if _by_words_ok(every):  # the usual case: every one of them, at C speed
+            return list(range(len(flows))), []
+        words, tokens = [], []
+        for i, flow in enumerate(flows):
+            (words if _by_words_ok(flow) else tokens).append(i)
+        return words, tokens
 
     def by_words(self, which: list[int]) -> str:
         """JSON for collections without single quotes, comments or `:` inside words."""
@@ -367,6 +384,13 @@ def _object_hook(new_map: type[PMap], new_list: type[PList]) -> Callable[[list[t
         return m
 
     return hook
+
+
+def _by_words_ok(flow: str) -> bool:
+    return (
+        "'" not in flow and "#" not in flow and flow.count(":") == flow.count(": ")
+        and ('"' not in flow or _STRINGS_APART.match(flow) is not None)
+    )
 
 
 def _quote_words(text: str) -> str:
