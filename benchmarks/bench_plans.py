@@ -7,7 +7,8 @@ diagnostics). Each stage is timed on its own (CPU time, the median of several ru
 ``compile_file`` (read, parse, substitute, build the IR), ``analyze``, ``render_text``.
 The baseline is libyaml (PyYAML's C parser) turning the same file into its parse events
 and nothing else (``yaml.parse`` with CSafeLoader): the floor of any loader built on
-PyYAML, which jobrun's is. The ratio says how many bare parses each stage costs. The
+PyYAML events, which jobrun's exact loader is. The fast loader (jobrun/plans/fastyaml.py)
+reads this plan without them, so compile can cost less than one bare parse (ratio < 1). The
 growth factor is t(10N) / t(N), 10 meaning linear; the goal is on the exponent k of
 t ~ N^k fitted over the whole range (k = 1 is linear; one growth factor alone is noisy).
 """

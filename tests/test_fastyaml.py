@@ -342,3 +342,20 @@ def test_positions_are_worked_out_only_when_asked_for() -> None:
     assert isinstance(step.pos, LazyPos)
     assert step.pos.line > 0 and src._tree is not None
     assert step.pos == Pos("mlp.yaml", step.pos.line, step.pos.col)
+
+
+def test_a_block_that_leaves_a_big_tree_freezes_it_for_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    monkeypatch.setattr(load, "FREEZE_AT", 1000)
+    before = gc.get_freeze_count()
+    try:
+        with load.no_gc():
+            small = [[] for _ in range(10)]
+        assert gc.isenabled() and gc.get_freeze_count() == before
+        with load.no_gc():
+            big = [[] for _ in range(5000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= before + 5000
+        assert len(small) + len(big) == 5010
+    finally:
+        gc.unfreeze()

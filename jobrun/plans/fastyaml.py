@@ -42,7 +42,7 @@ _SQ = re.compile(r"'([^']*)'(?:\ +\#.*)?\ *\Z", re.S)
 # quoting every word: `{in: [a, 1]}` -> `{"in": ["a", 1]}`. A word is a name-like plain
 # scalar; anything else that is not JSON already (`500ms`, `1e5`, `a b`, `-x`, `0x1f`)
 # leaves the text invalid, and the collection is read token by token instead.
-_WORD = re.compile(r"([A-Za-z_$][\w$./-]*)")
+_WORD = re.compile(r"([A-Za-z_$][A-Za-z0-9_$./-]*)")  # ASCII: others go token by token
 # Double-quoted strings without escapes are JSON strings as they are. They may only
 # stand where a scalar starts and ends (`["a b", c]`): a quote next to a word
 # (`[a"b"]`) sends the collection to the token-by-token path.
@@ -388,7 +388,7 @@ def _object_hook(new_map: type[PMap], new_list: type[PList]) -> Callable[[list[t
 
 def _by_words_ok(flow: str) -> bool:
     return (
-        "'" not in flow and "#" not in flow and flow.count(":") == flow.count(": ")
+        flow.isascii() and "'" not in flow and "#" not in flow and flow.count(":") == flow.count(": ")
         and ('"' not in flow or _STRINGS_APART.match(flow) is not None)
     )
 
