@@ -336,7 +336,7 @@ def test_positions_are_worked_out_only_when_asked_for() -> None:
     text = (ROOT / "plans" / "mlp.yaml").read_text()
     tree = load.load_text(text, "mlp.yaml")
     plan = compile_tree(tree, "mlp.yaml")
-    src = type(tree)._src
+    src = tree._src
     assert src._tree is None  # compiling a good plan parsed nothing twice
     step = plan.epoch.tasks[0].do[0]
     assert isinstance(step.pos, LazyPos)
@@ -359,3 +359,23 @@ def test_a_block_that_leaves_a_big_tree_freezes_it_for_the_collector(monkeypatch
         assert len(small) + len(big) == 5010
     finally:
         gc.unfreeze()
+
+
+def test_a_plan_keeps_its_positions_and_frees_its_tree_without_the_collector() -> None:
+    import gc
+    import weakref
+
+    text = (ROOT / "plans" / "mlp.yaml").read_text()
+    gc.disable()
+    try:
+        tree = load.load_text(text, "mlp.yaml")
+        root = weakref.ref(tree)
+        plan = compile_tree(tree, "mlp.yaml")
+        step = plan.epoch.tasks[0].do[0]
+        del tree
+        # The plan holds its tree: positions still resolve once the caller's copy is gone.
+        assert step.pos.line > 0 and root() is not None
+        del plan, step
+        assert root() is None  # freed by reference counting alone: no cycles
+    finally:
+        gc.enable()

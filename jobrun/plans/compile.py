@@ -209,7 +209,7 @@ class _Compiler:
             job=job, seed=seed, device=device, replicas=replicas, vars=dict(vars_),
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
-            exit=groups["exit"], source=self.source, pos=t.pos,
+            exit=groups["exit"], source=self.source, pos=t.pos, tree=t,
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from jobrun.plans.tree import PList, PMap, Source
+from jobrun.plans.tree import FastList, FastMap, PList, PMap, Source
 
 # Each line: indentation, a list item's dash, a key (plain or quoted, before ': '), the
 # rest. Blank and comment lines match with nothing but spaces or a comment as the rest.
@@ -114,8 +114,8 @@ class _Reader:
         exact: Callable[[str, str], Any], max_depth: int, max_nodes: int, bad: type,
     ):
         self.src = Source(filename, text, exact)
-        self.map = self.src.map_type
-        self.list = self.src.list_type
+        self.map = FastMap
+        self.list = FastList
         self.resolve = resolve
         self.bad = bad
         self.max_depth = max_depth
@@ -139,7 +139,7 @@ class _Reader:
             raise _Fallback
         if self.flows:
             self.place_flows()
-        self.src.root = root
+        self.src.attach(root)
         root.refs = self.refs
         return root
 

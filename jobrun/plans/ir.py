@@ -159,6 +159,9 @@ class Plan:
     source: str
     pos: Pos
     extras: dict[str, Any] = field(default_factory=dict)
+    # The positioned tree the plan was compiled from: positions of a fast-loaded plan
+    # are worked out from it on first use (see plans/tree.py), so it lives as long.
+    tree: Any = field(default=None, repr=False, compare=False)
 
     @property
     def groups(self) -> tuple[Group, ...]:

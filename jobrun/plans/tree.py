@@ -18,6 +18,7 @@ holds one of three kinds of position data:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -33,11 +34,27 @@ def mark_pos(file: str, mark: Any) -> Pos:
     return Pos(file, mark.line + 1, mark.column + 1)
 
 
-class Source:
-    """The text a fast-loaded tree came from, its container types, and its exact parse
-    once someone needs a position."""
+class _Unlinked:
+    """The `_src` of a fast container that `Source.link` has not reached yet."""
 
-    __slots__ = ("name", "text", "_build", "_tree", "_failed", "root", "_linked", "map_type", "list_type")
+    name = "<plan>"
+
+
+_UNLINKED = _Unlinked()
+_SOURCES: weakref.WeakSet[Source] = weakref.WeakSet()  # of the fast trees alive
+
+
+class Source:
+    """The text a fast-loaded tree came from, and its exact parse once someone needs a
+    position.
+
+    Nothing here makes a reference cycle, so that a plan's objects are freed as soon as
+    the plan is dropped, without the cyclic collector (which the loader keeps away from
+    big plans, see `load.no_gc`): the root holds its Source, the Source holds the root
+    only weakly, and containers find their Source when first linked.
+    """
+
+    __slots__ = ("name", "text", "_build", "_tree", "_failed", "_root", "_linked", "__weakref__")
 
     def __init__(self, name: str, text: str, build: Callable[[str, str], Any]):
         self.name = name
@@ -45,21 +62,17 @@ class Source:
         self._build = build  # (text, name) -> the exactly positioned tree
         self._tree: Any = None
         self._failed = False
-        self.root: Any = None
+        self._root: Any = None
         self._linked = False
-        # Containers made at C speed (json builds them from pairs, the fast loader
-        # from nothing): the class carries what the exact loader keeps per container,
-        # so they need no slots filled in. They do have a __dict__, for the few
-        # attributes set later (parent links, positions that --set gives).
-        fast = {"_src": self, "_file": name, "_mark": None, "_pos": None, "_up": None, "_ukey": None,
-                "_origin": None}
-        self.map_type: type[PMap] = type("PMap", (PMap,), {
-            **fast, "_kmarks": None, "_vmarks": None, "_key_pos": None, "_val_pos": None,
-            "__init__": dict.__init__,
-        })
-        self.list_type: type[PList] = type("PList", (PList,), {
-            **fast, "_marks": None, "_item_pos": None, "__init__": list.__init__,
-        })
+
+    def attach(self, root: PMap) -> None:
+        root._src = self
+        self._root = weakref.ref(root)
+        _SOURCES.add(self)
+
+    @property
+    def root(self) -> Any:
+        return self._root() if self._root is not None else None
 
     def tree(self) -> Any:
         with _RESOLVING:
@@ -71,21 +84,25 @@ class Source:
             return self._tree
 
     def link(self) -> None:
-        """Give each fast container its parent and its key there (once, when the first
-        position is asked for: loading does not spend the time)."""
+        """Give each fast container its Source, its parent and its key there (once, when
+        the first position is asked for: loading does not spend the time)."""
         with _RESOLVING:
-            if not self._linked:
-                self._link()
+            root = self.root
+            if not self._linked and root is not None:
                 self._linked = True
+                stack = [root]
+                while stack:
+                    node = stack.pop()
+                    for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+                        if isinstance(value, _FAST) and value._src is _UNLINKED and value._origin is None:
+                            # A weak link: a strong one would make a cycle with the parent.
+                            value._src, value._up, value._ukey = self, weakref.ref(node), key
+                            stack.append(value)
 
-    def _link(self) -> None:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            for key, value in node.items() if isinstance(node, dict) else enumerate(node):
-                if isinstance(value, _Located) and value._src is self and value._origin is None:
-                    value._up, value._ukey = node, key
-                    stack.append(value)
+
+def _link_all() -> None:
+    for src in list(_SOURCES):
+        src.link()
 
 
 class LazyPos(Pos):
@@ -129,9 +146,8 @@ class _Located:
     def pos(self) -> Pos:
         if self._pos is None:
             if self._src is not None:
-                self._pos = LazyPos(self, None, _SELF)
-            else:
-                self._pos = mark_pos(self._file, self._mark)
+                return LazyPos(self, None, _SELF)  # not kept: it would make a cycle
+            self._pos = mark_pos(self._file, self._mark)
         return self._pos
 
     @pos.setter
@@ -142,15 +158,19 @@ class _Located:
         """The container at the same path in the exactly positioned tree (or None)."""
         if self._origin is not None:  # a copy (an alias, a var): where the original is
             return self._origin._twin()
+        if self._src is _UNLINKED:
+            _link_all()
         src = self._src
+        if src is _UNLINKED:
+            return None  # no longer in a tree (replaced by --set)
         src.link()
         path = []
         node: Any = self
-        while node._up is not None:
+        while node is not None and node._up is not None:
             path.append(node._ukey)
-            node = node._up
-        if node is not src.root:
-            return None  # no longer in the tree (replaced by --set)
+            node = node._up()
+        if node is None or node is not src.root:
+            return None
         twin = src.tree()
         for key in reversed(path):
             try:
@@ -322,6 +342,30 @@ class PList(_Located, list):
         elif self._marks and 0 <= i < len(self._marks):
             return mark_pos(self._file, self._marks[i])
         return self.pos
+
+
+# Containers the fast loader makes at C speed (json builds them from pairs): the class
+# carries what the exact loader keeps per container, so no slot needs filling in. They
+# do have a __dict__, for what `Source.link` and `--set` add later.
+_FAST_DEFAULTS = {
+    "_src": _UNLINKED, "_file": "<plan>", "_mark": None, "_pos": None, "_up": None,
+    "_ukey": None, "_origin": None,
+}
+
+
+class FastMap(PMap):
+    __init__ = dict.__init__  # type: ignore[assignment]
+
+
+class FastList(PList):
+    __init__ = list.__init__  # type: ignore[assignment]
+
+
+for _name, _value in {**_FAST_DEFAULTS, "_kmarks": None, "_vmarks": None, "_key_pos": None, "_val_pos": None}.items():
+    setattr(FastMap, _name, _value)
+for _name, _value in {**_FAST_DEFAULTS, "_marks": None, "_item_pos": None}.items():
+    setattr(FastList, _name, _value)
+_FAST = (FastMap, FastList)
 
 
 def positions(container: PMap | PList) -> Callable[[Any], Pos]:
