@@ -75,8 +75,9 @@ class HandLoop:
     `model.mlp` builds it, from the node's seeded generator), same batches (the reader's
     shuffle of each pass), so both trajectories are the same numbers: a tiny model's
     speed depends on its values (denormals), and this keeps that out of the ratio.
-    With ``ops=True`` the loop calls jobrun's op functions instead (read, train.step,
-    evaluate): the difference to jobrun is then the executor's and runner's own cost.
+    With ``ops=True`` the loop calls jobrun's op functions instead (read, train.step as
+    the executor binds it for the plan's call site, evaluate): the difference to jobrun is
+    then the executor's and runner's own cost.
     """
 
     def __init__(self, sizes: list[int], batch: int, log_path: Path, ops: bool = False):
@@ -85,7 +86,7 @@ class HandLoop:
 
         from jobrun.ops.context import OpContext
         from jobrun.ops.reader import reader_op
-        from jobrun.ops.train import data_synthetic, model_mlp, optimizer
+        from jobrun.ops.train import data_synthetic, model_mlp, optimizer, train_step
 
         self.torch, self.F = torch, F
         ctx = self.ctx = OpContext(node="local", seed=0, device="cpu")
@@ -100,6 +101,8 @@ class HandLoop:
         self.model = model_mlp(ctx, sizes=sizes)
         if ops:
             self.opt = optimizer(ctx, self.model, lr=0.1, momentum=0.9)
+            # What the executor calls for `train.step` without arguments (see _bound there).
+            self.train_step = train_step.bind(ctx) or train_step
         else:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.batch = batch
@@ -147,9 +150,9 @@ class HandLoop:
 
     def _ops_epoch(self) -> tuple[float, float, float]:
         from jobrun.ops.reader import read_op
-        from jobrun.ops.train import evaluate, train_step
+        from jobrun.ops.train import evaluate
 
-        ctx, model, opt, reader = self.ctx, self.model, self.opt, self.reader
+        ctx, model, opt, reader, train_step = self.ctx, self.model, self.opt, self.reader, self.train_step
         loss = 0.0
         while True:
             xb, yb, end = read_op(ctx, reader)

@@ -168,3 +168,47 @@ def test_bad_inputs_are_clear_errors():
         reader_op(ctx, torch.tensor(1.0))
     with pytest.raises(RunError, match="expects a reader"):
         read_op(ctx, torch.arange(3))
+
+
+def _batches_and_states(reader: Reader, reads: int) -> list:
+    """Each read's fields (values, dtype, shape, strides) and the state after it."""
+    out = []
+    for _ in range(reads):
+        *fields, done = reader.read()
+        shown = [
+            None if f is None else (f.tolist(), f.dtype, tuple(f.shape), f.stride())
+            for f in fields
+        ]
+        out.append((shown, done, reader.state_dict()))
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("n_fields", [1, 2, 3])
+@pytest.mark.parametrize(("batch_size", "drop_last", "passes"), [(4, False, 2), (3, True, 0)])
+def test_plain_readers_read_what_the_general_path_reads(
+    shuffle, n_fields, batch_size, drop_last, passes
+):
+    """One process over CPU tensors takes a fast path (index_select, no rank slices):
+    the same batches, layouts and checkpointed positions as the general path."""
+    fields = [torch.arange(33).reshape(11, 3).float(), torch.arange(11), torch.arange(22).reshape(11, 2)]
+    args = dict(batch_size=batch_size, shuffle=shuffle, passes=passes, drop_last=drop_last, seed=4)
+    fast = Reader(fields[:n_fields], **args)
+    general = Reader(fields[:n_fields], **args)
+    general._plain = False
+    assert fast._plain
+    assert _batches_and_states(fast, 12) == _batches_and_states(general, 12)
+    def passes_of(r: Reader) -> list:
+        return [[(f.tolist(), f.stride()) for f in fields] for fields in r.full_pass()]
+
+    assert passes_of(fast) == passes_of(general)
+
+
+def test_only_one_process_over_contiguous_cpu_tensors_is_plain():
+    x = torch.arange(12).reshape(6, 2)
+    assert Reader([x], batch_size=2)._plain
+    assert not Reader([x], batch_size=1)._plain  # single records are unbatched
+    assert not Reader([x], batch_size=2, rank=0, world_size=2)._plain
+    assert not Reader([x.t().contiguous().t()], batch_size=2)._plain  # not contiguous
+    assert not Reader([x, np.arange(6)], batch_size=2)._plain
+    assert not Reader([torch.nn.Parameter(x.float())], batch_size=2)._plain

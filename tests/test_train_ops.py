@@ -260,6 +260,92 @@ def test_custom_loss_and_float_class_labels():
         train.train_step(ctx, model, opt, None, y)
 
 
+def _labels(kind: str, n: int) -> tuple[torch.Tensor, int]:
+    """Targets of one kind, and the model's output size for them."""
+    gen = torch.Generator().manual_seed(3)
+    if kind == "regression":
+        return torch.randn(n, 1, generator=gen), 1
+    y = torch.randint(0, 3, (n,), generator=gen)
+    return (y.float() if kind == "float labels" else y), 3
+
+
+@pytest.mark.parametrize(
+    ("loss", "kind", "clip"),
+    [
+        ("cross_entropy", "classes", None),
+        ("cross_entropy", "float labels", 0.5),
+        ("mse", "regression", None),
+        ("torch.nn.functional.cross_entropy", "classes", None),  # a dotted path
+    ],
+)
+def test_bound_train_step_trains_bit_for_bit_like_the_op(loss, kind, clip):
+    """The executor binds `train.step` once per call site (its arguments checked once):
+    the bound step must give the op's losses and parameters exactly."""
+    ctx = OpContext(seed=6)
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(2))
+    y, out = _labels(kind, 24)
+    model = train.model_mlp(ctx, sizes=[4, 5, out])
+    twin = copy.deepcopy(model)
+    opt = train.optimizer(ctx, model, lr=0.3, momentum=0.9)
+    opt2 = train.optimizer(ctx, twin, lr=0.3, momentum=0.9)
+    bound = train.train_step.bind(ctx, loss=loss, clip_grad_norm=clip)
+    assert bound is not None
+    for i in range(0, 24, 6):
+        xb, yb = x[i : i + 6], y[i : i + 6]
+        expected = train.train_step(ctx, model, opt, xb, yb, loss=loss, clip_grad_norm=clip)
+        assert bound(ctx, twin, opt2, xb, yb) == expected
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_bind_leaves_other_cases_and_wrong_arguments_to_the_op():
+    ctx = OpContext()
+    bind = train.train_step.bind
+    assert bind(ctx, accumulate=2) is None  # micro-batches: the general path
+    assert bind(ctx, accumulate=True) is None  # not an int: the op raises its error
+    assert bind(ctx, amp="bf16") is None  # amp warns (or runs) in the op itself
+    assert bind(ctx, clip_grad_norm=0) is None
+    assert bind(OpContext(world_size=2), loss="mse") is None
+    # The bound step raises what the op raises, in the op's order.
+    model = train.model_mlp(ctx, sizes=[2, 2])
+    opt = train.optimizer(ctx, model, lr=0.1)
+    x, y = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
+    for loss in ("cross_entropy", "msee"):
+        for args in [(model, "not an optimizer", x, y), (model, opt, None, y), (model, opt, x, y[:0])]:
+            with pytest.raises(RunError) as op_error:
+                train.train_step(ctx, *args, loss=loss)
+            with pytest.raises(RunError) as bound_error:
+                bind(ctx, loss=loss)(ctx, *args)
+            assert str(bound_error.value) == str(op_error.value)
+
+
+@pytest.mark.parametrize("kind", ["classes", "float labels", "regression", "sequences"])
+def test_evaluate_sums_on_the_host_equal_the_device_tensor_sums(kind):
+    """On the CPU `evaluate` adds Python floats; elsewhere float64 device tensors. Both
+    must give the same numbers, bit for bit (the resume tests compare runs exactly)."""
+    ctx = OpContext(seed=1)
+    gen = torch.Generator().manual_seed(5)
+    if kind == "sequences":
+        x, model, loss = torch.randint(0, 5, (37, 6), generator=gen), nn.Embedding(5, 5), "cross_entropy"
+        y = torch.randint(0, 5, (37, 6), generator=gen)
+    else:
+        y, out = _labels(kind, 37)
+        x = torch.randn(37, 4, generator=gen)
+        model, loss = train.model_mlp(ctx, sizes=[4, 6, out]), "mse" if kind == "regression" else "cross_entropy"
+    reader = reader_op(ctx, x, y, batch_size=8)  # a short last batch
+    with torch.no_grad():
+        sums = [
+            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss), loss, reader, host))
+            for host in (True, False)
+        ]
+    assert sums[0] == sums[1]
+    loss_sum, count, correct, classified = sums[0]
+    assert count == 37  # records; a sequence's every position is one label
+    assert classified == {"regression": 0, "sequences": 37 * 6}.get(kind, 37)
+    assert train.evaluate(ctx, model, reader, loss=loss) == (
+        loss_sum / count, correct / classified if classified else None
+    )
+
+
 def test_amp_on_cpu_is_ignored_with_one_warning(monkeypatch):
     monkeypatch.setattr(train, "_warned_amp_on_cpu", False)
     ctx = OpContext()

@@ -128,7 +128,7 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
 def _as_tensor(value: Any, device: torch.device | str, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         # `.to` costs a dispatch even when it does nothing: skip it on the CPU hot path.
-        if device == "cpu" and value.device.type == "cpu":
+        if device == "cpu" and value.is_cpu:
             return value
         return value.to(device)
     if value is None:
@@ -663,7 +663,7 @@ def train_step(
     loss_fn = _loss_fn(loss)
     dtype = _amp_dtype(ctx, amp)
     if not ctx.distributed and accumulate == 1 and dtype is None:
-        return _plain_step(ctx, model, opt, x, y, loss_fn, clip_grad_norm)
+        return _plain_step(loss_fn, clip_grad_norm, ctx, model, opt, x, y)
     scaler = _scaler(opt) if dtype is torch.float16 else None
     x = _as_tensor(x, ctx.device, "train.step input x")
     y = _as_tensor(y, ctx.device, "train.step input y")
@@ -688,11 +688,28 @@ def train_step(
     return value
 
 
-def _plain_step(ctx: OpContext, model, opt, x, y, loss_fn, clip_grad_norm) -> float:
-    """One process, one micro-batch, full precision: what a hand-written loop does."""
-    x = _as_tensor(x, ctx.device, "train.step input x")
-    y = _as_tensor(y, ctx.device, "train.step input y")
-    _check_total(_count(y))
+_Optimizer = torch.optim.Optimizer
+_Tensor = torch.Tensor
+
+
+def _plain_step(loss_fn, clip_grad_norm, ctx: OpContext, model, opt, x, y) -> float:
+    """One process, one micro-batch, full precision: what a hand-written loop does.
+
+    Every line runs once per training step, between torch's kernels, where Python work
+    costs several times what a micro-benchmark shows (cold caches): CPU tensors skip the
+    conversions. The arguments come first so that a call site can bind them with
+    `functools.partial` (see `_bind_train_step`).
+    """
+    if not isinstance(opt, _Optimizer):
+        _require_optimizer("train.step", opt)
+    if not (
+        x.__class__ is _Tensor and y.__class__ is _Tensor
+        and x.is_cpu and y.is_cpu and ctx.device == "cpu"
+    ):  # fmt: skip
+        x = _as_tensor(x, ctx.device, "train.step input x")
+        y = _as_tensor(y, ctx.device, "train.step input y")
+    if y.dim() and not y.shape[0]:
+        _check_total(0)  # raises: an empty batch
     opt.zero_grad(set_to_none=True)
     out = loss_fn(model(x), y)
     out.backward()
@@ -700,6 +717,39 @@ def _plain_step(ctx: OpContext, model, opt, x, y, loss_fn, clip_grad_norm) -> fl
         torch.nn.utils.clip_grad_norm_(_trained_params(opt), float(clip_grad_norm))
     opt.step()
     return out.item()
+
+
+def _bind_train_step(
+    ctx: OpContext,
+    *,
+    loss: str = "cross_entropy",
+    clip_grad_norm: float | None = None,
+    accumulate: int = 1,
+    amp: str | None = None,
+) -> Callable[..., float] | None:
+    """One call site's `train.step` with its arguments checked once (see the executor).
+
+    The plain case only (one process, accumulate 1, no amp); None for any other, and for
+    a wrong argument, whose error the unbound op then raises at run time, as before.
+    A loss named by a dotted path is looked up on every call (a cache hit), as the op
+    does: it imports user code, which must not happen before the job runs.
+    """
+    if ctx.distributed or amp is not None or type(accumulate) is not int or accumulate != 1:
+        return None
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        return None
+    if loss in _LOSSES:  # a functools.partial adds no Python frame to the call
+        return functools.partial(_plain_step, _LOSSES[loss], clip_grad_norm)
+
+    def step(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any) -> float:
+        if not isinstance(opt, _Optimizer):  # the op's order: the optimizer, then the loss
+            _require_optimizer("train.step", opt)
+        return _plain_step(_loss_fn(loss), clip_grad_norm, ctx, model, opt, x, y)
+
+    return step
+
+
+train_step.bind = _bind_train_step  # type: ignore[attr-defined]
 
 
 def _backward(model, loss_fn, batches, total_n: _GlobalCount, dtype, scaler) -> torch.Tensor:
@@ -741,42 +791,63 @@ def evaluate(
     if len(reader.fields) < 2:
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     loss_fn = _loss_fn(loss)
-    # [sum of loss * count, count, correct labels, labels compared]: one reduction at the end.
-    sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)
     was_training = getattr(model, "training", False)
     if isinstance(model, nn.Module):
         model.eval()
     try:
         with torch.no_grad():
-            for fields in reader.full_pass():
-                _accumulate_eval(ctx, model, loss_fn, loss, fields[0], fields[1], sums)
+            sums = _eval_sums(ctx, model, loss_fn, loss, reader, _on_host(ctx))
     finally:
         if isinstance(model, nn.Module):
             model.train(was_training)
-    if ctx.distributed:
-        reduced = sums.to(_comm_device(ctx))
-        torch.distributed.all_reduce(reduced)
-        sums = reduced
-    loss_sum, count, correct, classified = sums.tolist()
+    loss_sum, count, correct, classified = _reduce_sums(ctx, sums)
     if count == 0:
         raise RunError("evaluate: the reader has no records", hint="check the eval data")
     # Accuracy per label: for sequence outputs every position is one prediction.
     return loss_sum / count, (correct / classified if classified > 0 else None)
 
 
-def _accumulate_eval(ctx, model, loss_fn, loss: str, x, y, sums: torch.Tensor) -> None:
-    x = _as_tensor(x, ctx.device, "evaluate input x")
-    y = _as_tensor(y, ctx.device, "evaluate input y")
-    n = _count(y)
-    if n == 0:
-        return
-    pred = model(x)
-    sums[0] += loss_fn(pred, y).double() * n
-    sums[1] += n
-    labels = not y.is_floating_point() or loss == "cross_entropy"
-    if labels and pred.dim() == y.dim() + 1:
-        sums[2] += (pred.argmax(dim=-1) == y.to(torch.long)).sum()
-        sums[3] += y.numel()
+def _on_host(ctx: OpContext) -> bool:
+    return ctx.device == "cpu" or torch.device(ctx.device).type == "cpu"
+
+
+def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> list[Any]:
+    """[sum of loss * count, count, correct labels, labels compared] over one pass.
+
+    Float64 sums, added batch by batch in order. On the CPU they are Python floats and
+    ints (the same IEEE double arithmetic as float64 tensors, without three tensor ops
+    per indexed in-place add); elsewhere 0-d device tensors, so that the loop never waits
+    for the device.
+    """
+    loss_sum: Any = 0.0
+    count = classified = 0
+    correct: Any = 0
+    for fields in reader.full_pass():
+        x = _as_tensor(fields[0], ctx.device, "evaluate input x")
+        y = _as_tensor(fields[1], ctx.device, "evaluate input y")
+        n = _count(y)
+        if n == 0:
+            continue
+        pred = model(x)
+        part = loss_fn(pred, y)
+        loss_sum = loss_sum + (part.item() if host else part.double()) * n
+        count += n
+        labels = not y.is_floating_point() or loss == "cross_entropy"
+        if labels and pred.dim() == y.dim() + 1:
+            hits = (pred.argmax(dim=-1) == (y if y.dtype == torch.long else y.long())).sum()
+            correct = correct + (int(hits) if host else hits)
+            classified += y.numel()
+    return [loss_sum, count, correct, classified]
+
+
+def _reduce_sums(ctx: OpContext, sums: list[Any]) -> list[float]:
+    """The sums as floats, summed over ranks (one collective)."""
+    if not ctx.distributed:
+        return [float(v) for v in sums]
+    dev = _comm_device(ctx)
+    reduced = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(dev) for v in sums])
+    torch.distributed.all_reduce(reduced)
+    return reduced.tolist()
 
 
 # --------------------------------------------------------------- export, distributed

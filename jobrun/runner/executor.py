@@ -1,16 +1,28 @@
-"""Executes tasks: the plan IR compiled into Python closures over workspaces.
+"""Executes tasks: the plan IR compiled into Python functions over workspaces.
 
-Each task is compiled once per node into closures bound to that node's global workspace
+Each task is compiled once per node into functions bound to that node's global workspace
 (a dict living the whole job) and to the task's own child workspace (a dict cleared when
 the task ends). A private task reads through to the global workspace, writes to names that
-exist there update them, and new names stay in the child. Compiling to closures keeps an
-op call at a few hundred nanoseconds of dispatch: no lookups by name at run time.
+exist there update them, and new names stay in the child.
+
+A block (a run of steps: a task's `do`, a loop's body, a branch) becomes one generated
+Python function: its op calls and `stop_if`s are written out inline (``r = op3(ctx,
+L['model'], L['opt'], L['xb'], L['yb'])``), and control steps (loops, ifs, parallel) are
+closures it calls. Why: between torch's kernels Python runs with cold caches, at several
+times its micro-benchmark cost. In the training loop of benchmarks/bench_runner.py (read,
+stop_if, train.step) one closure per op call, blob read and output cost about 8 us a step
+over a hand-written loop; the generated function costs about 4 us. The op functions,
+literal inputs and arguments are the function's globals (never written as text), and the
+index of the running step (``at``) finds the plan position of a failing op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
+import linecache
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +34,6 @@ from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
 
 Thunk = Callable[[], None]
-_MISSING = object()  # "not in the task's own workspace"
 
 
 class StopBlock(Exception):
@@ -31,6 +42,26 @@ class StopBlock(Exception):
 
 class OpFailed(RunError):
     """An op raised: carries the plan position, the task and the node."""
+
+
+# Leave every block as they are: control flow and interruptions, never an op's failure.
+_PASS_THROUGH = (StopBlock, KeyboardInterrupt, Interrupted)
+
+
+def _private_workspace(g: dict[str, Any]) -> dict[str, Any]:
+    """A private task's own workspace: a dict whose missing names are read from `g`.
+
+    Its ``__missing__`` is `g`'s own ``__getitem__`` (a C function, hence a class per
+    task), so that ``L[name]`` reads a global blob (model, optimizer, reader: most reads
+    of a training loop) without running Python code; a name in neither raises
+    KeyError(name).
+    """
+
+    class PrivateWorkspace(dict):
+        __slots__ = ()
+        __missing__ = staticmethod(g.__getitem__)
+
+    return PrivateWorkspace()
 
 
 @dataclasses.dataclass
@@ -50,7 +81,7 @@ class CompiledTask:
         self.ctx = dataclasses.replace(node.ctx, task=task.name)
         node.task_ctxs.append(self.ctx)
         g = node.globals
-        self.local: dict[str, Any] = g if task.workspace == "global" else {}
+        self.local: dict[str, Any] = g if task.workspace == "global" else _private_workspace(g)
         b = _Builder(self.ctx, g, self.local, task, node.name)
         self._init = b.block(task.init)
         self._do = b.block(task.do)
@@ -140,7 +171,7 @@ class _Report:
 
 
 class _Builder:
-    """Compiles steps of one task into thunks bound to its workspaces."""
+    """Compiles steps of one task into functions bound to its workspaces."""
 
     def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str):
         self.ctx = ctx
@@ -153,24 +184,16 @@ class _Builder:
 
     # -- workspace access -------------------------------------------------------------
     def getter(self, name: str) -> Callable[[], Any]:
-        g, l_ = self.g, self.l
-        if not self.private:
-            return lambda: g[name]
-        local_get = l_.get
-        missing = _MISSING
+        """The blob's current value; KeyError(name) when it is not defined.
 
-        def get() -> Any:
-            # Most reads in a private task are of global blobs (model, optimizer,
-            # reader): a miss must not cost a raised and caught KeyError.
-            v = local_get(name, missing)
-            return g[name] if v is missing else v
-
-        return get
+        A C call: the private workspace reads through to the global one by itself.
+        """
+        return functools.partial(self.l.__getitem__, name)
 
     def setter(self, name: str) -> Callable[[Any], None]:
         g, l_ = self.g, self.l
         if not self.private:
-            return lambda v: g.__setitem__(name, v)
+            return functools.partial(g.__setitem__, name)
 
         def set_(v: Any) -> None:
             if name in g:
@@ -187,33 +210,35 @@ class _Builder:
             try:
                 return get()
             except KeyError:
-                raise RunError(
-                    f"{what}: blob {ref.name!r} is not defined on node {self.node!r}",
-                    ref.pos, "define it earlier (e.g. in the init group)",
-                ) from None
+                raise self._undefined(ref, what) from None
 
         return read
 
+    def _undefined(self, ref: ir.BlobRef, what: str) -> RunError:
+        return RunError(
+            f"{what}: blob {ref.name!r} is not defined on node {self.node!r}",
+            ref.pos, "define it earlier (e.g. in the init group)",
+        )
+
     # -- blocks ---------------------------------------------------------------------
     def block(self, steps: tuple[ir.Step, ...]) -> Thunk:
+        """The steps as one generated function (see the module docstring)."""
         if any(isinstance(s, ir.Report) for s in steps):
             return self._block_with_reports(steps)
-        thunks = [self.step(s) for s in steps]
-        if not thunks:
-            return lambda: None
-        if len(thunks) == 1:
-            return thunks[0]
-
-        def run_block() -> None:
-            for t in thunks:
-                t()
-
-        return run_block
+        code = _BlockCode(self.ctx, self.g, self.l, self.private)
+        for s in steps:
+            if isinstance(s, ir.OpCall):
+                self._op(code, s)
+            elif isinstance(s, ir.StopIf):
+                self._stop_if(code, s)
+            else:
+                code.call(self.step(s))
+        return code.function(f"<jobrun task {self.task.name!r} on node {self.node!r}>")
 
     def _block_with_reports(self, steps: tuple[ir.Step, ...]) -> Thunk:
         items: list[tuple[ir.Report | None, Thunk]] = []
         for s in steps:
-            items.append((s, self.block(s.body)) if isinstance(s, ir.Report) else (None, self.step(s)))
+            items.append((s, self.block(s.body)) if isinstance(s, ir.Report) else (None, self.block((s,))))
 
         def run_block() -> None:
             running: list[_Report] = []
@@ -235,12 +260,9 @@ class _Builder:
         return run_block
 
     def step(self, s: ir.Step) -> Thunk:
-        if isinstance(s, ir.OpCall):
-            return self.op(s)
+        """A control step as a closure (`block` writes op calls and stop_if inline)."""
         if isinstance(s, ir.Loop):
             return self.loop(s)
-        if isinstance(s, ir.StopIf):
-            return self.stop_if(s)
         if isinstance(s, ir.If):
             return self.if_(s)
         if isinstance(s, ir.Parallel):
@@ -283,14 +305,15 @@ class _Builder:
 
         return run_loop
 
-    def stop_if(self, s: ir.StopIf) -> Thunk:
-        cond = self.read(s.cond, "stop_if")
+    def _stop_if(self, code: _BlockCode, s: ir.StopIf) -> None:
+        ref, undefined = s.cond, self._undefined
 
-        def run_stop_if() -> None:
-            if self._truth(cond(), s.cond):
-                raise StopBlock
+        def on_error(e: BaseException) -> None:
+            if isinstance(e, KeyError):
+                raise undefined(ref, "stop_if") from None
 
-        return run_stop_if
+        truth = functools.partial(self._truth, ref=ref)
+        code.stop_if(ref.name, truth, on_error)
 
     def _truth(self, value: Any, ref: ir.BlobRef) -> bool:
         if value is True:
@@ -326,7 +349,7 @@ class _Builder:
         return run_parallel
 
     # -- op calls -------------------------------------------------------------------
-    def op(self, s: ir.OpCall) -> Thunk:
+    def _op(self, code: _BlockCode, s: ir.OpCall) -> None:
         spec = self.ops.get(s.op)
         if spec is None:
             raise RunError(f"unknown op {s.op!r}", s.pos, "`jobrun ops` lists the ops")
@@ -336,75 +359,13 @@ class _Builder:
             kwargs["_names"] = tuple(i.name if isinstance(i, ir.BlobRef) else repr(i.value) for i in s.ins)
         if getattr(impl, "wants_out_names", False):
             kwargs["_out_names"] = tuple(o.name for o in s.outs)
-        ctx = self.ctx
-        getters = [self._input(i) for i in s.ins]
-        setters = [self.setter(o.name) for o in s.outs]
+        impl, kwargs = _bound(impl, self.ctx, kwargs)
         fail = self._failure(s)
-        n_out = len(setters)
 
-        if len(getters) == 2 and n_out == 1 and not kwargs:
-            # The hot path (add, mul, comparisons): no list building, no **kwargs.
-            g0, g1 = getters
-            set0 = setters[0]
+        def on_error(e: BaseException) -> None:
+            raise fail(e) from e
 
-            def run_op2() -> None:
-                try:
-                    set0(impl(ctx, g0(), g1()))
-                except (StopBlock, KeyboardInterrupt, Interrupted):
-                    raise
-                except BaseException as e:  # noqa: BLE001 - re-raised with its position
-                    raise fail(e) from e
-
-            return run_op2
-
-        call = _caller(impl, ctx, getters, kwargs)
-
-        if n_out == 0:
-
-            def run_op0() -> None:
-                try:
-                    call()
-                except (StopBlock, KeyboardInterrupt, Interrupted):
-                    raise
-                except BaseException as e:  # noqa: BLE001 - re-raised with its position
-                    raise fail(e) from e
-
-            return run_op0
-
-        if n_out == 1:
-            set0 = setters[0]
-
-            def run_op1() -> None:
-                try:
-                    set0(call())
-                except (StopBlock, KeyboardInterrupt, Interrupted):
-                    raise
-                except BaseException as e:  # noqa: BLE001 - re-raised with its position
-                    raise fail(e) from e
-
-            return run_op1
-
-        def run_op() -> None:
-            try:
-                result = call()
-                if not isinstance(result, tuple | list):
-                    raise RunError(f"op returned 1 value(s) for {n_out} outputs")
-                if len(result) != n_out:
-                    raise RunError(f"op returned {len(result)} value(s) for {n_out} outputs")
-                for set_, value in zip(setters, result):
-                    set_(value)
-            except (StopBlock, KeyboardInterrupt, Interrupted):
-                raise
-            except BaseException as e:  # noqa: BLE001 - re-raised with its position
-                raise fail(e) from e
-
-        return run_op
-
-    def _input(self, i: ir.Input) -> Callable[[], Any]:
-        if isinstance(i, ir.Literal):
-            value = i.value
-            return lambda: value
-        return self.getter(i.name)
+        code.op(impl, s.ins, kwargs, [o.name for o in s.outs], on_error)
 
     def _failure(self, s: ir.OpCall) -> Callable[[BaseException], BaseException]:
         where = f"in task {self.task.name!r} on node {self.node!r}"
@@ -427,37 +388,146 @@ class _Builder:
         return fail
 
 
-def _caller(
-    impl: Callable[..., Any], ctx: OpContext, getters: list[Callable[[], Any]], kwargs: dict
-) -> Callable[[], Any]:
-    """``impl(ctx, *inputs, **kwargs)`` as a thunk; the common arities without building a
-    list of inputs (and without ``**`` when there are no arguments)."""
-    n = len(getters)
-    if kwargs:
-        if n == 0:
-            return lambda: impl(ctx, **kwargs)
-        if n == 1:
-            (a,) = getters
-            return lambda: impl(ctx, a(), **kwargs)
-        if n == 2:
-            a, b = getters
-            return lambda: impl(ctx, a(), b(), **kwargs)
-        return lambda: impl(ctx, *[get() for get in getters], **kwargs)
-    if n == 0:
-        return lambda: impl(ctx)
-    if n == 1:
-        (a,) = getters
-        return lambda: impl(ctx, a())
-    if n == 2:
-        a, b = getters
-        return lambda: impl(ctx, a(), b())
-    if n == 3:
-        a, b, c = getters
-        return lambda: impl(ctx, a(), b(), c())
-    if n == 4:
-        a, b, c, d = getters
-        return lambda: impl(ctx, a(), b(), c(), d())
-    return lambda: impl(ctx, *[get() for get in getters])
+class _BlockCode:
+    """The source of one block's function, and the objects its source names.
+
+    Steps are numbered; ``at`` holds the running one, and ``on_error[at]`` turns its
+    failure into the error to report (it raises), or lets it through unchanged (None).
+    Blob names appear in the source only as ``repr`` string literals; everything else
+    (ops, literal inputs, arguments) is a global of the generated function.
+    """
+
+    def __init__(self, ctx: OpContext, g: dict, local: dict, private: bool):
+        self.private = private
+        self.lines: list[str] = []
+        self.on_error: list[Callable[[BaseException], None] | None] = []
+        self.env: dict[str, Any] = {
+            "ctx": ctx, "G": g, "L": local, "StopBlock": StopBlock,
+            "PASS_THROUGH": _PASS_THROUGH, "results": _results, "on_error": self.on_error,
+        }
+
+    def _name(self, prefix: str, value: Any) -> str:
+        name = f"{prefix}{len(self.env)}"
+        self.env[name] = value
+        return name
+
+    def _step(self, on_error: Callable[[BaseException], None] | None) -> None:
+        self.lines.append(f"at = {len(self.on_error)}")
+        self.on_error.append(on_error)
+
+    def call(self, thunk: Thunk) -> None:
+        """A control step: its closure, whose errors pass through unchanged."""
+        self._step(None)
+        self.lines.append(f"{self._name('step', thunk)}()")
+
+    def op(self, impl, ins: tuple[ir.Input, ...], kwargs: dict, outs: list[str], on_error) -> None:
+        self._step(on_error)
+        args = ["ctx"]
+        for i in ins:
+            args.append(f"L[{i.name!r}]" if isinstance(i, ir.BlobRef) else self._name("lit", i.value))
+        if kwargs:
+            args.append("**" + self._name("kw", kwargs))
+        call = f"{self._name('op', impl)}({', '.join(args)})"
+        if not outs:
+            self.lines.append(call)
+            return
+        self.lines.append(f"r = {call}")
+        if len(outs) == 1:
+            self._store(outs[0], "r")
+            return
+        n = len(outs)
+        self.lines += [
+            f"if type(r) is not tuple or len(r) != {n}:",
+            f"    r = results(r, {n})",
+        ]
+        targets = ", ".join(f"L[{name!r}]" for name in outs)
+        if not self.private:
+            self.lines.append(f"{targets} = r")
+            return
+        # Usually none of them is global (a `read`'s batch): one check, then unpacked.
+        outs_name = self._name("outs", tuple(outs))
+        self.lines += [f"if G.keys().isdisjoint({outs_name}):", f"    {targets} = r", "else:"]
+        for k, name in enumerate(outs):
+            self._store(name, f"r[{k}]", indent="    ")
+
+    def _store(self, name: str, value: str, indent: str = "") -> None:
+        if not self.private:
+            self.lines.append(f"{indent}G[{name!r}] = {value}")
+            return
+        self.lines += [
+            f"{indent}if {name!r} in G:",
+            f"{indent}    G[{name!r}] = {value}",
+            f"{indent}else:",
+            f"{indent}    L[{name!r}] = {value}",
+        ]
+
+    def stop_if(self, name: str, truth: Callable[[Any], bool], on_error) -> None:
+        self._step(on_error)
+        self.lines += [
+            f"v = L[{name!r}]",
+            f"if v is True or (v is not False and v is not None and {self._name('truth', truth)}(v)):",
+            "    raise StopBlock",
+        ]
+
+    def source(self) -> str:
+        body = "\n".join("        " + line for line in self.lines)
+        return (
+            "def run_block():\n"
+            "    at = 0\n"
+            "    try:\n"
+            f"{body}\n"
+            "    except PASS_THROUGH:\n"
+            "        raise\n"
+            "    except BaseException as e:\n"
+            "        handle = on_error[at]\n"
+            "        if handle is not None:\n"
+            "            handle(e)\n"
+            "        raise\n"
+        )
+
+    def function(self, filename: str) -> Thunk:
+        if not self.lines:
+            return _nothing
+        source = self.source()
+        # Tracebacks through a block show its source (a few hundred bytes per block).
+        filename = f"{filename[:-1]} block {next(_block_numbers)}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, "exec"), self.env)
+        return self.env["run_block"]
+
+
+_block_numbers = itertools.count(1)
+
+
+def _nothing() -> None:
+    """An empty block."""
+
+
+def _results(result: Any, n: int) -> tuple[Any, ...]:
+    """An op's results for `n` outputs (a tuple or a list of n values), or why not."""
+    if not isinstance(result, tuple | list):
+        raise RunError(f"op returned 1 value(s) for {n} outputs")
+    if len(result) != n:
+        raise RunError(f"op returned {len(result)} value(s) for {n} outputs")
+    return tuple(result)
+
+
+def _bound(impl: Callable[..., Any], ctx: OpContext, kwargs: dict) -> tuple[Callable[..., Any], dict]:
+    """An op's implementation for one call site, and the arguments left to pass it.
+
+    An op with a ``bind(ctx, **kwargs)`` attribute may check its arguments once here and
+    return a callable ``(ctx, *inputs)`` that skips those checks on every call (what
+    `train.step` does). When it returns None, or raises, the op is called as usual, and
+    raises its own error at run time, with the step's position.
+    """
+    bind = getattr(impl, "bind", None)
+    if bind is None:
+        return impl, kwargs
+    try:
+        fast = bind(ctx, **kwargs)
+    except Exception:  # noqa: BLE001 - the unbound call raises it again, in context
+        fast = None
+    return (impl, kwargs) if fast is None else (fast, {})
 
 
 def _as_int(n: Any, s: ir.Loop) -> int:

@@ -1,0 +1,168 @@
+"""The executor in process: generated blocks, workspaces, error positions, bound ops."""
+
+from __future__ import annotations
+
+import textwrap
+import traceback
+
+import pytest
+
+from jobrun.errors import RunError
+from jobrun.ops.context import OpContext
+from jobrun.plans.compile import compile_text
+from jobrun.runner.executor import (
+    CompiledTask,
+    NodeRuntime,
+    OpFailed,
+    _bound,
+    _private_workspace,
+)
+
+
+def run(text: str) -> tuple[dict, dict]:
+    """Run the plan's init and one epoch in this process: (global workspace, outputs)."""
+    plan = compile_text(textwrap.dedent(text), "plan.yaml")
+    node = NodeRuntime("local", OpContext())
+    outputs = {}
+    for group in (plan.init, plan.epoch):
+        for task in group.tasks:
+            outputs[task.name] = CompiledTask(task, node).run()
+    return node.globals, outputs
+
+
+HEADER = """
+job: t
+init:
+  - task: setup
+    do:
+      - const: {out: total, value: 0}
+      - const: {out: q, value: 0}
+      - const: {out: i, value: 0}
+      - call: {fn: "builtins:divmod", in: [7, 2], out: [g1, g2]}
+"""
+
+
+def test_ops_with_literals_arguments_and_several_outputs():
+    g, out = run(HEADER + """
+epoch:
+  - task: work
+    do:
+      - call: {fn: "builtins:divmod", in: [17, 5], out: [q, r]}  # q is global, r new
+      - add: {in: [total, r, 10], out: total}
+      - call: {fn: "builtins:divmod", in: [9, 4], out: [a, b]}
+      - call: {fn: "jobrun_test_helpers:new_list", out: items}
+      - call: {fn: "jobrun_test_helpers:append", in: [items, a]}  # no outputs
+      - call: {fn: "jobrun_test_helpers:append", in: [items, 1]}
+      - call: {fn: "builtins:sorted", in: [items], reverse: true, out: [hi, lo]}  # a list
+    outputs: [r, a, b, items, hi, lo]
+""")
+    assert (g["g1"], g["g2"]) == (3, 1)  # a global task's several outputs
+    assert g["q"] == 3 and g["total"] == 12  # writes to global names update them
+    assert not {"r", "a", "b", "items"} & set(g)  # new names stayed in the task
+    assert out["work"] == {"r": 2, "a": 2, "b": 1, "items": [2, 1], "hi": 2, "lo": 1}
+
+
+def test_loop_stops_at_stop_if_and_a_private_task_reads_through():
+    g, out = run(HEADER + """
+epoch:
+  - task: count
+    do:
+      - loop: null
+        do:
+          - add: {in: [i, 1], out: i}
+          - ge: {in: [i, 3], out: enough}
+          - stop_if: enough
+      - mul: {in: [i, 10], out: scaled}
+    outputs: [scaled, enough]
+""")
+    assert g["i"] == 3 and out["count"] == {"scaled": 30, "enough": True}
+
+
+def _failure(text: str, step: str) -> tuple[BaseException, int]:
+    """The error of running the plan, and the line of `step` in it."""
+    plan = HEADER + text
+    with pytest.raises(RunError) as caught:
+        run(plan)
+    return caught.value, textwrap.dedent(plan).splitlines().index(step) + 1
+
+
+def test_a_failing_op_is_reported_at_its_position_from_inside_a_loop():
+    step = '          - call: {fn: "jobrun_test_helpers:fail"}'
+    e, line = _failure("""
+epoch:
+  - task: work
+    do:
+      - loop: 2
+        do:
+          - add: {in: [total, 1], out: total}
+""" + step + "\n", step)
+    assert isinstance(e, OpFailed) and e.pos is not None and e.pos.line == line
+    assert "op `call` in task 'work' on node 'local' failed: ValueError: boom" in str(e)
+    assert isinstance(e.__cause__, ValueError)
+    # A traceback through a generated block shows its source line.
+    assert "(ctx, **kw" in "".join(traceback.format_exception(e.__cause__))
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        ('call: {fn: "builtins:divmod", in: [7, 2], out: [a, b, c]}', "op returned 2 value(s) for 3 outputs"),
+        ('call: {fn: "builtins:abs", in: [-2], out: [a, b]}', "op returned 1 value(s) for 2 outputs"),
+        ("add: {in: [nothing, 1], out: a}", "blob 'nothing' is not defined"),
+    ],
+)
+def test_op_errors_name_the_op_and_the_problem(step, message):
+    e, line = _failure(f"""
+epoch:
+  - task: work
+    do:
+      - add: {{in: [total, 1], out: total}}
+      - {step}
+""", f"      - {step}")
+    assert isinstance(e, OpFailed) and message in str(e) and e.pos.line == line
+
+
+def test_stop_if_over_an_undefined_blob_is_a_run_error_of_its_own():
+    e, _ = _failure("""
+epoch:
+  - task: work
+    do:
+      - loop: 3
+        do:
+          - stop_if: nothing
+""", "          - stop_if: nothing")
+    assert not isinstance(e, OpFailed) and e.__suppress_context__
+    assert "stop_if: blob 'nothing' is not defined on node 'local'" in str(e)
+
+
+def test_private_workspace_reads_its_own_names_first_then_the_global_ones():
+    g = {"model": 1}
+    local = _private_workspace(g)
+    local["xb"] = 2
+    g["late"] = 3  # created after the workspace: still read through
+    assert (local["model"], local["xb"], local["late"]) == (1, 2, 3)
+    local["model"] = 4  # written locally before: the task's own value is read first
+    g["model"] = 5
+    assert local["model"] == 4 and "late" not in local
+    with pytest.raises(KeyError, match="nothing"):
+        local["nothing"]
+
+
+def test_bound_ops_check_their_arguments_once_or_fall_back_to_the_op():
+    ctx = OpContext()
+
+    def op(ctx, x, *, k=1):
+        return x * k
+
+    def fast(ctx, x):
+        return x * 10
+
+    op.bind = lambda ctx, k=1: fast if k == 10 else None
+    assert _bound(op, ctx, {"k": 10}) == (fast, {})
+    assert _bound(op, ctx, {"k": 2}) == (op, {"k": 2})
+    assert _bound(op, ctx, {"j": 2}) == (op, {"j": 2})  # bind raised: the op raises later
+
+    def plain(ctx, x):
+        return x
+
+    assert _bound(plain, ctx, {}) == (plain, {})
