@@ -69,7 +69,8 @@ def test_save_load_round_trip_and_layout(tmp_path: Path) -> None:
         data = (rdir / name).read_bytes()
         assert manifest["files"][name] == {
             "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
+            "chunk_bytes": ck.CHUNK_BYTES,  # far more than this file: one chunk
+            "sha256_chunks": [hashlib.sha256(data).hexdigest()],
         }
     commit = json.loads((rdir / "COMMIT").read_bytes())
     assert (
@@ -310,6 +311,130 @@ def test_missing_epoch_and_copied_directories(saved: Path) -> None:
     os.rename(saved / "n.1" / "rank-0", saved / "n.5" / "rank-0")
     with pytest.raises(CheckpointError, match="epoch 1, not 5"):
         ck.load(saved, "n", 5)
+
+
+# -------------------------------------------------------------------- hashes per chunk
+
+
+@pytest.fixture
+def small_chunks(monkeypatch) -> int:
+    """Chunks of 64 KiB, so that a small checkpoint spans many of them."""
+    monkeypatch.setattr(ck, "CHUNK_BYTES", 64 << 10)
+    return 64 << 10
+
+
+def test_every_chunk_has_its_own_hash(tmp_path: Path, small_chunks: int) -> None:
+    w = torch.randn(300_000)  # 1.2 MB: 19 chunks, hashed on several threads
+    ck.save({"w": w, "note": "x" * 100_000}, {}, tmp_path, "n", 0)
+    rdir = tmp_path / "n.0" / "rank-0"
+    files = json.loads((rdir / "MANIFEST.json").read_bytes())["files"]
+    for name, info in files.items():
+        data = (rdir / name).read_bytes()
+        chunks = [data[i : i + small_chunks] for i in range(0, len(data), small_chunks)]
+        assert len(chunks) > 1 and info["chunk_bytes"] == small_chunks
+        assert info["sha256_chunks"] == [hashlib.sha256(c).hexdigest() for c in chunks]
+    assert torch.equal(ck.load(tmp_path, "n", 0)[0]["w"], w)
+    assert ck.verify(tmp_path, "n", 0) == []
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_in_any_chunk_is_found(tmp_path: Path, small_chunks: int, where) -> None:
+    ck.save({"w": torch.randn(300_000)}, {}, tmp_path, "n", 0)
+    ck.save({"w": torch.randn(300_000)}, {}, tmp_path, "n", 1)
+    path = tmp_path / "n.1" / "rank-0" / "tensors.safetensors"
+    raw = bytearray(path.read_bytes())
+    at = {"first": 100, "middle": len(raw) // 2, "last": len(raw) - 1}[where]
+    raw[at] ^= 0x04
+    path.write_bytes(raw)
+    k = at // small_chunks
+    expect_problem(
+        tmp_path,
+        1,
+        rf"tensors\.safetensors: checksum mismatch in bytes {k * small_chunks}-"
+        rf"{(k + 1) * small_chunks} ",
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda e: e.update(sha256_chunks=e["sha256_chunks"][:-1]),  # one digest short
+        lambda e: e.update(sha256_chunks=e["sha256_chunks"] + ["0" * 64]),  # one too many
+        lambda e: e.update(chunk_bytes=0),
+        lambda e: e.update(sha256_chunks=["x" * 64] * len(e["sha256_chunks"])),
+        lambda e: e.update(sha256=e.pop("sha256_chunks")[0]),  # the version 1 entry
+    ],
+    ids=["short", "long", "zero chunk", "not hex", "v1 entry"],
+)
+def test_malformed_chunk_entries_are_refused(tmp_path: Path, small_chunks: int, change) -> None:
+    ck.save({"w": torch.randn(50_000)}, {}, tmp_path, "n", 0)
+    ck.save({"w": torch.randn(50_000)}, {}, tmp_path, "n", 1)
+    rdir = tmp_path / "n.1" / "rank-0"
+    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
+    change(manifest["files"]["tensors.safetensors"])
+    rewrite_manifest(rdir, manifest)
+    expect_problem(tmp_path, 1, r"bad entry for tensors\.safetensors")
+
+
+def rewrite_manifest(rdir: Path, manifest: dict[str, Any]) -> None:
+    """Replace a rank's manifest and make its COMMIT vouch for the new one."""
+    raw = json.dumps(manifest, indent=1).encode()
+    (rdir / "MANIFEST.json").write_bytes(raw)
+    commit = json.loads((rdir / "COMMIT").read_bytes())
+    commit["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    (rdir / "COMMIT").write_text(json.dumps(commit))
+
+
+def as_version_1(rdir: Path) -> None:
+    """Turn a rank directory into what format version 1 wrote: one SHA-256 per file."""
+    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
+    manifest["version"] = 1
+    digest = {name: hashlib.sha256((rdir / name).read_bytes()).hexdigest() for name in ck.DATA_FILES}
+    manifest["files"] = {
+        name: {"size": info["size"], "sha256": digest[name]}
+        for name, info in manifest["files"].items()
+    }
+    rewrite_manifest(rdir, manifest)
+
+
+def test_version_1_checkpoints_are_still_read(tmp_path: Path) -> None:
+    ws = workspace()
+    ck.save(ws, {"loss": 0.5}, tmp_path, "n", 0)
+    ck.save(ws, {"loss": 0.5}, tmp_path, "n", 1)
+    for e in (0, 1):
+        as_version_1(tmp_path / f"n.{e}" / "rank-0")
+    assert ck.read_manifest(tmp_path, "n", 1)["version"] == 1
+    blobs, meta = ck.load(tmp_path, "n", 1)
+    assert meta == {"loss": 0.5} and torch.equal(blobs["emb"], ws["emb"])
+    assert ck.verify(tmp_path, "n", 1) == [] and ck.verify_dir(tmp_path / "n.1" / "rank-0") == []
+    assert ck.latest_complete_epoch(tmp_path, ["n"], 1) == (1, [])
+    path = tmp_path / "n.1" / "rank-0" / "tensors.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(raw)
+    expect_problem(tmp_path, 1, r"tensors\.safetensors: checksum mismatch \(sha256")
+    values = tmp_path / "n.0" / "rank-0" / "values.json"
+    raw = bytearray(values.read_bytes())
+    raw[-3] ^= 0x01
+    values.write_bytes(raw)
+    with pytest.raises(CheckpointError, match=r"values\.json: checksum mismatch"):
+        ck.load(tmp_path, "n", 0)
+
+
+def test_version_1_entries_in_a_version_2_manifest_and_newer_versions(tmp_path: Path) -> None:
+    ck.save({"a": 1}, {}, tmp_path, "n", 0)
+    rdir = tmp_path / "n.0" / "rank-0"
+    as_version_1(rdir)
+    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
+    manifest["version"] = 2  # entries of version 1 under version 2: refused
+    rewrite_manifest(rdir, manifest)
+    with pytest.raises(CheckpointError, match="bad entry"):
+        ck.load(tmp_path, "n", 0)
+    manifest["version"] = ck.FORMAT_VERSION + 1
+    rewrite_manifest(rdir, manifest)
+    with pytest.raises(CheckpointError, match="upgrade jobrun") as info:
+        ck.load(tmp_path, "n", 0)
+    assert "format version 3" in info.value.message
 
 
 # -------------------------------------------------------------------- crashes and errors

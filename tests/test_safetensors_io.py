@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from jobrun.errors import CheckpointError
-from jobrun.runner.safetensors_io import read_header, read_safetensors, write_safetensors
+from jobrun.runner.safetensors_io import (
+    ChunkHasher,
+    prefault,
+    read_header,
+    read_safetensors,
+    write_safetensors,
+)
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -115,6 +121,67 @@ def test_hasher_sees_exactly_the_bytes_written(tmp_path: Path) -> None:
     back = read_safetensors(path, hasher=h2)
     assert h2.hexdigest() == h.hexdigest()
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20, None], ids=str)
+def test_chunk_hasher_digests_each_chunk(chunk: int | None) -> None:
+    rng = np.random.default_rng(0)
+    sizes = [0, 3, 5000, 1, 3 << 20, 17, 2 << 20, 4096, 9]  # small and big pieces
+    if chunk is not None and chunk < 100:
+        sizes = [0, 3, 50, 1, 9]  # a digest every few bytes: keep it short
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    data = b"".join(pieces)
+    hasher = ChunkHasher(chunk, lanes=3)
+    for piece in pieces:
+        hasher.update(piece)
+    step = chunk or len(data)
+    expected = [hashlib.sha256(data[i : i + step]).hexdigest() for i in range(0, len(data), step)]
+    assert hasher.finish() == expected and hasher.finish() == expected
+    assert ChunkHasher(chunk).finish() == [hashlib.sha256(b"").hexdigest()]  # empty stream
+
+
+def test_chunk_hasher_abort_leaves_no_thread_behind() -> None:
+    import threading
+
+    hasher = ChunkHasher(1 << 20, lanes=2)
+    for _ in range(8):
+        hasher.update(bytes(2 << 20))  # queued on both lanes
+    hasher.abort()
+    assert not [t for t in threading.enumerate() if t.name.startswith("jobrun-sha256")]
+
+
+def test_chunk_hasher_feeds_a_given_hashlib_object() -> None:
+    outer = hashlib.sha256()
+    hasher = ChunkHasher(hasher=outer)
+    hasher.update(b"a" * (3 << 20))
+    hasher.update(b"b")
+    assert hasher.finish() == [outer.hexdigest()]
+    assert outer.hexdigest() == hashlib.sha256(b"a" * (3 << 20) + b"b").hexdigest()
+
+
+def test_chunk_digests_of_a_file_read_and_written(tmp_path: Path) -> None:
+    tensors = {"big": torch.randn(700_000), "small": torch.arange(5)}
+    path = tmp_path / "t.safetensors"
+    wrote = ChunkHasher(1 << 20)
+    write_safetensors(path, tensors, hasher=wrote)
+    data = path.read_bytes()
+    starts = range(0, len(data), 1 << 20)
+    expected = [hashlib.sha256(data[i : i + (1 << 20)]).hexdigest() for i in starts]
+    assert len(expected) == 3 and wrote.finish() == expected
+    read = ChunkHasher(1 << 20)
+    back = read_safetensors(path, hasher=read)
+    assert read.finish() == expected and torch.equal(back["big"], tensors["big"])
+
+
+def test_prefault_keeps_what_memory_holds() -> None:
+    a = np.arange(1 << 20, dtype=np.int64)  # 8 MiB already written: must stay as it is
+    prefault(memoryview(a.view(np.uint8)))
+    assert np.array_equal(a, np.arange(1 << 20, dtype=np.int64))
+    fresh = torch.empty(3 << 20, dtype=torch.uint8)
+    prefault(fresh.numpy().data)  # new memory: backed at once, then filled as usual
+    fresh.fill_(7)
+    assert int(fresh.sum()) == 7 * (3 << 20)
+    prefault(memoryview(b"x" * (2 << 20)))  # read-only memory: left alone
 
 
 def test_every_tensor_owns_its_memory(tmp_path: Path) -> None:

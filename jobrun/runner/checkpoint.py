@@ -6,13 +6,18 @@ Layout::
         tensors.safetensors   every tensor of the workspace (see codec)
         values.json           everything else, as JSON
         MANIFEST.json         format, node, epoch, rank, world_size, created, meta,
-                              and per file its size and sha256
+                              and per file its size and the SHA-256 of each chunk
         COMMIT                {"manifest_sha256": ..., node, epoch, rank, world_size}
 
 A rank's save is valid only when COMMIT is present, names the manifest's hash, and
-every file has the size and hash the manifest lists. A save writes everything into a
+every file has the size and hashes the manifest lists. A save writes everything into a
 temporary directory, renames it into place, and writes COMMIT last, so a crash at any
 point leaves either the previous state or something that is never reported valid.
+
+Since format version 2 a file's hash is a SHA-256 per ``chunk_bytes`` (64 MiB) of it,
+``"sha256_chunks": [...]``, so that several threads hash one file at once (SHA-256 is
+about as slow as reading); version 1 manifests (``"sha256"``: one for the whole file)
+are still read and verified.
 
 Reading, listing and verifying never import torch (only ``load`` without ``as_numpy``
 does), so ``jobrun ckpt list/show`` stay fast.
@@ -28,18 +33,28 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from jobrun.errors import CheckpointError
 from jobrun.runner.codec import UnsupportedValue, decode, encode
-from jobrun.runner.safetensors_io import read_header, read_safetensors, write_safetensors
+from jobrun.runner.safetensors_io import (
+    ChunkHasher,
+    hash_lanes,
+    read_header,
+    read_safetensors,
+    write_safetensors,
+)
 
 FORMAT = "jobrun-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a SHA-256 per chunk of each file; 1: one per file
+VALUES_VERSION = 1
+CHUNK_BYTES = 64 << 20  # a file's hash is one SHA-256 per this many bytes
 TENSORS_FILE = "tensors.safetensors"
 VALUES_FILE = "values.json"
 MANIFEST_FILE = "MANIFEST.json"
@@ -50,7 +65,7 @@ _NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _EPOCH_DIR_RE = re.compile(r"(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.(?P<epoch>0|[1-9][0-9]*)")
 _RANK_DIR_RE = re.compile(r"rank-(0|[1-9][0-9]*)")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 8 << 20  # streaming reads when only hashing
+_READ = 4 << 20  # reads when only hashing
 
 _HINT_RESUME = "resume from an earlier epoch (see `jobrun ckpt list`); this one can be deleted"
 
@@ -156,7 +171,7 @@ def prepare(
     tree, tensors = encode(
         blobs, copy=copy, reuse=lend, on_unsupported=skip if on_unsupported else None
     )
-    values = {"format": "jobrun-values", "version": FORMAT_VERSION, "blobs": tree}
+    values = {"format": "jobrun-values", "version": VALUES_VERSION, "blobs": tree}
     meta = dict(meta or {})
     try:
         json.dumps(meta, allow_nan=False)
@@ -180,21 +195,39 @@ def _create(path: Path) -> BinaryIO:
     return open(path, "xb", buffering=0)  # noqa: SIM115 - the caller closes it
 
 
-def _write_file(path: Path, data: bytes) -> dict[str, Any]:
+def _write_file(path: Path, data: bytes) -> int:
+    """Write and fsync a new file; its size."""
     with _create(path) as f:
         view = memoryview(data)
         while view:
             view = view[f.write(view) :]
         os.fsync(f.fileno())
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return len(data)
+
+
+def _file_entry(size: int, digests: list[str]) -> dict[str, Any]:
+    """A data file's line in the manifest."""
+    return {"size": size, "chunk_bytes": CHUNK_BYTES, "sha256_chunks": digests}
+
+
+def _chunk_digests(data: bytes | memoryview, chunk: int | None) -> list[str]:
+    """The SHA-256 of each ``chunk`` bytes of ``data`` (of all of it when chunk is None)."""
+    view = memoryview(data)
+    step = chunk or max(len(view), 1)
+    starts = range(0, max(len(view), 1), step)
+    return [hashlib.sha256(view[i : i + step]).hexdigest() for i in starts]
+
+
+def _write_values(path: Path, data: bytes) -> dict[str, Any]:
+    return _file_entry(_write_file(path, data), _chunk_digests(data, CHUNK_BYTES))
 
 
 def _write_tensors(path: Path, prepared: Prepared) -> dict[str, Any]:
-    hasher = hashlib.sha256()
+    hasher = ChunkHasher(CHUNK_BYTES)
     with _create(path) as f:
         size = write_safetensors(f, prepared.tensors, {"producer": "jobrun"}, hasher=hasher)
         os.fsync(f.fileno())
-    return {"size": size, "sha256": hasher.hexdigest()}
+    return _file_entry(size, hasher.finish())
 
 
 def _make_dirs(path: Path) -> None:
@@ -270,7 +303,7 @@ def write(
         made_tmp = True
         files = {
             TENSORS_FILE: _write_tensors(tmp / TENSORS_FILE, prepared),
-            VALUES_FILE: _write_file(tmp / VALUES_FILE, prepared.values_json),
+            VALUES_FILE: _write_values(tmp / VALUES_FILE, prepared.values_json),
         }
         manifest = {
             "format": FORMAT,
@@ -287,13 +320,14 @@ def write(
             "files": files,
         }
         manifest_bytes = json.dumps(manifest, indent=1, allow_nan=False).encode()
-        written = _write_file(tmp / MANIFEST_FILE, manifest_bytes)
+        manifest_size = _write_file(tmp / MANIFEST_FILE, manifest_bytes)
         _fsync_dir(tmp)
         had_old = _move_aside(final, aside)
         os.replace(tmp, final)
         placed = True
         _fsync_dir(edir)
-        commit_size = _write_commit(final, written["sha256"], node, epoch, rank, world_size)
+        manifest_sha = hashlib.sha256(manifest_bytes).hexdigest()
+        commit_size = _write_commit(final, manifest_sha, node, epoch, rank, world_size)
     except BaseException as e:
         _undo(
             tmp if made_tmp and not placed else None,
@@ -306,7 +340,7 @@ def write(
             raise _write_error(e, final, Path(ckpt_dir)) from e
         raise
     _discard(aside if had_old else None)
-    size = sum(f["size"] for f in files.values()) + written["size"] + commit_size
+    size = sum(f["size"] for f in files.values()) + manifest_size + commit_size
     return SaveResult(final, size, time.perf_counter() - start)
 
 
@@ -320,7 +354,7 @@ def _write_commit(final: Path, manifest_sha: str, node: str, epoch: int, rank: i
     }
     tmp = final / f".{COMMIT_FILE}.tmp-{secrets.token_hex(4)}"
     try:
-        size = _write_file(tmp, json.dumps(commit).encode())["size"]
+        size = _write_file(tmp, json.dumps(commit).encode())
         os.replace(tmp, final / COMMIT_FILE)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -384,10 +418,10 @@ def _expect(manifest: dict[str, Any], key: str, expected: Any, path: Path) -> No
 def _check_manifest(m: Any, path: Path) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         _problem(f"{path} is not a jobrun checkpoint manifest")
-    if not isinstance(m.get("version"), int) or m["version"] > FORMAT_VERSION:
+    if type(m.get("version")) is not int or not 1 <= m["version"] <= FORMAT_VERSION:
         _problem(
-            f"{path} has format version {m.get('version')!r}; this jobrun reads up to "
-            f"{FORMAT_VERSION}",
+            f"{path} has format version {m.get('version')!r}; this jobrun reads versions "
+            f"1 to {FORMAT_VERSION}",
             hint="upgrade jobrun to read this checkpoint",
         )
     ws, rank = m.get("world_size"), m.get("rank")
@@ -397,12 +431,32 @@ def _check_manifest(m: Any, path: Path) -> dict[str, Any]:
     if not isinstance(files, dict) or set(files) != set(DATA_FILES):
         _problem(f"{path}: the file list must be exactly {', '.join(DATA_FILES)}")
     for name, info in files.items():
-        ok = isinstance(info, dict) and type(info.get("size")) is int and info["size"] >= 0
-        if not ok or not _SHA256_RE.fullmatch(str(info.get("sha256"))):
+        if not _entry_ok(info, m["version"]):
             _problem(f"{path}: bad entry for {name}")
     if not isinstance(m.get("meta"), dict):
         _problem(f"{path}: meta is not an object")
     return m
+
+
+def _entry_ok(info: Any, version: int) -> bool:
+    """Whether a file's manifest entry is well formed: its size, and a SHA-256 per chunk
+    (version 2) or for the whole file (version 1)."""
+    if not (isinstance(info, dict) and type(info.get("size")) is int and info["size"] >= 0):
+        return False
+    if version < 2:
+        return bool(_SHA256_RE.fullmatch(str(info.get("sha256"))))
+    chunk, digests = info.get("chunk_bytes"), info.get("sha256_chunks")
+    if type(chunk) is not int or chunk < 1 or not isinstance(digests, list):
+        return False
+    count = max(1, -(-info["size"] // chunk))
+    return len(digests) == count and all(_SHA256_RE.fullmatch(str(d)) for d in digests)
+
+
+def _digests_of(info: dict[str, Any]) -> tuple[int | None, list[str]]:
+    """(chunk size, expected digests) of a checked entry; chunk None: one for the file."""
+    if "sha256_chunks" in info:
+        return info["chunk_bytes"], info["sha256_chunks"]
+    return None, [info["sha256"]]
 
 
 def _check_commit(
@@ -444,20 +498,56 @@ def _size_problem(path: Path, size: int) -> str | None:
     return None
 
 
-def _checksum_problem(path: Path, expected: str, got: str) -> str:
+def _checksum_problem(path: Path, chunk: int | None, expected: list[str], got: list[str]) -> str:
+    """The message for the first chunk whose hash differs."""
+    pairs = enumerate(zip(expected, got))
+    k = next((i for i, (e, g) in pairs if e != g), min(len(expected), len(got)))
+    want = expected[k] if k < len(expected) else "nothing"
+    have = got[k] if k < len(got) else "nothing"
+    where = ""
+    if chunk is not None and len(expected) > 1:
+        where = f" in bytes {k * chunk}-{(k + 1) * chunk}"
     return (
-        f"{path}: checksum mismatch (sha256 {got[:12]}..., {expected[:12]}... expected): "
+        f"{path}: checksum mismatch{where} (sha256 {have[:12]}..., {want[:12]}... expected): "
         "the file is corrupt"
     )
 
 
-def _hash_file(path: Path) -> str:
+def _digest_problem(path: Path, info: dict[str, Any], got: list[str]) -> str | None:
+    """A checksum mismatch of ``path`` against its manifest entry, or None."""
+    chunk, expected = _digests_of(info)
+    return None if got == expected else _checksum_problem(path, chunk, expected, got)
+
+
+def _hash_file(path: Path, info: dict[str, Any]) -> list[str]:
+    """The SHA-256 of each chunk of the first ``size`` bytes of a file (as its manifest
+    entry chunks it); several chunks are hashed at once, each thread reading its own."""
+    chunk, _ = _digests_of(info)
+    size = info["size"]
+    step = chunk or max(size, 1)
+    spans = [(at, min(size, at + step)) for at in range(0, max(size, 1), step)]
+    if len(spans) == 1:
+        return [_hash_span(path, *spans[0], memoryview(bytearray(min(_READ, size) or 1)))]
+    local = threading.local()  # one read buffer per thread
+
+    def hash_span(span: tuple[int, int]) -> str:
+        if not hasattr(local, "buf"):
+            local.buf = memoryview(bytearray(_READ))
+        return _hash_span(path, *span, local.buf)
+
+    with ThreadPoolExecutor(min(len(spans), hash_lanes()), "jobrun-sha256") as pool:
+        return list(pool.map(hash_span, spans))
+
+
+def _hash_span(path: Path, begin: int, end: int, buf: memoryview) -> str:
+    """The SHA-256 of bytes [begin, end) of a file (of fewer when it is shorter)."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        f.seek(begin)
+        pos = begin
+        while pos < end and (n := f.readinto(buf[: min(len(buf), end - pos)])):
+            h.update(buf[:n])
+            pos += n
     return h.hexdigest()
 
 
@@ -473,12 +563,9 @@ def _rank_problems(rdir: Path, ids: dict[str, Any], *, hashes: bool) -> list[str
         problem = _size_problem(path, info["size"])
         if problem is None and hashes:
             try:
-                got = _hash_file(path)
+                problem = _digest_problem(path, info, _hash_file(path, info))
             except OSError as e:
                 problem = f"cannot read {path}: {e.strerror or e}"
-            else:
-                if got != info["sha256"]:
-                    problem = _checksum_problem(path, info["sha256"], got)
         if problem is None and hashes and name == TENSORS_FILE:
             try:
                 read_header(path)
@@ -565,26 +652,26 @@ def _read_tensors(path: Path, info: dict[str, Any], as_numpy: bool, hashes: bool
     """The tensors file, hashed on the very bytes the tensors are built from."""
     if not hashes:
         return read_safetensors(path, as_numpy=as_numpy)
-    hasher = hashlib.sha256()
+    hasher = ChunkHasher(_digests_of(info)[0])
     try:
         tensors = read_safetensors(path, as_numpy=as_numpy, hasher=hasher)
     except CheckpointError as e:
         # A damaged file may fail to parse before its hash is known: say it is damaged.
-        got = _hash_file(path)
-        if got != info["sha256"]:
-            _problem(_checksum_problem(path, info["sha256"], got))
+        problem = _digest_problem(path, info, _hash_file(path, info))
+        if problem:
+            _problem(problem)
         raise e from None
-    got = hasher.hexdigest()
-    if got != info["sha256"]:
-        _problem(_checksum_problem(path, info["sha256"], got))
+    problem = _digest_problem(path, info, hasher.finish())
+    if problem:
+        _problem(problem)
     return tensors
 
 
 def _read_values(path: Path, info: dict[str, Any], hashes: bool) -> dict[str, Any]:
     raw = path.read_bytes()
-    got = hashlib.sha256(raw).hexdigest() if hashes else info["sha256"]
-    if got != info["sha256"]:
-        _problem(_checksum_problem(path, info["sha256"], got))
+    got = _chunk_digests(raw, _digests_of(info)[0]) if hashes else None
+    if got is not None and (problem := _digest_problem(path, info, got)):
+        _problem(problem)
     try:
         values = json.loads(raw)
     except (ValueError, RecursionError):

@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jobrun.errors import CheckpointError
-from jobrun.runner.safetensors_io import dtype_code
+from jobrun.runner.safetensors_io import dtype_code, prefault
 
 TAG = "__jobrun__"
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -118,7 +118,8 @@ def _cpu_tensor(t: Any, copy: bool, into: Any = None) -> Any:
     """A contiguous CPU tensor with t's values; never t's own memory when ``copy``.
 
     ``into``, a tensor of an earlier copy, is filled instead of new memory when it fits:
-    fresh memory costs a page fault per 4 KiB, often more than the copy itself.
+    fresh memory costs a page fault per 4 KiB, often more than the copy itself (new
+    memory is at least prefaulted in one call).
     """
     import torch
 
@@ -128,7 +129,10 @@ def _cpu_tensor(t: Any, copy: bool, into: Any = None) -> Any:
     if t.device.type != "cpu":
         return t.to("cpu", memory_format=torch.contiguous_format)  # already a copy
     if copy:
-        return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        if out.numel():
+            prefault(out.view(-1).view(torch.uint8).numpy())
+        return out.copy_(t)
     return t.contiguous()
 
 
@@ -276,7 +280,11 @@ class _Encoder:
             np.copyto(into, a)
             a = into
         elif self.copy or not a.flags.c_contiguous:
-            a = a.copy(order="C")
+            fresh = np.empty_like(a, order="C")
+            if fresh.size:
+                prefault(fresh.reshape(-1).view(np.uint8))
+            np.copyto(fresh, a)
+            a = fresh
         self.tensors[key] = a
         return out
 
