@@ -132,6 +132,12 @@ CORNERS = [
     "a: {b: c #d}",
     "a: [b, c] # c\nd: [e]#f",
     "a: {b:c}",
+    "a: {b: c, d:[e]}",
+    "a: {b:? c: d}",
+    "a: [b:?c, d:e]",
+    "a: {b:{c: 1}}",
+    'a: {"b":[1], "c" :2}',
+    "a: [\"b\":1]",
     "a: {b: c:d}",
     "a: {'b': c, \"d\": e}",
     "a: {b: 'it''s'}",
@@ -285,11 +291,14 @@ def test_generated_yaml_agrees_or_steps_aside(text: str) -> None:
 
 
 @FUZZ
-@given(st.sampled_from([p.read_text() for p in EXAMPLES[:4]]), st.data())
+@given(st.sampled_from([p.read_text() for p in EXAMPLES]), st.data())
 def test_mutated_example_plans_agree_or_step_aside(text: str, data: st.DataObject) -> None:
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(text)))
-        piece = data.draw(st.sampled_from([" ", "  ", "-", ":", ": ", "#", "'", '"', "[", "]", "{", "}", ",", "\n", "x", "1", "&", "*"]))
+        piece = data.draw(st.sampled_from([
+            " ", "  ", "-", ":", ": ", "#", "'", '"', "[", "]", "{", "}", ",", "\n", "x", "1", "&", "*",
+            "~", "!", "?", "|", ">", "%", "@", "`", "$", "e5", ".", "_", "\\", "yes", "é",
+        ]))
         text = text[:i] + piece + text[i + data.draw(st.integers(0, 2)):]
     check(text)
 

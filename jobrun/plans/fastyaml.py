@@ -60,17 +60,22 @@ _SPECIAL = {
 # tokens: re.split leaves them as they are, and they mean the same in JSON. Any other
 # character that no token takes (an anchor's &, a tag's !, a `: ` without a key) is left
 # in the text too, where it makes the JSON invalid, so the exact loader reads the file.
-_PLAIN_CHARS = r"(?:[^\s:,\[\]{}\x00]++|:(?=[^\s,\[\]{}\x00]))*+"
+# (libyaml refuses a `:` inside a plain scalar of a flow collection when `,?[]{}` follows.)
+_PLAIN_CHARS = r"(?:[^\s:,\[\]{}\x00]++|:(?=[^\s,?\[\]{}\x00]))*+"
 _PLAIN = (
     r"(?:[^\s\-?:,\[\]{}#&*!|>'\"%@`\x00]|-(?=[^\s,\[\]{}\x00]))"
     + _PLAIN_CHARS + r"(?:\ +(?![\#\s,\[\]{}:\x00])" + _PLAIN_CHARS + r")*+"
 )
-_KEY_END = r"(?:\ *:(?=[\s,\[\]{}\x00]|\Z))?"
+# After a quoted key, `:` may touch what follows (`"a":[1]`); after a plain one it must
+# be followed by a space, or libyaml refuses the text (`{a:[1]}`). A colon that no key
+# token takes is made invalid JSON (see by_tokens).
+_KEY_END = r"(?:\ *:)?"
+_PLAIN_KEY_END = r"(?:\ *:(?=[\s\x00]|\Z))?"
 _TOKEN = re.compile(  # one group around the whole token, for re.split
     r'("[^"\\\n\x00]*"' + _KEY_END
     + r"|'[^'\n\x00]*'" + _KEY_END
     + r"|\ +\#[^\n\x00]*"
-    + r"|" + _PLAIN + _KEY_END + ")",
+    + r"|" + _PLAIN + _PLAIN_KEY_END + ")",
     re.X,
 )
 
@@ -320,7 +325,9 @@ class _Reader:
         tokens = parts[1::2]
         conv = {t: self.token_json(t) for t in set(tokens)}
         parts[1::2] = map(conv.__getitem__, tokens)
-        parts[::2] = [p.replace("[", _OPEN).replace("]", _CLOSE) for p in parts[::2]]
+        # Between tokens, a colon belongs to no key: YAML refuses it (`{a:[1]}`), and so
+        # must the JSON, which a `#` makes sure of.
+        parts[::2] = [p.replace(":", "#").replace("[", _OPEN).replace("]", _CLOSE) for p in parts[::2]]
         return "".join(parts)
 
     def parse_flows(self, joined: str) -> list[Any]:
