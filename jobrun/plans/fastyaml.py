@@ -119,14 +119,13 @@ class _Reader:
         exact: Callable[[str, str], Any], max_depth: int, max_nodes: int, bad: type,
     ):
         self.src = Source(filename, text, exact)
-        self.map = FastMap
-        self.list = FastList
         self.resolve = resolve
         self.bad = bad
         self.max_depth = max_depth
         self.max_nodes = max_nodes
         self.values: dict[str, Any] = {}  # plain scalar -> value
         self.flows: list[str] = []  # flow collections, in order
+        self.joined = ""  # all of them, NUL-separated, once sort_flows has looked
         self.homes: list[tuple[Any, Any]] = []  # where each goes: (container, key)
         self.refs: list[tuple[str, Any, Any, int]] = []
         self.top: str = ""  # the top-level key being read
@@ -154,7 +153,7 @@ class _Reader:
         first key after a list dash when `dashed`)."""
         if depth >= self.max_depth:
             raise _Fallback
-        m = self.map()
+        m = FastMap()
         rows = self.rows
         n = len(rows)
         first = dashed
@@ -168,10 +167,7 @@ class _Reader:
                 raise _Fallback
             if not key:
                 raise _Fallback
-            if key[0] == '"' or key[0] == "'":
-                key = key[1:-1]
-            elif key == "<<":
-                raise _Fallback
+            key = _key_text(key)
             if key in m:
                 raise _Fallback
             if depth == 1:
@@ -187,10 +183,9 @@ class _Reader:
         """The block list whose dashes sit at column `col`, from row k."""
         if depth >= self.max_depth:
             raise _Fallback
-        lst = self.list()
+        lst = FastList()
         rows = self.rows
         n = len(rows)
-        new_map, flows, homes = self.map, self.flows, self.homes
         while k < n:
             ind, dash, key, rest = rows[k]
             if len(ind) != col or not dash:
@@ -198,18 +193,8 @@ class _Reader:
                     break
                 raise _Fallback
             if key and (k + 1 == n or len(rows[k + 1][0]) <= col) and rest and rest[0] != "#":
-                # `- name: value` alone (most steps of a plan): the mapping in one go,
-                # and for `- op: {...}` without even a call.
-                if (
-                    rest[0] == "{" and key[0] not in "\"'" and key != "<<" and "${" not in rest
-                    and depth + 1 + rest.count("{") + rest.count("[") < self.max_depth
-                ):
-                    item = new_map()
-                    item[key] = None
-                    flows.append(rest)
-                    homes.append((item, key))
-                else:
-                    item = self.single(key, rest, depth + 1)
+                # `- name: value` alone (most steps of a plan): the mapping in one go.
+                item = self.single(key, rest, depth + 1)
                 k += 1
             elif key:
                 item, k = self.mapping(k, col + len(dash), True, depth + 1)
@@ -225,11 +210,8 @@ class _Reader:
         """The mapping of one key and an inline value, as `mapping` would read it."""
         if depth >= self.max_depth:
             raise _Fallback
-        if key[0] == '"' or key[0] == "'":
-            key = key[1:-1]
-        elif key == "<<":
-            raise _Fallback
-        m = self.map()
+        key = _key_text(key)
+        m = FastMap()
         m[key] = self.inline(rest, m, key, depth)
         return m
 
@@ -270,15 +252,20 @@ class _Reader:
         else:
             cut = rest.find(" #")
             text = (rest if cut < 0 else rest[:cut]).rstrip(" ")
-            value = self.values.get(text, self)
-            if value is self:
-                if ": " in text or text[-1] == ":":
-                    raise _Fallback
-                value = self.values[text] = self.resolve(text)
-            if value.__class__ is self.bad:
+            if ": " in text or text[-1] == ":":
                 raise _Fallback
+            value = self.plain(text)
         if value.__class__ is str and "${" in value:
             self.refs.append((self.top, up, ukey, depth + 1))
+        return value
+
+    def plain(self, text: str) -> Any:
+        """The value of a plain scalar (each text resolved once); refused ones fall back."""
+        value = self.values.get(text, self)
+        if value is self:
+            value = self.values[text] = self.resolve(text)
+        if value.__class__ is self.bad:
+            raise _Fallback
         return value
 
     # -- flow collections ------------------------------------------------------------
@@ -299,7 +286,7 @@ class _Reader:
     def sort_flows(self) -> tuple[list[int], list[int]]:
         """The collections `by_words` can take, and the others."""
         flows = self.flows
-        every = "\x00".join(flows)
+        every = self.joined = "\x00".join(flows)
         if _by_words_ok(every):  # the usual case: every one of them, at C speed
             return list(range(len(flows))), []
         words, tokens = [], []
@@ -309,8 +296,7 @@ class _Reader:
 
     def by_words(self, which: list[int]) -> str:
         """JSON for collections without single quotes, comments or `:` inside words."""
-        # NUL cannot occur in a plan (the loader refuses it): it separates collections.
-        text = "\x00".join([self.flows[i] for i in which])
+        text = self.join(which)
         if _LONG_NUMBER.search(text):
             raise _Fallback
         if '"' not in text:
@@ -321,7 +307,7 @@ class _Reader:
 
     def by_tokens(self, which: list[int]) -> str:
         """JSON for any collections, each scalar converted on its own (and once)."""
-        parts = _TOKEN.split("\x00".join([self.flows[i] for i in which]))
+        parts = _TOKEN.split(self.join(which))
         tokens = parts[1::2]
         conv = {t: self.token_json(t) for t in set(tokens)}
         parts[1::2] = map(conv.__getitem__, tokens)
@@ -329,6 +315,13 @@ class _Reader:
         # must the JSON, which a `#` makes sure of.
         parts[::2] = [p.replace(":", "#").replace("[", _OPEN).replace("]", _CLOSE) for p in parts[::2]]
         return "".join(parts)
+
+    def join(self, which: list[int]) -> str:
+        """The collections `which`, NUL-separated (NUL cannot occur in a plan: the
+        loader refuses it)."""
+        if len(which) == len(self.flows):
+            return self.joined
+        return "\x00".join([self.flows[i] for i in which])
 
     def parse_flows(self, joined: str) -> list[Any]:
         """The values of NUL-separated JSON collections. Each is wrapped as
@@ -338,7 +331,7 @@ class _Reader:
         if joined.count(",") + joined.count("{") + len(self.rows) > self.max_nodes:
             raise _Fallback
         doc = '[["\\u0001",' + joined.replace("\x00", '\n],["\\u0001",') + "\n]]"
-        items = json.loads(doc, object_pairs_hook=_object_hook(self.map, self.list))
+        items = json.loads(doc, object_pairs_hook=_flow_object)
         out = []
         for item in items:
             if item.__class__ is not list or len(item) != 2 or item[0] != "\x01":
@@ -348,24 +341,16 @@ class _Reader:
             out.append(item[1])
         return out
 
-
     def token_json(self, t: str) -> str:
         if t[0] == " ":  # a comment
             return ""
         if t[-1] == ":":  # a key, taken as written
-            key = t[:-1].rstrip(" ")
-            if key[0] == '"' or key[0] == "'":
-                key = key[1:-1]
-            elif key == "<<":
-                raise _Fallback
-            return _json_str(key) + ":"
+            return _json_str(_key_text(t[:-1].rstrip(" "))) + ":"
         if t[0] == '"':
             return t
         if t[0] == "'":
             return _json_str(t[1:-1])
-        value = self.values.get(t, self)
-        if value is self:
-            value = self.values[t] = self.resolve(t)
+        value = self.plain(t)
         if value.__class__ is str:
             return _json_str(value)
         if value is None:
@@ -376,21 +361,26 @@ class _Reader:
             return str(value)
         if value.__class__ is float:
             return repr(value)  # finite (the loader refuses others); repr round-trips
-        raise _Fallback  # refused by the loader: its error has the position
+        raise _Fallback
 
 
-def _object_hook(new_map: type[PMap], new_list: type[PList]) -> Callable[[list[tuple[str, Any]]], Any]:
-    """json's hook for each object: a PMap, or the PList of an array (see _OPEN)."""
+def _key_text(key: str) -> str:
+    """A key as written, without its quotes; a merge key (`<<`) falls back."""
+    if key[0] == '"' or key[0] == "'":
+        return key[1:-1]
+    if key == "<<":
+        raise _Fallback
+    return key
 
-    def hook(pairs: list[tuple[str, Any]]) -> Any:
-        if pairs and pairs[0][0] == "\x02":
-            return new_list(pairs[0][1])
-        m = new_map(pairs)
-        if len(m) != len(pairs):
-            raise _Fallback  # a duplicate key
-        return m
 
-    return hook
+def _flow_object(pairs: list[tuple[str, Any]]) -> PMap | PList:
+    """json's hook for each object: a mapping, or the list of an array (see _OPEN)."""
+    if pairs and pairs[0][0] == "\x02":
+        return FastList(pairs[0][1])
+    m = FastMap(pairs)
+    if len(m) != len(pairs):
+        raise _Fallback  # a duplicate key
+    return m
 
 
 def _by_words_ok(flow: str) -> bool:
