@@ -17,7 +17,6 @@ from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans import ir
 from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc, shorten, show
 from jobrun.plans.resolve import apply_sets, substitute
-from jobrun.plans.tree import positions
 
 BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -361,7 +360,7 @@ class _Compiler:
         for key, value in body.items():
             if key == "in":
                 if isinstance(value, PList):
-                    at = positions(value)
+                    at = value.at
                     ins = tuple([
                         ref(v, at(i)) if v.__class__ is str and v in good else self.input(name, v, at(i))
                         for i, v in enumerate(value)
@@ -370,13 +369,11 @@ class _Compiler:
                     ins = (self.input(name, value, body.at("in")),)
             elif key == "out":
                 if isinstance(value, PList):
-                    at = positions(value)
+                    at = value.at
                     outs = tuple([
                         ref(v, at(i)) if v.__class__ is str and v in good else self.blob(v, at(i), "out", name)
                         for i, v in enumerate(value)
                     ])
-                elif value.__class__ is str and value in good:
-                    outs = (ref(value, body.at("out")),)
                 elif value is not None:
                     outs = (self.blob(value, body.at("out"), "out", name),)
             elif args is None:

@@ -178,12 +178,9 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
     if not refs:
         return tree  # no `${` in the file and no --set: nothing to replace
     ctx = _Ctx(env, budget, [], None)
-    if refs is True:
-        for key, value in tree.items():
-            if key != "vars":
-                tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None, 2)
-        return tree
-    # The fast loader listed where `${` was written, in order: no need to walk the rest.
+    if refs is True:  # anywhere: every top-level value (the plan itself is depth 1)
+        refs = [(key, tree, key, 2) for key in tree]
+    # Else the fast loader listed where `${` was written, in order: the rest holds none.
     for top, container, key, depth in refs:
         if top != "vars":
             value = container[key]

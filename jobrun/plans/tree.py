@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from jobrun.errors import Pos
@@ -237,11 +236,7 @@ class PMap(_Located, dict):
     def key_pos(self) -> dict[str, Pos]:
         """Position of each key (a dict you may update)."""
         if self._key_pos is None:
-            if self._src is not None:
-                self._key_pos = {k: LazyPos(self, k, _KEY) for k in self}
-            else:
-                f = self._file
-                self._key_pos = {k: mark_pos(f, m) for k, m in (self._kmarks or {}).items()}
+            self._key_pos = self._all_pos(_KEY, self._kmarks)
         return self._key_pos
 
     @key_pos.setter
@@ -252,11 +247,7 @@ class PMap(_Located, dict):
     def val_pos(self) -> dict[str, Pos]:
         """Position of each value (a dict you may update)."""
         if self._val_pos is None:
-            if self._src is not None:
-                self._val_pos = {k: LazyPos(self, k, _VAL) for k in self}
-            else:
-                f = self._file
-                self._val_pos = {k: mark_pos(f, m) for k, m in (self._vmarks or {}).items()}
+            self._val_pos = self._all_pos(_VAL, self._vmarks)
         return self._val_pos
 
     @val_pos.setter
@@ -265,23 +256,26 @@ class PMap(_Located, dict):
 
     def at(self, key: str) -> Pos:
         """Position of the value under `key` (or of the mapping when it is absent)."""
-        if self._val_pos is not None:
-            p = self._val_pos.get(key)
-        elif self._src is not None:
-            p = LazyPos(self, key, _VAL) if key in self else None
-        else:
-            mark = self._vmarks.get(key) if self._vmarks else None
-            p = mark_pos(self._file, mark) if mark is not None else None
-        return p if p is not None else self.pos
+        return self._pos_of(key, _VAL, self._val_pos, self._vmarks)
 
     def key_at(self, key: str) -> Pos:
         """Position of `key` itself (or of the mapping when it is absent)."""
-        if self._key_pos is not None:
-            p = self._key_pos.get(key)
+        return self._pos_of(key, _KEY, self._key_pos, self._kmarks)
+
+    def _all_pos(self, kind: int, marks: dict[str, Any] | None) -> dict[str, Pos]:
+        if self._src is not None:
+            return {k: LazyPos(self, k, kind) for k in self}
+        f = self._file
+        return {k: mark_pos(f, m) for k, m in (marks or {}).items()}
+
+    def _pos_of(self, key: str, kind: int, known: dict[str, Pos] | None, marks: dict[str, Any] | None) -> Pos:
+        # Positions already made (or given by --set), else lazy ones, else from marks.
+        if known is not None:
+            p = known.get(key)
         elif self._src is not None:
-            p = LazyPos(self, key, _KEY) if key in self else None
+            p = LazyPos(self, key, kind) if key in self else None
         else:
-            mark = self._kmarks.get(key) if self._kmarks else None
+            mark = marks.get(key) if marks else None
             p = mark_pos(self._file, mark) if mark is not None else None
         return p if p is not None else self.pos
 
@@ -366,16 +360,6 @@ for _name, _value in {**_FAST_DEFAULTS, "_kmarks": None, "_vmarks": None, "_key_
 for _name, _value in {**_FAST_DEFAULTS, "_marks": None, "_item_pos": None}.items():
     setattr(FastList, _name, _value)
 _FAST = (FastMap, FastList)
-
-
-def positions(container: PMap | PList) -> Callable[[Any], Pos]:
-    """`container.at`, made faster for a fast-loaded container that --set left alone
-    (the compiler asks for a few hundred thousand positions in a big plan)."""
-    if container._src is not None and (
-        container._val_pos is None if isinstance(container, PMap) else container._item_pos is None
-    ):
-        return partial(LazyPos, container)  # resolves like `at` (absent key: the container)
-    return container.at
 
 
 class CloneBudgetExceeded(Exception):
