@@ -3,10 +3,11 @@
 The state: an MLP (3 Linear layers) and Adam's two moment buffers per parameter: about
 3 x 4 bytes per parameter (536 MB in the full run). Each repetition, in turns:
 
-* jobrun: ``checkpoint.save`` (safetensors + JSON + manifest with a SHA-256 of every
-  64 MiB chunk of every file, fsync of files and directories, atomic rename, COMMIT
-  marker) and ``checkpoint.load`` (which verifies every hash on the bytes it reads, the
-  chunks hashed on helper threads while the next bytes are read);
+* jobrun: ``checkpoint.save`` (safetensors + JSON + manifest with a CRC-32 of every
+  16 MiB chunk of every file, fsync of files and directories, atomic rename, COMMIT
+  marker) and ``checkpoint.load`` (one thread per CPU, at most 4, each reading a stretch
+  of the file straight into the tensors and checking its chunks' CRC-32 on the bytes
+  it read);
 * raw: the same tensor bytes written into one file with large writes and one fsync, and
   read back into preallocated buffers: the disk's speed, no format, no checks;
 * torch: ``torch.save`` of the two state dicts (+ flush + fsync) and
@@ -21,15 +22,18 @@ seconds (this is I/O), medians over the repetitions; ratios are speeds relative 
 kept) is shown against the warm raw read, for information.
 
 The async stall: with ``checkpoint: {async: true}`` the training thread only runs
-``checkpoint.prepare(blobs, copy=True)`` (a private copy of every tensor) and a
-background thread writes. The stall is that copy, measured fresh and with ``reuse=`` the
-previous Prepared, against a synchronous save of the same state. End to end (when the
+``checkpoint.prepare(blobs, copy=True)`` (a private copy of every tensor, on one thread
+per CPU) and a background thread writes. The stall is that copy, with ``reuse=`` the
+previous Prepared (what every save of a job but the first ones does), against a
+synchronous save of the same state; into new memory (information: what a save would pay
+without the runner's spares, see below). End to end (when the
 plan language has ``checkpoint: {async: true}``): a job whose epochs train a big MLP and
 save a checkpoint every epoch, run in this process with async false and true in turns;
 the figure is the wall time of an epoch with its save (train + save, or train + stall,
 the background write competing with the next epoch for the CPU), median over epochs.
 Epoch 1 is left out of those medians and shown on its own: its save is the first to
-hold Adam's moments (created by the first step), so it copies them into fresh memory.
+hold Adam's moments (created by the first step), which the runner copies into spares made
+in the background after that step (``checkpoint.Spares``), not into new memory.
 """
 
 from __future__ import annotations
@@ -272,10 +276,11 @@ def async_e2e(mode: Mode) -> list[Row]:
     if first:
         stall = median(first)
         rows.append(Row(
-            section="checkpoint", name="async: blocked at epoch 1 (fresh memory)", value=stall,
-            unit="s", baseline=save, baseline_name="synchronous save in the job",
-            ratio=stall / save, goal="information", ok=None,
-            note="the first save with Adam's moments: 2/3 of the state has no buffer to reuse",
+            section="checkpoint", name="async: blocked at epoch 1 (Adam's new state)",
+            value=stall, unit="s", baseline=save, baseline_name="synchronous save in the job",
+            ratio=stall / save, goal=f"<= {GOAL_STALL:.0%} of a synchronous save",
+            ok=stall / save <= GOAL_STALL,
+            note="the first save with Adam's moments (2/3 of the state), copied into spares",
             extra={"blocked_s": first},
         ))
     return rows
@@ -351,11 +356,13 @@ def run(mode: Mode) -> list[Row]:
         "information", None, note="verify_hashes=False: the cost of reading alone")
     row("verify (warm): hash every byte", "verify_warm", "raw_read_warm", "raw read (warm)",
         "information", None, note="checkpoint.verify: what resume checks before it loads")
-    for key, label in (("prepare", "async stall: prepare(copy=True)"),
-                       ("prepare_reuse", "async stall: prepare(copy=True, reuse=)")):
-        ratio = m[key] / m["save"]
-        row(label, key, "save", "synchronous save", f"<= {GOAL_STALL:.0%} of a synchronous save",
-            ratio <= GOAL_STALL, ratio=ratio, note=f"{mb:.0f} MB state; ratio = stall / save")
+    ratio = m["prepare_reuse"] / m["save"]
+    row("async stall: prepare(copy=True, reuse=)", "prepare_reuse", "save", "synchronous save",
+        f"<= {GOAL_STALL:.0%} of a synchronous save", ratio <= GOAL_STALL, ratio=ratio,
+        note=f"{mb:.0f} MB state; ratio = stall / save")
+    row("copy into new memory: prepare(copy=True)", "prepare", "save", "synchronous save",
+        "information", None, ratio=m["prepare"] / m["save"],
+        note="no buffer to reuse and no spares: the kernel hands out every page")
     for r in rows:
         r.extra["state_bytes"] = size
     del state, tensors, prev

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,10 @@ def hidden_entries(path: Path) -> list[str]:
     return [p.name for p in path.rglob(".*")]
 
 
+def crc(data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}"
+
+
 # -------------------------------------------------------------------- save and load
 
 
@@ -70,7 +75,7 @@ def test_save_load_round_trip_and_layout(tmp_path: Path) -> None:
         assert manifest["files"][name] == {
             "size": len(data),
             "chunk_bytes": ck.CHUNK_BYTES,  # far more than this file: one chunk
-            "sha256_chunks": [hashlib.sha256(data).hexdigest()],
+            "crc32_chunks": [crc(data)],
         }
     commit = json.loads((rdir / "COMMIT").read_bytes())
     assert (
@@ -332,7 +337,7 @@ def test_every_chunk_has_its_own_hash(tmp_path: Path, small_chunks: int) -> None
         data = (rdir / name).read_bytes()
         chunks = [data[i : i + small_chunks] for i in range(0, len(data), small_chunks)]
         assert len(chunks) > 1 and info["chunk_bytes"] == small_chunks
-        assert info["sha256_chunks"] == [hashlib.sha256(c).hexdigest() for c in chunks]
+        assert info["crc32_chunks"] == [crc(c) for c in chunks]
     assert torch.equal(ck.load(tmp_path, "n", 0)[0]["w"], w)
     assert ck.verify(tmp_path, "n", 0) == []
 
@@ -358,13 +363,15 @@ def test_a_flipped_byte_in_any_chunk_is_found(tmp_path: Path, small_chunks: int,
 @pytest.mark.parametrize(
     "change",
     [
-        lambda e: e.update(sha256_chunks=e["sha256_chunks"][:-1]),  # one digest short
-        lambda e: e.update(sha256_chunks=e["sha256_chunks"] + ["0" * 64]),  # one too many
+        lambda e: e.update(crc32_chunks=e["crc32_chunks"][:-1]),  # one digest short
+        lambda e: e.update(crc32_chunks=e["crc32_chunks"] + ["0" * 8]),  # one too many
         lambda e: e.update(chunk_bytes=0),
-        lambda e: e.update(sha256_chunks=["x" * 64] * len(e["sha256_chunks"])),
-        lambda e: e.update(sha256=e.pop("sha256_chunks")[0]),  # the version 1 entry
+        lambda e: e.update(crc32_chunks=["x" * 8] * len(e["crc32_chunks"])),
+        lambda e: e.update(crc32_chunks=["0" * 9] * len(e["crc32_chunks"])),
+        lambda e: e.update(sha256_chunks=e.pop("crc32_chunks")),  # a version 2 key
+        lambda e: e.update(sha256=e.pop("crc32_chunks")[0]),  # the version 1 entry
     ],
-    ids=["short", "long", "zero chunk", "not hex", "v1 entry"],
+    ids=["short", "long", "zero chunk", "not hex", "too long", "v2 key", "v1 entry"],
 )
 def test_malformed_chunk_entries_are_refused(tmp_path: Path, small_chunks: int, change) -> None:
     ck.save({"w": torch.randn(50_000)}, {}, tmp_path, "n", 0)
@@ -395,6 +402,39 @@ def as_version_1(rdir: Path) -> None:
         for name, info in manifest["files"].items()
     }
     rewrite_manifest(rdir, manifest)
+
+
+def as_version_2(rdir: Path, chunk: int) -> None:
+    """Turn a rank directory into what format version 2 wrote: a SHA-256 per chunk."""
+    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
+    manifest["version"] = 2
+    for name, info in manifest["files"].items():
+        data = (rdir / name).read_bytes()
+        del info["crc32_chunks"]
+        info["chunk_bytes"] = chunk
+        starts = range(0, max(len(data), 1), chunk)
+        info["sha256_chunks"] = [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in starts]
+    rewrite_manifest(rdir, manifest)
+
+
+def test_version_2_checkpoints_are_still_read(tmp_path: Path) -> None:
+    w = torch.randn(300_000)  # 1.2 MB: 19 chunks of 64 KiB, read by several threads
+    for e in (0, 1):
+        ck.save({"w": w, "step": e}, {"e": e}, tmp_path, "n", e)
+        as_version_2(tmp_path / f"n.{e}" / "rank-0", 64 << 10)
+    assert ck.read_manifest(tmp_path, "n", 1)["version"] == 2
+    blobs, meta = ck.load(tmp_path, "n", 1)
+    assert meta == {"e": 1} and blobs["step"] == 1 and torch.equal(blobs["w"], w)
+    assert ck.verify(tmp_path, "n", 1) == [] and ck.latest_complete_epoch(tmp_path, ["n"], 1) == (1, [])
+    path = tmp_path / "n.1" / "rank-0" / "tensors.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[700_000] ^= 0x10
+    path.write_bytes(raw)
+    k = 700_000 // (64 << 10)
+    expect_problem(
+        tmp_path, 1,
+        rf"checksum mismatch in bytes {k * (64 << 10)}-{(k + 1) * (64 << 10)} \(sha256 [0-9a-f]{{12}}, ",
+    )
 
 
 def test_version_1_checkpoints_are_still_read(tmp_path: Path) -> None:
@@ -434,7 +474,7 @@ def test_version_1_entries_in_a_version_2_manifest_and_newer_versions(tmp_path: 
     rewrite_manifest(rdir, manifest)
     with pytest.raises(CheckpointError, match="upgrade jobrun") as info:
         ck.load(tmp_path, "n", 0)
-    assert "format version 3" in info.value.message
+    assert f"format version {ck.FORMAT_VERSION + 1}" in info.value.message
 
 
 # -------------------------------------------------------------------- crashes and errors

@@ -172,6 +172,47 @@ def test_copy_makes_private_tensors() -> None:
     assert np.array_equal(private["a"], np.zeros(3))
 
 
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_copies_are_cut_in_slices_on_several_threads(monkeypatch, lanes: int) -> None:
+    from jobrun.runner import codec
+
+    monkeypatch.setattr(codec, "_SLICE_BYTES", 4096)  # every big tensor: many slices
+    monkeypatch.setattr(codec, "hash_lanes", lambda: lanes)
+    g = torch.Generator().manual_seed(1)
+    ws = {
+        "big": torch.randn(10_007, generator=g),
+        "half": torch.randn(3001, generator=g).half(),
+        "strided": torch.randn(200, 50, generator=g).t(),  # not contiguous: copied whole
+        "arr": np.arange(5000, dtype=np.int64),
+        "arr_t": np.arange(6000, dtype=np.float32).reshape(60, 100).T,
+        "empty": torch.empty(0),
+    }
+    _, fresh = encode(ws, copy=True)
+    _, again = encode(ws, copy=True, reuse=fresh)  # into the same memory
+    for key in ws:
+        want = ws[key].contiguous() if isinstance(ws[key], torch.Tensor) else ws[key]
+        for got in (fresh[key], again[key]):
+            assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype
+            assert (torch.equal(got, want) if isinstance(got, torch.Tensor)
+                    else np.array_equal(got, want))
+    assert again["big"].data_ptr() == fresh["big"].data_ptr()
+    assert again["arr"].ctypes.data == fresh["arr"].ctypes.data
+    ws["big"].add_(1)
+    assert not torch.equal(again["big"], ws["big"])  # still a private copy
+
+
+def test_a_blob_left_out_copies_nothing(monkeypatch) -> None:
+    from jobrun.runner import codec
+
+    seen: list[int] = []
+    real = codec.run_copies
+    monkeypatch.setattr(codec, "run_copies", lambda cs: (seen.append(len(cs)), real(cs)))
+    bad = {"t": torch.ones(3), "f": lambda: 0}  # the lambda cannot be stored
+    tree, tensors = encode({"ok": torch.zeros(2), "bad": bad}, copy=True,
+                           on_unsupported=lambda e: None)
+    assert list(tree) == ["ok"] and list(tensors) == ["ok"] and seen == [1]
+
+
 def test_module_state_restores_into_a_fresh_module() -> None:
     torch.manual_seed(0)
     src = torch.nn.Linear(4, 3)

@@ -9,6 +9,8 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,10 @@ import pytest
 import torch
 
 from jobrun.errors import CheckpointError
+from jobrun.runner import safetensors_io as sio
 from jobrun.runner.safetensors_io import (
     ChunkHasher,
+    Crc32,
     prefault,
     read_header,
     read_safetensors,
@@ -123,21 +127,26 @@ def test_hasher_sees_exactly_the_bytes_written(tmp_path: Path) -> None:
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
 
 
+def digest(algo: str, data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}" if algo == "crc32" else hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("algo", ["crc32", "sha256"])
 @pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20, None], ids=str)
-def test_chunk_hasher_digests_each_chunk(chunk: int | None) -> None:
+def test_chunk_hasher_digests_each_chunk(chunk: int | None, algo: str) -> None:
     rng = np.random.default_rng(0)
     sizes = [0, 3, 5000, 1, 3 << 20, 17, 2 << 20, 4096, 9]  # small and big pieces
     if chunk is not None and chunk < 100:
         sizes = [0, 3, 50, 1, 9]  # a digest every few bytes: keep it short
     pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
     data = b"".join(pieces)
-    hasher = ChunkHasher(chunk, lanes=3)
+    hasher = ChunkHasher(chunk, lanes=3, algo=algo)
     for piece in pieces:
         hasher.update(piece)
     step = chunk or len(data)
-    expected = [hashlib.sha256(data[i : i + step]).hexdigest() for i in range(0, len(data), step)]
+    expected = [digest(algo, data[i : i + step]) for i in range(0, len(data), step)]
     assert hasher.finish() == expected and hasher.finish() == expected
-    assert ChunkHasher(chunk).finish() == [hashlib.sha256(b"").hexdigest()]  # empty stream
+    assert ChunkHasher(chunk, algo=algo).finish() == [digest(algo, b"")]  # empty stream
 
 
 def test_chunk_hasher_abort_leaves_no_thread_behind() -> None:
@@ -147,7 +156,7 @@ def test_chunk_hasher_abort_leaves_no_thread_behind() -> None:
     for _ in range(8):
         hasher.update(bytes(2 << 20))  # queued on both lanes
     hasher.abort()
-    assert not [t for t in threading.enumerate() if t.name.startswith("jobrun-sha256")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("jobrun-hash")]
 
 
 def test_chunk_hasher_feeds_a_given_hashlib_object() -> None:
@@ -171,6 +180,85 @@ def test_chunk_digests_of_a_file_read_and_written(tmp_path: Path) -> None:
     read = ChunkHasher(1 << 20)
     back = read_safetensors(path, hasher=read)
     assert read.finish() == expected and torch.equal(back["big"], tensors["big"])
+
+
+def test_crc32_is_zlibs_incrementally() -> None:
+    h = Crc32()
+    assert h.hexdigest() == "00000000"
+    h.update(b"123456789")
+    assert h.hexdigest() == "cbf43926"  # the CRC-32 check value
+    h.update(memoryview(b"x" * 10_000))
+    assert h.value == zlib.crc32(b"123456789" + b"x" * 10_000)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 8])
+@pytest.mark.parametrize("chunk", [1000, 1 << 16, None], ids=str)
+def test_parallel_reads_give_the_bytes_and_the_digest_of_every_chunk(
+    tmp_path: Path, monkeypatch, lanes: int, chunk: int | None
+) -> None:
+    monkeypatch.setattr(sio, "hash_lanes", lambda: lanes)
+    monkeypatch.setattr(sio, "_SLICE", 4096)  # many slices per chunk and per tensor
+    tensors = {f"t{i}": _sample(torch.float32, (1 + 997 * i,)) for i in range(12)}
+    tensors |= {"b": _sample(torch.bool, (333,)), "e": torch.empty(0), "h": _sample(torch.float16, (7,))}
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, tensors)
+    data = path.read_bytes()
+    hasher = ChunkHasher(chunk, algo="crc32")
+    back = read_safetensors(path, hasher=hasher)
+    assert list(back) == sorted(tensors)
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+    step = chunk or len(data)
+    assert hasher.finish() == [f"{zlib.crc32(data[i : i + step]):08x}" for i in range(0, len(data), step)]
+    unhashed = read_safetensors(data)  # from memory, units of _UNIT, no digests
+    assert all(torch.equal(unhashed[k], v) for k, v in tensors.items())
+
+
+def test_units_cover_the_file_and_lanes_take_even_contiguous_runs() -> None:
+    mem = memoryview(bytearray(100))
+    spans = [sio._Span(0, mem[:10], read=False), sio._Span(10, mem[10:13]), sio._Span(13, mem[13:100])]
+    units = sio._cut(spans, 100, 16)
+    assert len(units) == 7
+    assert [[(s.at, len(s.view), s.read) for s in u] for u in units[:2]] == [
+        [(0, 10, False), (10, 3, True), (13, 3, True)], [(16, 16, True)]]
+    assert sum(len(s.view) for u in units for s in u) == 100
+    sizes = [sum(len(s.view) for s in u) for u in units]
+    assert sio.deal(sizes, 2) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert sio.deal(sizes, 3) == [[0, 1], [2, 3], [4, 5, 6]]  # 32, 32 and 36 bytes
+    assert sio.deal(sizes[:1], 4) == [[0]] and sio.deal([0, 0], 2) == [[0, 1]]
+    assert sio.deal([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+
+
+def test_a_file_replaced_or_cut_while_it_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"a": torch.randn(1000)})
+    other = tmp_path / "o.safetensors"
+    write_safetensors(other, {"a": torch.randn(1000)})
+    src = sio._FileSource(path, other.stat(), str(path))  # as if renamed over meanwhile
+    with pytest.raises(CheckpointError, match="replaced while it was being read"), src.reader():
+        pass
+    src = sio._FileSource(path, path.stat(), str(path))
+    with src.reader() as pread, pytest.raises(CheckpointError, match="truncated while reading"):
+        pread(memoryview(bytearray(100)), path.stat().st_size - 50)
+
+
+def test_a_failing_lane_fails_the_read_and_leaves_no_thread(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sio, "hash_lanes", lambda: 3)
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"a": torch.randn(300_000)})
+    real = sio._FileSource._pread
+    calls = []
+
+    def flaky(self, fd, view, at):  # the last stretch of the file cannot be read
+        calls.append(at)
+        if at > 1_000_000:
+            raise OSError(5, "Input/output error")
+        real(self, fd, view, at)
+
+    monkeypatch.setattr(sio._FileSource, "_pread", flaky)
+    monkeypatch.setattr(sio, "_UNIT", 1 << 16)
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        read_safetensors(path)
+    assert len(calls) > 3 and not [t for t in threading.enumerate() if t.name == "jobrun-io"]
 
 
 def test_prefault_keeps_what_memory_holds() -> None:

@@ -71,6 +71,8 @@ class JobRunner:
         self._pending_signal: int | None = None
         self._writer: _Writer | None = None
         self._buffers: dict[str, Any] = {}
+        self._spares: dict[str, store.Spares] = {}  # per node: host memory made ahead
+        self._hooks: dict[str, list[Any]] = {}  # per node: optimizer hooks that make spares
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         ck = self.plan.checkpoint
         self.ckpt_dir = _under(cfg.run_dir, ck.dir) if ck else None
@@ -239,10 +241,30 @@ class JobRunner:
         # Asynchronous saves reuse the previous save's host buffers: touching fresh
         # memory costs more than the copy itself.
         reuse = self._buffers.get(node.name) if copy else None
-        prepared = store.prepare(blobs, meta, copy=copy, reuse=reuse, on_unsupported=unsupported)
+        spares = self._spares.setdefault(node.name, store.Spares()) if copy else None
+        prepared = store.prepare(blobs, meta, copy=copy, reuse=reuse, spares=spares,
+                                 on_unsupported=unsupported)
         if copy:
             self._buffers[node.name] = prepared
+            spares.clear()
+            self._watch_optimizers(node.name, blobs, spares)
         return prepared
+
+    def _watch_optimizers(self, node: str, blobs: dict[str, Any], spares: store.Spares) -> None:
+        """Make host memory ahead for the state an optimizer creates at its first step.
+
+        An optimizer without state at this save (Adam before its first step) creates it
+        at its next step; a one-shot hook on that step has buffers of the same shapes
+        made in the background, so the next save copies into memory already touched.
+        """
+        import torch
+
+        for hook in self._hooks.pop(node, []):
+            hook.remove()
+        hooks = self._hooks[node] = []
+        for opt in blobs.values():
+            if isinstance(opt, torch.optim.Optimizer) and not any(opt.state.values()):
+                hooks.append(_spares_after_first_step(opt, spares))
 
     def _write_all(self, epoch: int, prepared: dict[str, Any]) -> tuple[int, float]:
         total_bytes, total_s = 0, 0.0
@@ -340,6 +362,21 @@ class JobRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def _spares_after_first_step(opt: Any, spares: store.Spares) -> Any:
+    """A one-shot hook on ``opt``'s next step: spares for every state tensor it then has."""
+    import torch
+
+    def made_state(o: Any, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        like = [(t.dtype, tuple(t.shape)) for st in o.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)]
+        if like:
+            spares.add(like)
+
+    handle = opt.register_step_post_hook(made_state)
+    return handle
 
 
 class _Writer:

@@ -28,7 +28,9 @@ import os
 import stat
 import struct
 import sys
-from collections.abc import Mapping
+import threading
+import zlib
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,12 +220,35 @@ def write_safetensors(
     return _write_pieces(fileobj_or_path, head, layout, hasher)
 
 
-class ChunkHasher:
-    """SHA-256 digests of a byte stream, one per ``chunk`` bytes, computed on helper threads.
+class Crc32:
+    """CRC-32 (zlib's, as in zip and gzip) with hashlib's ``update``/``hexdigest``.
 
-    ``update`` takes the stream's bytes in order. hashlib releases the GIL, so hashing
-    overlaps with the caller's reading or writing: SHA-256 runs at about the speed of
-    reading into fresh memory, so taking turns would nearly halve the throughput. Chunk
+    About 2.3x faster than SHA-256 here (3.7 against 1.6 GB/s), and like hashlib it
+    releases the GIL on big buffers, so several threads checksum at once.
+    """
+
+    __slots__ = ("value",)
+    name = "crc32"
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+CHECKSUMS: dict[str, Any] = {"crc32": Crc32, "sha256": hashlib.sha256}
+
+
+class ChunkHasher:
+    """Digests of a byte stream, one per ``chunk`` bytes, computed on helper threads.
+
+    ``algo`` names the checksum (a key of CHECKSUMS: "crc32" or "sha256"). ``update``
+    takes the stream's bytes in order. Both checksums release the GIL, so hashing
+    overlaps with the caller's writing instead of taking turns with it. Chunk
     k is hashed on lane ``k % lanes`` (one thread each): a chunk's bytes stay in order,
     and several chunks are hashed at once when one lane cannot keep up. Pieces are handed
     over in batches of at least 1 MiB (a thread hand-off per tiny tensor would cost more
@@ -233,10 +258,16 @@ class ChunkHasher:
     """
 
     def __init__(
-        self, chunk: int | None = None, lanes: int | None = None, *, hasher: Any = None
+        self,
+        chunk: int | None = None,
+        lanes: int | None = None,
+        *,
+        hasher: Any = None,
+        algo: str = "sha256",
     ) -> None:
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be a positive number of bytes, not {chunk}")
+        self._new = CHECKSUMS[algo]
         self._chunk = chunk
         self._nlanes = 1 if chunk is None else max(1, lanes or hash_lanes())
         self._first = hasher
@@ -271,7 +302,7 @@ class ChunkHasher:
     def _new_hash(self) -> Any:
         if self._first is not None and not self._hashes:
             return self._first
-        return hashlib.sha256()
+        return self._new()
 
     def _add(self, piece: memoryview) -> None:
         self._batch.append(piece)
@@ -287,8 +318,12 @@ class ChunkHasher:
         lane = k % self._nlanes
         pool = self._pools[lane]
         if pool is None:
-            pool = self._pools[lane] = ThreadPoolExecutor(1, thread_name_prefix="jobrun-sha256")
+            pool = self._pools[lane] = ThreadPoolExecutor(1, thread_name_prefix="jobrun-hash")
         self._pending.append(pool.submit(_hash_all, self._hashes[k], batch))
+
+    def take(self, digests: list[str]) -> None:
+        """Record digests computed elsewhere (the parallel reader's): what finish returns."""
+        self._digests = list(digests)
 
     def finish(self) -> list[str]:
         """Wait for every update (re-raising a failure); the hex digests, one per chunk
@@ -622,9 +657,8 @@ def _validate(header: dict[str, Any], data_len: int, name: str) -> list[_Entry]:
     return entries
 
 
-def _read_header(
-    f: Any, size: int, name: str, hashing: ChunkHasher
-) -> tuple[dict[str, Any], list[_Entry]]:
+def _read_header(f: Any, size: int, name: str) -> tuple[dict[str, Any], list[_Entry], bytes]:
+    """(header, its tensors by offset, the file's first 8 + N bytes) of a file at its start."""
     if size < 8:
         _corrupt(name, f"only {size} bytes long, shorter than the 8-byte length prefix")
     prefix = _read_exact(f, 8, name)
@@ -634,10 +668,8 @@ def _read_header(
     if 8 + n > size:
         _corrupt(name, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
     raw = _read_exact(f, n, name)
-    hashing.update(prefix)
-    hashing.update(raw)
     header = _parse_header_json(raw, name)
-    return header, _validate(header, size - 8 - n, name)
+    return header, _validate(header, size - 8 - n, name), bytes(prefix + raw)
 
 
 class _NumpyBackend:
@@ -668,35 +700,164 @@ class _TorchBackend:
         return t, memoryview(t.reshape(-1).view(self.torch.uint8).numpy())
 
 
-def _read_data(
-    f: Any, entries: list[_Entry], backend: Any, hashing: ChunkHasher, name: str
-) -> dict[str, Any]:
-    """Read the data in file order, each tensor straight into its own memory (so it is
-    aligned and owned whatever the file's layout), hashing as it goes."""
+# Without checksums a file is read in units of this size, several at once.
+_UNIT = 16 << 20
+
+
+@dataclass(slots=True)
+class _Span:
+    """Bytes of the file at ``at`` and the memory they go to (or are already in)."""
+
+    at: int
+    view: memoryview
+    read: bool = True  # False: already in memory (the header): only checksummed
+
+
+def _cut(spans: list[_Span], size: int, unit: int) -> list[list[_Span]]:
+    """The spans cut at every multiple of ``unit`` bytes: unit k's spans, in file order."""
+    units: list[list[_Span]] = [[] for _ in range(max(1, -(-size // unit)))]
+    for s in spans:
+        at, view = s.at, s.view
+        while len(view):
+            k = at // unit
+            n = min(len(view), (k + 1) * unit - at)
+            units[k].append(_Span(at, view[:n], s.read))
+            at, view = at + n, view[n:]
+    return units
+
+
+def deal(sizes: list[int], lanes: int) -> list[list[int]]:
+    """Items (by their sizes) dealt to at most ``lanes`` threads: a contiguous run each, of
+    about equal total size (a thread reading one stretch of a file keeps the kernel's
+    readahead sequential). Empty runs are left out."""
+    total = sum(sizes) or 1
+    lanes = max(1, min(lanes, len(sizes)))
+    runs: list[list[int]] = [[] for _ in range(lanes)]
+    done = 0
+    for k, n in enumerate(sizes):
+        runs[min(lanes - 1, (2 * done + n) * lanes // (2 * total))].append(k)
+        done += n
+    return [r for r in runs if r]
+
+
+def in_lanes(work: Callable[[list[int]], None], runs: list[list[int]]) -> None:
+    """``work(run)`` for every run at once: the first on this thread, each other on a
+    thread of its own. Waits for all; re-raises the first failure."""
+    errors: list[BaseException] = []
+
+    def lane(run: list[int]) -> None:
+        try:
+            work(run)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=lane, args=(r,), name="jobrun-io", daemon=True)
+               for r in runs[1:]]
+    for t in threads:
+        t.start()
+    if runs:
+        lane(runs[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+class _FileSource:
+    """Reads at offsets of one file: each thread through its own descriptor (its own
+    readahead), checked to be the very file the header came from."""
+
+    def __init__(self, path: Path, st: os.stat_result, name: str) -> None:
+        self.path, self.id, self.name = path, (st.st_dev, st.st_ino), name
+
+    @contextlib.contextmanager
+    def reader(self) -> Any:
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.id:
+                _corrupt(self.name, "the file was replaced while it was being read")
+            yield functools.partial(self._pread, fd)
+        finally:
+            os.close(fd)
+
+    def _pread(self, fd: int, view: memoryview, at: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], at + got)
+            if not n:
+                _corrupt(self.name, f"file ended {len(view) - got} bytes early (truncated while "
+                         "reading?)")
+            got += n
+
+
+class _MemorySource:
+    """Reads at offsets of bytes already in memory."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+
+    @contextlib.contextmanager
+    def reader(self) -> Any:
+        def copy(view: memoryview, at: int) -> None:
+            view[:] = self.data[at : at + len(view)]
+
+        yield copy
+
+
+def _fill(source: Any, units: list[list[_Span]], mine: list[int], new_hash: Any,
+          digests: list[str | None]) -> None:
+    """Read (and checksum) units ``mine``: each slice checksummed while still in cache."""
+    with source.reader() as pread:
+        for k in mine:
+            h = new_hash() if new_hash is not None else None
+            for s in units[k]:
+                for at in range(0, len(s.view), _SLICE):
+                    part = s.view[at : at + _SLICE]
+                    if s.read:
+                        prefault(part)  # fresh memory: backed in one call, not per page
+                        pread(part, s.at + at)
+                    if h is not None:
+                        h.update(part)
+            if h is not None:
+                digests[k] = h.hexdigest()
+
+
+def _run_lanes(source: Any, units: list[list[_Span]], new_hash: Any, lanes: int) -> list[Any]:
+    """Fill every unit, on up to ``lanes`` threads; the digest of each (None unhashed)."""
+    digests: list[Any] = [None] * len(units)
+    runs = deal([sum(len(s.view) for s in u) for u in units], lanes)
+    in_lanes(lambda run: _fill(source, units, run, new_hash, digests), runs)
+    return digests
+
+
+def _read(src: Any, f: Any, size: int, name: str, as_numpy: bool, hasher: Any) -> dict[str, Any]:
+    """Read a file: the header through ``f``, then the data straight into each tensor's
+    own memory (aligned and owned whatever the file's layout), several stretches of the
+    file at once, each checksummed by the thread that read it. ``hasher``: None, a
+    hashlib-like object (one digest: read in order, on one thread) or a ChunkHasher (a
+    digest per chunk, recorded with ``take``)."""
+    header, entries, head = _read_header(f, size, name)
+    backend = _NumpyBackend() if as_numpy else _TorchBackend()
+    bools: list[tuple[str, memoryview]] = []
+    spans = [_Span(0, memoryview(head), read=False)]
     out: dict[str, Any] = {}
     for e in entries:
-        value, raw = backend.new(e, name)
-        # In slices, so hashing one overlaps with reading the next.
-        for at in range(0, len(raw), _SLICE):
-            part = raw[at : at + _SLICE]
-            prefault(part)  # fresh memory: backed in one call, not a fault per page
-            _readinto_exact(f, part, name)
-            hashing.update(part)
-        if e.dtype.code == "BOOL" and len(raw) and np.frombuffer(raw, np.uint8).max() > 1:
-            _corrupt(name, f"tensor {e.name!r}: a bool holds a byte other than 0 or 1")
-        out[e.name] = value
-    return out
-
-
-def _read(f: Any, size: int, name: str, as_numpy: bool, hasher: Any) -> dict[str, Any]:
-    hashing = _hashing(hasher)
-    try:
-        header, entries = _read_header(f, size, name, hashing)
-        backend = _NumpyBackend() if as_numpy else _TorchBackend()
-        out = _read_data(f, entries, backend, hashing, name)
-        hashing.finish()
-    finally:
-        hashing.abort()  # joins the hashing threads on every path
+        out[e.name], raw = backend.new(e, name)
+        spans.append(_Span(len(head) + e.begin, raw))
+        if e.dtype.code == "BOOL":
+            bools.append((e.name, raw))
+    lanes, new_hash, unit = hash_lanes(), None, _UNIT
+    if isinstance(hasher, ChunkHasher):
+        new_hash, unit = hasher._new_hash, hasher._chunk or max(size, 1)
+    elif hasher is not None:
+        new_hash, unit = (lambda: hasher), max(size, 1)
+    digests = _run_lanes(src, _cut(spans, size, unit), new_hash, lanes)
+    if isinstance(hasher, ChunkHasher):
+        hasher.take(digests)
+    for key, raw in bools:
+        if len(raw) and np.frombuffer(raw, np.uint8).max() > 1:
+            _corrupt(name, f"tensor {key!r}: a bool holds a byte other than 0 or 1")
     return {e.name: out[e.name] for e in sorted(entries, key=lambda e: e.name)}
 
 
@@ -716,20 +877,25 @@ def read_safetensors(
     """Read a safetensors file (or its bytes) into a dict, sorted by name.
 
     By default the values are CPU torch tensors, each read straight into memory of its
-    own (no intermediate buffer, aligned whatever the file's layout, prefaulted). With
+    own (no intermediate buffer, aligned whatever the file's layout, prefaulted), by
+    several threads at once (one per CPU, at most 4), each reading a stretch. With
     ``as_numpy=True`` they are numpy arrays and torch is never imported; numpy has no
     bfloat16 or float8, so those come back as their raw bits (uint16 for BF16, uint8 for
-    F8_*). ``hasher`` (a hashlib object or a ChunkHasher), when given, is updated with
-    every byte of the file, read once, on helper threads while the rest is read. Any
-    problem raises CheckpointError naming the file.
+    F8_*). ``hasher``, when given, sees every byte of the file, read once: a hashlib-like
+    object is updated in order (on one thread); a ChunkHasher gets the digest of each of
+    its chunks, each computed by the thread that read that chunk. Any problem raises
+    CheckpointError naming the file.
     """
     if isinstance(path_or_bytes, bytes | bytearray | memoryview):
         data = memoryview(path_or_bytes).cast("B")
-        return _read(io.BytesIO(data), data.nbytes, "<bytes>", as_numpy, hasher)
+        src = _MemorySource(data)
+        return _read(src, io.BytesIO(data), data.nbytes, "<bytes>", as_numpy, hasher)
     path = Path(path_or_bytes)
     try:
         with open(path, "rb", buffering=0) as f:
-            return _read(f, os.fstat(f.fileno()).st_size, str(path), as_numpy, hasher)
+            st = os.fstat(f.fileno())
+            src = _FileSource(path, st, str(path))
+            return _read(src, f, st.st_size, str(path), as_numpy, hasher)
     except OSError as e:
         raise _read_error(path, e) from e
 
@@ -739,7 +905,7 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     try:
         with open(path, "rb", buffering=0) as f:
-            header, _ = _read_header(f, os.fstat(f.fileno()).st_size, str(path), _NoHashing())
+            header, _, _ = _read_header(f, os.fstat(f.fileno()).st_size, str(path))
     except OSError as e:
         raise _read_error(path, e) from e
     return header
