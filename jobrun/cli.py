@@ -190,7 +190,7 @@ def ckpt() -> None:
 
 @ckpt.command("list")
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--verify", is_flag=True, help="Also check every file's SHA-256 (reads everything).")
+@click.option("--verify", is_flag=True, help="Also check every file's checksums (reads everything).")
 @click.option("--json", "as_json", is_flag=True)
 def ckpt_list(run_dir: str | None, verify: bool, as_json: bool) -> None:
     """Epochs, nodes, sizes, save times, and whether each checkpoint is valid."""
