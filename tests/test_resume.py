@@ -195,6 +195,147 @@ def test_resume_named_bad_epoch_fails_clearly(reference, tmp_path, damage):
     assert ckpt_values(run, 6) == _final(reference)  # nothing else touched
 
 
+def _flip_last_byte(path: Path) -> None:
+    """Damage a file so that only its checksum can tell (same size, same header)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _unfinished(run: Path) -> None:
+    info = json.loads((run / "run.json").read_text())
+    info["status"] = "running"
+    (run / "run.json").write_text(json.dumps(info))
+
+
+def _record_store(monkeypatch) -> list[tuple]:
+    """Wrap the store's verify, latest_complete_epoch and load, recording each call."""
+    from jobrun.runner import checkpoint as store
+
+    calls: list[tuple] = []
+    verify, latest, load = store.verify, store.latest_complete_epoch, store.load
+
+    def record_verify(ckpt_dir, node, epoch, rank=None):
+        calls.append(("verify", node, epoch))
+        return verify(ckpt_dir, node, epoch, rank)
+
+    def record_latest(ckpt_dir, nodes, world_size, *, verify_hashes=True):
+        calls.append(("latest", verify_hashes))
+        return latest(ckpt_dir, nodes, world_size, verify_hashes=verify_hashes)
+
+    def record_load(ckpt_dir, node, epoch, rank=0, **kw):
+        calls.append(("load", node, epoch, kw.get("verify_hashes", True)))
+        return load(ckpt_dir, node, epoch, rank, **kw)
+
+    monkeypatch.setattr(store, "verify", record_verify)
+    monkeypatch.setattr(store, "latest_complete_epoch", record_latest)
+    monkeypatch.setattr(store, "load", record_load)
+    return calls
+
+
+def test_resume_checksums_each_checkpoint_byte_once(reference, tmp_path, monkeypatch):
+    from jobrun.runner.safetensors_io import CHECKSUMS
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    crc32, hashed = CHECKSUMS["crc32"], []
+
+    class Counting:
+        def __init__(self):
+            self.h = crc32()
+
+        def update(self, data):
+            hashed.append(memoryview(data).nbytes)
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setitem(CHECKSUMS, "crc32", Counting)
+    # Epoch 6 is the last: the resumed job saves nothing, so every byte checksummed is a
+    # byte of epoch 6 read back.
+    r = jobrun("resume", "--run-dir", run, "--epoch", "6")
+    assert r.code == 0, r.text
+    assert "resumed from checkpoint epoch 6" in r.out
+    rank = run / "ckpt" / "local.6" / "rank-0"
+    sizes = sum((rank / name).stat().st_size for name in ("tensors.safetensors", "values.json"))
+    assert sum(hashed) == sizes
+
+
+def test_resume_loads_unhashed_only_what_the_launcher_verified(reference, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    _unfinished(run)
+    _flip_last_byte(run / "ckpt" / "local.6" / "rank-0" / "tensors.safetensors")
+    calls = _record_store(monkeypatch)
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert "warning: skipping checkpoint epoch 6: node 'local'" in r.out
+    assert "checksum mismatch" in r.out
+    assert "resumed from checkpoint epoch 5" in r.out
+    assert calls[0] == ("latest", True)
+    assert [c for c in calls if c[0] == "load"] == [("load", "local", 5, False)]
+
+    calls.clear()
+    r = jobrun("resume", "--run-dir", run, "--epoch", "2")
+    assert r.code == 0, r.text
+    assert calls == [("verify", "local", 2), ("load", "local", 2, False)]
+    assert _final(run) == _final(reference)
+
+
+def test_resume_named_epoch_with_bad_checksum_is_refused(reference, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    _flip_last_byte(run / "ckpt" / "local.3" / "rank-0" / "tensors.safetensors")
+    calls = _record_store(monkeypatch)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "3")
+    assert r.code == 1
+    assert "checkpoint epoch 3 cannot be used" in r.err and "checksum mismatch" in r.err
+    assert "epochs present: 0, 1, 2, 3, 4, 5, 6" in r.err
+    assert "Traceback" not in r.text and "resumed from" not in r.out
+    assert not [c for c in calls if c[0] == "load"]  # refused before any worker started
+
+
+def test_job_runner_without_the_launcher_still_checks_checksums(reference, tmp_path):
+    from jobrun.errors import CheckpointError
+    from jobrun.plans.compile import compile_file
+    from jobrun.runner.job import JobConfig, JobRunner
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    _flip_last_byte(run / "ckpt" / "local.3" / "rank-0" / "tensors.safetensors")
+    plan = compile_file(run / "plan.yaml", run_dir=str(run), plan_dir=str(run))
+    cfg = JobConfig(plan=plan, run_dir=run, plan_dir=run, device="cpu", resume_epoch=3)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        JobRunner(cfg).run()
+
+
+@pytest.mark.parametrize("how", ["elastic", "torchrun"])
+def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeypatch, how):
+    import torch.distributed.launcher.api as elastic
+
+    from jobrun.runner import launch
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    info = json.loads((run / "run.json").read_text())
+    info["replicas"] = 2
+    (run / "run.json").write_text(json.dumps(info))
+    started: list[tuple] = []
+    monkeypatch.setattr(launch, "_worker", lambda *args: started.append(args) or 0)
+    if how == "elastic":
+        monkeypatch.setattr(elastic, "elastic_launch", lambda config, fn: lambda *args: {
+            r: fn(*args) for r in range(config.nproc_per_node)})
+    else:  # a rank other than 0 picks the epoch itself, then runs its worker
+        for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}.items():
+            monkeypatch.setenv(key, value)
+    calls = _record_store(monkeypatch)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "3")
+    assert r.code == 0, r.text
+    assert calls == [("verify", "local", 3)]
+    assert started == [(str(run), 3, True)] * (2 if how == "elastic" else 1)
+
+
 def test_two_runners_cannot_share_a_run_dir(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[1.0]"))

@@ -44,6 +44,7 @@ class JobConfig:
     rank: int = 0
     world_size: int = 1
     resume_epoch: int | None = None
+    resume_verified: bool = False  # the launcher hashed every rank of resume_epoch just now
 
 
 @dataclass
@@ -296,9 +297,10 @@ class JobRunner:
         if self.ckpt_dir is None:
             raise CheckpointError("this plan has no `checkpoint` block, so there is nothing to resume")
         meta: dict[str, Any] = {}
+        hashes = not (self.cfg.resume_verified and epoch == self.cfg.resume_epoch)
         for name, node in self.nodes.items():
             t0 = time.perf_counter()
-            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=self.rank)
+            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=self.rank, verify_hashes=hashes)
             saved_world = meta.get("world_size") if isinstance(meta, dict) else None
             if saved_world not in (None, self.cfg.world_size):
                 raise CheckpointError(

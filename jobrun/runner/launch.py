@@ -35,6 +35,7 @@ class Launch:
     run_dir: Path
     resume_epoch: int | None
     replicas: int
+    verified: bool = False  # _pick_epoch has just hashed every rank of resume_epoch
 
 
 # -- entry points (called by the CLI) -------------------------------------------------------
@@ -105,7 +106,7 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
         if leader:
             rd.truncate_metrics(path / rd.METRICS_FILE, epoch)
             rd.update_run_info(path, status="running", resumed_from=epoch, started=time.time())
-        return _launch(Launch(path, epoch, n), torchrun)
+        return _launch(Launch(path, epoch, n, verified=True), torchrun)
     finally:
         lock.release()
 
@@ -217,7 +218,7 @@ def _under_torchrun() -> bool:
 
 def _launch(launch: Launch, torchrun: bool) -> int:
     if launch.replicas <= 1 or torchrun:
-        return _worker(str(launch.run_dir), launch.resume_epoch)
+        return _worker(str(launch.run_dir), launch.resume_epoch, launch.verified)
     return _elastic(launch)
 
 
@@ -232,7 +233,8 @@ def _elastic(launch: Launch) -> int:
         monitor_interval=0.2, start_method="spawn", shutdown_timeout=5,
     )
     try:
-        results = elastic_launch(config, _worker)(str(launch.run_dir), launch.resume_epoch)
+        results = elastic_launch(config, _worker)(str(launch.run_dir), launch.resume_epoch,
+                                                  launch.verified)
     except ChildFailedError as e:
         rank, failure = _culprit(e.failures)
         code = failure.exitcode
@@ -266,8 +268,12 @@ def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=order)
 
 
-def _worker(run_dir: str, resume_epoch: int | None) -> int:
-    """One process of the job (also the whole job when there is one replica)."""
+def _worker(run_dir: str, resume_epoch: int | None, verified: bool = False) -> int:
+    """One process of the job (also the whole job when there is one replica).
+
+    ``verified``: this command has hashed every rank of ``resume_epoch``, so the restore
+    skips the hashes (it still checks COMMIT, the manifest and the sizes).
+    """
     from jobrun.runner.job import Interrupted, JobConfig, JobRunner, seed_everything
 
     path = Path(run_dir)
@@ -285,7 +291,8 @@ def _worker(run_dir: str, resume_epoch: int | None) -> int:
         seed_everything(plan.seed)
         _set_threads()
         cfg = JobConfig(plan=plan, run_dir=path.resolve(), plan_dir=Path(info["plan_dir"]),
-                        device=device, rank=rank, world_size=world, resume_epoch=resume_epoch)
+                        device=device, rank=rank, world_size=world, resume_epoch=resume_epoch,
+                        resume_verified=verified)
         return JobRunner(cfg).run()
     except Interrupted as e:
         if rank == 0:
