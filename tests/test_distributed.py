@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -148,4 +149,19 @@ def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(x.name for x in (run / "ckpt" / "local.3").iterdir()) == ["rank-0", "rank-1"]
+    assert _weights(run) == _weights(runs / "two")
+    # Resume under torchrun with rank 1's last save damaged (only its checksum can tell):
+    # each process checks its own rank, and both skip epoch 3 together.
+    data = run / "ckpt" / "local.3" / "rank-1" / "tensors.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "status": "running"}))
+    cmd = [*cmd[:cmd.index("train")], "resume", "--run-dir", str(run)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("warning: skipping checkpoint epoch 3:") == 1
+    assert "rank-1/tensors.safetensors: checksum mismatch" in p.stdout
+    assert "resumed from checkpoint epoch 2" in p.stdout
     assert _weights(run) == _weights(runs / "two")

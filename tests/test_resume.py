@@ -326,14 +326,98 @@ def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeyp
     if how == "elastic":
         monkeypatch.setattr(elastic, "elastic_launch", lambda config, fn: lambda *args: {
             r: fn(*args) for r in range(config.nproc_per_node)})
-    else:  # a rank other than 0 picks the epoch itself, then runs its worker
-        for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}.items():
+    else:  # every process checks its own rank with the others, then runs its worker
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}.items():
             monkeypatch.setenv(key, value)
+        monkeypatch.setattr(launch, "_init_process_group", lambda device: None)
+        monkeypatch.setattr(launch, "_all_gather", lambda obj: [obj])
     calls = _record_store(monkeypatch)
     r = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert r.code == 0, r.text
     assert calls == [("verify", "local", 3)]
     assert started == [(str(run), 3, True)] * (2 if how == "elastic" else 1)
+
+
+def _as_ranks(n: int, fn) -> list:
+    """fn(rank, gather) on n threads at once, gather being an all-gather between them (as
+    torch.distributed's between processes); each one's result or exception."""
+    import threading
+
+    barrier, slots, out = threading.Barrier(n), [None] * n, [None] * n
+
+    def gather_for(rank: int):
+        def gather(obj):
+            slots[rank] = obj
+            barrier.wait()
+            got = list(slots)
+            barrier.wait()
+            return got
+        return gather
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank, gather_for(rank))
+        except Exception as e:  # noqa: BLE001 - compared by the test
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.fixture
+def two_ranks(tmp_path):
+    """A plan and 4 epochs saved by 2 ranks."""
+    import torch
+
+    from jobrun.plans.compile import compile_text
+    from jobrun.runner import checkpoint as store
+
+    plan = compile_text("job: j\nmax_epochs: 9\ncheckpoint: {dir: c}\n"
+                        "epoch: [{task: t, do: [{const: {out: x, value: 1}}]}]\n")
+    for epoch in range(4):
+        for rank in range(2):
+            store.save({"w": torch.full((1000,), float(epoch * 10 + rank))}, {}, tmp_path, "local",
+                       epoch, rank=rank, world_size=2)
+    return plan, tmp_path
+
+
+def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeypatch, capsys):
+    import threading
+
+    from jobrun.errors import CheckpointError
+    from jobrun.runner import checkpoint as store
+    from jobrun.runner.launch import _pick_epoch_together
+
+    plan, ckpt = two_ranks
+    _flip_last_byte(ckpt / "local.3" / "rank-1" / "tensors.safetensors")
+    (ckpt / "local.2" / "rank-0" / "COMMIT").unlink()  # epoch 2: an interrupted save
+    verified: list[tuple] = []
+    verify = store.verify
+
+    def record(ckpt_dir, node, epoch, rank=None):
+        verified.append((threading.current_thread().name, epoch, rank))
+        return verify(ckpt_dir, node, epoch, rank)
+
+    monkeypatch.setattr(store, "verify", record)
+    got = _as_ranks(2, lambda rank, gather: _pick_epoch_together(ckpt, plan, 2, None, rank, gather))
+    assert got == [1, 1]  # 3 is corrupt on rank 1 only, 2 incomplete: both pick 1
+    out = capsys.readouterr().out
+    assert out.count("warning: skipping checkpoint epoch 3:") == 1  # rank 0 says it, once
+    assert "rank-1/tensors.safetensors: checksum mismatch" in out
+    assert "warning: skipping checkpoint epoch 2: node 'local'" in out and "COMMIT" in out
+    by_thread: dict[str, set] = {}
+    for thread, epoch, rank in verified:
+        by_thread.setdefault(thread, set()).add((epoch, rank))
+    # Each process read only its own rank, of the two epochs it had to check.
+    assert sorted(map(sorted, by_thread.values())) == [[(1, 0), (3, 0)], [(1, 1), (3, 1)]]
+    got = _as_ranks(2, lambda rank, gather: _pick_epoch_together(ckpt, plan, 2, 3, rank, gather))
+    assert all(isinstance(e, CheckpointError) and "epoch 3 cannot be used" in e.message
+               and "rank-1" in e.message for e in got)
+    assert _as_ranks(2, lambda rank, gather: _pick_epoch_together(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
 
 
 def test_two_runners_cannot_share_a_run_dir(tmp_path):

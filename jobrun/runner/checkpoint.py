@@ -939,10 +939,12 @@ def latest_complete_epoch(
     world_size: int,
     *,
     verify_hashes: bool = True,
+    before: int | None = None,
 ) -> tuple[int | None, list[tuple[int, str]]]:
     """(the newest epoch where every node has every rank valid, [(newer epoch, why skipped)]).
 
-    Epochs where none of ``nodes`` saved anything are ignored silently.
+    Epochs where none of ``nodes`` saved anything are ignored silently, and so are
+    epochs ``before`` or later when it is given.
     """
     for node in nodes:
         _check_node(node)
@@ -950,7 +952,7 @@ def latest_complete_epoch(
         raise CheckpointError("latest_complete_epoch needs at least one node")
     skipped: list[tuple[int, str]] = []
     for info in reversed(list_checkpoints(ckpt_dir)):
-        if not any(n in info.nodes for n in nodes):
+        if not any(n in info.nodes for n in nodes) or (before is not None and info.epoch >= before):
             continue
         reason = _epoch_reason(Path(ckpt_dir), info, nodes, world_size, verify_hashes)
         if reason is None:

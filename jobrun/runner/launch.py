@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +36,7 @@ class Launch:
     run_dir: Path
     resume_epoch: int | None
     replicas: int
-    verified: bool = False  # _pick_epoch has just hashed every rank of resume_epoch
+    verified: bool = False  # this command has just checksummed resume_epoch (its own rank at least)
 
 
 # -- entry points (called by the CLI) -------------------------------------------------------
@@ -102,7 +103,13 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
             print(f"{path}: job {plan.job!r} already finished at epoch {info.get('last_epoch')}; "
                   "nothing to do (use --epoch E to train again from E)")
             return 0
-        epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
+        if torchrun:
+            # Every process checksums its own rank only; they agree on the epoch together.
+            _init_process_group(_device(info.get("device") or plan.device, n))
+            epoch = _pick_epoch_together(ckpt_dir, plan, n, epoch, int(os.environ["RANK"]),
+                                         _all_gather)
+        else:
+            epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
         if leader:
             rd.truncate_metrics(path / rd.METRICS_FILE, epoch)
             rd.update_run_info(path, status="running", resumed_from=epoch, started=time.time())
@@ -196,6 +203,54 @@ def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None)
     return epoch
 
 
+def _pick_epoch_together(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
+                         rank: int, gather: Callable[[Any], list[Any]]) -> int:
+    """``_pick_epoch`` for processes started by torchrun, each checksumming only its own
+    rank: the cheap checks (COMMIT, manifests, sizes) of every rank agree by themselves;
+    ``gather`` (an all-gather over the processes) shares each rank's problems, so that all
+    skip, pick or refuse the same epoch. Each byte is read once, by the rank it belongs to.
+    """
+    from jobrun.runner import checkpoint as store
+
+    nodes = list(plan.nodes)
+
+    def problems(e: int) -> list[str]:
+        mine = [p for node in nodes for p in store.verify(ckpt_dir, node, e, rank=rank)]
+        return [p for theirs in gather(mine) for p in theirs]
+
+    if epoch is not None:
+        found = problems(epoch)
+        if found:
+            epochs = [info.epoch for info in store.list_checkpoints(ckpt_dir)]
+            raise CheckpointError(f"checkpoint epoch {epoch} cannot be used: {found[0]}",
+                                  hint=f"epochs present: {', '.join(map(str, epochs)) or 'none'}")
+        return epoch
+    before = None
+    while True:
+        latest, skipped = store.latest_complete_epoch(ckpt_dir, nodes, replicas,
+                                                      verify_hashes=False, before=before)
+        if rank == 0:
+            for e, why in skipped:
+                print(f"warning: skipping checkpoint epoch {e}: {why}")
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint in {ckpt_dir}",
+                                  hint="train again with `jobrun train`")
+        found = problems(latest)
+        if not found:
+            return latest
+        if rank == 0:
+            print(f"warning: skipping checkpoint epoch {latest}: {'; '.join(found)}")
+        before = latest
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _replicas(plan: ir.Plan, override: int | None) -> int:
     if override is not None:
         return override
@@ -271,8 +326,9 @@ def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
 def _worker(run_dir: str, resume_epoch: int | None, verified: bool = False) -> int:
     """One process of the job (also the whole job when there is one replica).
 
-    ``verified``: this command has hashed every rank of ``resume_epoch``, so the restore
-    skips the hashes (it still checks COMMIT, the manifest and the sizes).
+    ``verified``: this command has checksummed ``resume_epoch`` (every rank, or under
+    torchrun this process's own), so the restore skips the checksums (it still checks
+    COMMIT, the manifest and the sizes).
     """
     from jobrun.runner.job import Interrupted, JobConfig, JobRunner, seed_everything
 
