@@ -177,7 +177,7 @@ def test_copies_are_cut_in_slices_on_several_threads(monkeypatch, lanes: int) ->
     from jobrun.runner import codec
 
     monkeypatch.setattr(codec, "_SLICE_BYTES", 4096)  # every big tensor: many slices
-    monkeypatch.setattr(codec, "hash_lanes", lambda: lanes)
+    monkeypatch.setattr(codec, "io_lanes", lambda: lanes)
     g = torch.Generator().manual_seed(1)
     ws = {
         "big": torch.randn(10_007, generator=g),

@@ -196,7 +196,7 @@ def test_crc32_is_zlibs_incrementally() -> None:
 def test_parallel_reads_give_the_bytes_and_the_digest_of_every_chunk(
     tmp_path: Path, monkeypatch, lanes: int, chunk: int | None
 ) -> None:
-    monkeypatch.setattr(sio, "hash_lanes", lambda: lanes)
+    monkeypatch.setattr(sio, "io_lanes", lambda: lanes)
     monkeypatch.setattr(sio, "_SLICE", 4096)  # many slices per chunk and per tensor
     tensors = {f"t{i}": _sample(torch.float32, (1 + 997 * i,)) for i in range(12)}
     tensors |= {"b": _sample(torch.bool, (333,)), "e": torch.empty(0), "h": _sample(torch.float16, (7,))}
@@ -242,7 +242,7 @@ def test_a_file_replaced_or_cut_while_it_is_read(tmp_path: Path) -> None:
 
 
 def test_a_failing_lane_fails_the_read_and_leaves_no_thread(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(sio, "hash_lanes", lambda: 3)
+    monkeypatch.setattr(sio, "io_lanes", lambda: 3)
     path = tmp_path / "t.safetensors"
     write_safetensors(path, {"a": torch.randn(300_000)})
     real = sio._FileSource._pread

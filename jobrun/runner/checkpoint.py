@@ -50,7 +50,7 @@ from jobrun.runner.codec import UnsupportedValue, decode, encode
 from jobrun.runner.safetensors_io import (
     CHECKSUMS,
     ChunkHasher,
-    hash_lanes,
+    io_lanes,
     prefault,
     read_header,
     read_safetensors,
@@ -616,7 +616,7 @@ def _hash_file(path: Path, info: dict[str, Any]) -> list[str]:
             local.buf = memoryview(bytearray(_READ))
         return _hash_span(path, algo, *span, local.buf)
 
-    with ThreadPoolExecutor(min(len(spans), hash_lanes()), "jobrun-hash") as pool:
+    with ThreadPoolExecutor(min(len(spans), io_lanes()), "jobrun-hash") as pool:
         return list(pool.map(hash_span, spans))
 
 

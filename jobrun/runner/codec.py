@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jobrun.errors import CheckpointError
-from jobrun.runner.safetensors_io import deal, dtype_code, hash_lanes, in_lanes, prefault
+from jobrun.runner.safetensors_io import deal, dtype_code, in_lanes, io_lanes, prefault
 
 TAG = "__jobrun__"
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -186,7 +186,7 @@ def run_copies(copies: list[_Copy]) -> None:
         for k in run:
             pieces[k].run()
 
-    in_lanes(work, deal([p.dst.nbytes for p in pieces], hash_lanes()))
+    in_lanes(work, deal([p.dst.nbytes for p in pieces], io_lanes()))
 
 
 def _fits(into: Any, t: Any) -> bool:

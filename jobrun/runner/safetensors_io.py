@@ -269,7 +269,7 @@ class ChunkHasher:
             raise ValueError(f"chunk must be a positive number of bytes, not {chunk}")
         self._new = CHECKSUMS[algo]
         self._chunk = chunk
-        self._nlanes = 1 if chunk is None else max(1, lanes or hash_lanes())
+        self._nlanes = 1 if chunk is None else max(1, lanes or io_lanes())
         self._first = hasher
         self._hashes: list[Any] = []
         self._pos = 0
@@ -291,15 +291,21 @@ class ChunkHasher:
         """Bytes left in the current chunk, starting a new one at a boundary."""
         if self._chunk is None:
             if not self._hashes:
-                self._hashes.append(self._new_hash())
+                self._hashes.append(self.new_hash())
             return 1 << 62
         k = self._pos // self._chunk
         if k == len(self._hashes):  # the first byte of a new chunk
             self._submit()  # the batch belongs to the chunk before
-            self._hashes.append(self._new_hash())
+            self._hashes.append(self.new_hash())
         return (k + 1) * self._chunk - self._pos
 
-    def _new_hash(self) -> Any:
+    @property
+    def chunk(self) -> int | None:
+        """Bytes per digest (None: one digest for the whole stream)."""
+        return self._chunk
+
+    def new_hash(self) -> Any:
+        """A new checksum object for the next chunk (the given hasher for the first)."""
         if self._first is not None and not self._hashes:
             return self._first
         return self._new()
@@ -331,7 +337,7 @@ class ChunkHasher:
         if self._digests is not None:
             return self._digests
         if not self._hashes:
-            self._hashes.append(self._new_hash())
+            self._hashes.append(self.new_hash())
         if self._batch and not self._pending:
             _hash_all(self._hashes[-1], self._batch)  # all of it was small: no thread needed
             self._batch, self._batch_bytes = [], 0
@@ -362,8 +368,9 @@ class ChunkHasher:
                     pool.shutdown(wait=True)
 
 
-def hash_lanes() -> int:
-    """How many chunks to hash at once: one per CPU this process may use, at most 4."""
+def io_lanes() -> int:
+    """How many threads checkpoint I/O uses (chunks hashed, stretches of a file read,
+    slices of a copy at once): one per CPU this process may use, at most 4."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -847,9 +854,9 @@ def _read(src: Any, f: Any, size: int, name: str, as_numpy: bool, hasher: Any) -
         spans.append(_Span(len(head) + e.begin, raw))
         if e.dtype.code == "BOOL":
             bools.append((e.name, raw))
-    lanes, new_hash, unit = hash_lanes(), None, _UNIT
+    lanes, new_hash, unit = io_lanes(), None, _UNIT
     if isinstance(hasher, ChunkHasher):
-        new_hash, unit = hasher._new_hash, hasher._chunk or max(size, 1)
+        new_hash, unit = hasher.new_hash, hasher.chunk or max(size, 1)
     elif hasher is not None:
         new_hash, unit = (lambda: hasher), max(size, 1)
     digests = _run_lanes(src, _cut(spans, size, unit), new_hash, lanes)
