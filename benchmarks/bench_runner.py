@@ -173,8 +173,11 @@ def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
     from benchmarks.inproc import metrics
 
     torch.set_num_threads(1)
-    epochs = mode.pick(16, 8, 2)
-    reps = mode.pick(5, 3, 1)
+    # Few epochs, many repetitions: the spread is between repetitions (each builds new
+    # models, optimizers and data: their memory layout moves a tiny model's speed by a
+    # few %), not between the epochs of one.
+    epochs = mode.pick(6, 4, 2)
+    reps = mode.pick(13, 5, 1)
     steps = _steps_per_epoch(batch)
     cpu: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": []}
     wall: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": []}
