@@ -78,6 +78,76 @@ epoch:
     assert g["i"] == 3 and out["count"] == {"scaled": 30, "enough": True}
 
 
+@pytest.mark.parametrize("workspace", ["private", "global"])
+def test_loops_of_ops_run_inline_with_the_same_semantics(workspace):
+    import linecache
+
+    g, out = run(HEADER + f"""
+  - task: counts
+    do:
+      - const: {{out: three, value: 3}}
+epoch:
+  - task: work
+    workspace: {workspace}
+    do:
+      - loop: three            # a count from a blob
+        as: k
+        do:
+          - add: {{in: [total, k], out: total}}
+      - loop: 2                # an index named like a global blob: written there
+        as: i
+        do: []
+      - const: {{out: n, value: 0}}
+      - loop: null
+        do:
+          - add: {{in: [n, 1], out: n}}
+          - ge: {{in: [n, 4], out: enough}}
+          - stop_if: enough    # ends the loop, not the task
+          - add: {{in: [q, 1], out: q}}
+      - loop: 0
+        do:
+          - add: {{in: [q, 100], out: q}}
+      - loop: 3
+        do:
+          - if: enough         # not a loop of ops only: run as a closure
+            then: [{{add: {{in: [q, 10], out: q}}}}]
+      - stop_if: enough        # ends the task's do
+      - const: {{out: after, value: 1}}
+    outputs: [k, n]
+""")
+    assert g["total"] == 0 + 1 + 2 and g["i"] == 1 and g["q"] == 3 + 30
+    assert "after" not in g and out["work"] == {"k": 2, "n": 4}
+    sources = [v[2] for k, v in linecache.cache.items() if "task 'work'" in k]
+    inline = [src for src in sources if any("for i in range(n):" in line for line in src)]
+    assert inline and any("break" in "".join(src) for src in inline)
+
+
+@pytest.mark.parametrize("body", ["- add: {in: [total, 1], out: total}",
+                                  "- if: total\n            then: [{add: {in: [total, 1], out: total}}]"],
+                         ids=["inline", "closure"])
+@pytest.mark.parametrize(("count", "message"), [
+    ("-1", "loop count is -1, not a non-negative integer"),
+    ("1.5", "loop count is 1.5, not a non-negative integer"),
+    ("missing", "loop count: blob 'missing' is not defined on node 'local'"),
+])
+def test_a_bad_loop_count_is_reported_at_the_loop(count, message, body):
+    step = "      - loop: c"
+    text = f"""
+epoch:
+  - task: work
+    do:
+      - const: {{out: c, value: {count}}}
+{step}
+        do:
+          {body}
+"""
+    if count == "missing":
+        text = text.replace("      - const: {out: c, value: missing}\n", "").replace("loop: c", "loop: missing")
+        step = "      - loop: missing"
+    e, line = _failure(text, step)
+    assert not isinstance(e, OpFailed) and message in str(e) and e.pos.line == line
+
+
 def _failure(text: str, step: str) -> tuple[BaseException, int]:
     """The error of running the plan, and the line of `step` in it."""
     plan = HEADER + text

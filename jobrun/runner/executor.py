@@ -231,9 +231,39 @@ class _Builder:
                 self._op(code, s)
             elif isinstance(s, ir.StopIf):
                 self._stop_if(code, s)
+            elif isinstance(s, ir.Loop) and all(isinstance(b, ir.OpCall | ir.StopIf) for b in s.body):
+                self._inline_loop(code, s)
             else:
                 code.call(self.step(s))
         return code.function(f"<jobrun task {self.task.name!r} on node {self.node!r}>")
+
+    def _inline_loop(self, code: _BlockCode, s: ir.Loop) -> None:
+        """A loop of op calls and stop_ifs, written into the enclosing block's function:
+        no call or handler per iteration; a `stop_if` of its body is a `break`. Does what
+        `loop` does, and its errors are the same."""
+        progress = self.ctx.progress if self.ctx.progress is not None else {}
+        task = code._name("task", self.task.name)
+        code.call_lines(
+            self._loop_header(code, s, task, code._name("progress", progress)),
+            s.index.name if s.index else None,
+        )
+        for b in s.body:
+            if isinstance(b, ir.OpCall):
+                self._op(code, b)
+            else:
+                self._stop_if(code, b)
+        code.end_loop()
+
+    def _loop_header(self, code: _BlockCode, s: ir.Loop, task: str, progress: str) -> list[str]:
+        if s.count is None:
+            return ["i = -1", "while True:", "    i += 1", f"    {progress}['loop'] = ({task}, i, None)"]
+        if isinstance(s.count, ir.BlobRef):
+            read = code._name("count", self.read(s.count, "loop count"))
+            as_int = code._name("as_int", functools.partial(_as_int, s=s))
+            head = [f"n = {read}()", "if n.__class__ is not int or n < 0:", f"    n = {as_int}(n)"]
+        else:
+            head = [f"n = {code._name('n', s.count)}"]
+        return [*head, "for i in range(n):", f"    {progress}['loop'] = ({task}, i, n)"]
 
     def _block_with_reports(self, steps: tuple[ir.Step, ...]) -> Thunk:
         items: list[tuple[ir.Report | None, Thunk]] = []
@@ -282,7 +312,7 @@ class _Builder:
             n = count
             if read_count is not None:
                 n = read_count()
-                if isinstance(n, bool) or not isinstance(n, int):
+                if n.__class__ is not int or n < 0:
                     n = _as_int(n, s)
             # The live display shows the innermost running loop: the last one to update.
             i = 0
@@ -400,6 +430,7 @@ class _BlockCode:
     def __init__(self, ctx: OpContext, g: dict, local: dict, private: bool):
         self.private = private
         self.lines: list[str] = []
+        self.indent = ""  # inside an inline loop: its body's
         self.on_error: list[Callable[[BaseException], None] | None] = []
         self.env: dict[str, Any] = {
             "ctx": ctx, "G": g, "L": local, "StopBlock": StopBlock,
@@ -412,13 +443,34 @@ class _BlockCode:
         return name
 
     def _step(self, on_error: Callable[[BaseException], None] | None) -> None:
-        self.lines.append(f"at = {len(self.on_error)}")
+        self.line(f"at = {len(self.on_error)}")
         self.on_error.append(on_error)
+
+    def line(self, text: str) -> None:
+        self.lines.append(self.indent + text)
+
+    def add(self, texts: list[str]) -> None:
+        for text in texts:
+            self.line(text)
+
+    def call_lines(self, header: list[str], index: str | None) -> None:
+        """Open an inline loop: its header, then (indented) the storing of its index;
+        the steps written until ``end_loop`` are its body."""
+        self._step(None)  # a bad count raises its own RunError, as `loop` does
+        for text in header:
+            self.line(text)
+        self.indent += "    "
+        self.line("pass")  # an empty body is a body
+        if index is not None:
+            self._store(index, "i")
+
+    def end_loop(self) -> None:
+        self.indent = self.indent[:-4]
 
     def call(self, thunk: Thunk) -> None:
         """A control step: its closure, whose errors pass through unchanged."""
         self._step(None)
-        self.lines.append(f"{self._name('step', thunk)}()")
+        self.line(f"{self._name('step', thunk)}()")
 
     def op(self, impl, ins: tuple[ir.Input, ...], kwargs: dict, outs: list[str], on_error) -> None:
         self._step(on_error)
@@ -429,45 +481,45 @@ class _BlockCode:
             args.append("**" + self._name("kw", kwargs))
         call = f"{self._name('op', impl)}({', '.join(args)})"
         if not outs:
-            self.lines.append(call)
+            self.line(call)
             return
-        self.lines.append(f"r = {call}")
+        self.line(f"r = {call}")
         if len(outs) == 1:
             self._store(outs[0], "r")
             return
         n = len(outs)
-        self.lines += [
+        self.add([
             f"if type(r) is not tuple or len(r) != {n}:",
             f"    r = results(r, {n})",
-        ]
+        ])
         targets = ", ".join(f"L[{name!r}]" for name in outs)
         if not self.private:
-            self.lines.append(f"{targets} = r")
+            self.line(f"{targets} = r")
             return
         # Usually none of them is global (a `read`'s batch): one check, then unpacked.
         outs_name = self._name("outs", tuple(outs))
-        self.lines += [f"if G.keys().isdisjoint({outs_name}):", f"    {targets} = r", "else:"]
+        self.add([f"if G.keys().isdisjoint({outs_name}):", f"    {targets} = r", "else:"])
         for k, name in enumerate(outs):
             self._store(name, f"r[{k}]", indent="    ")
 
     def _store(self, name: str, value: str, indent: str = "") -> None:
         if not self.private:
-            self.lines.append(f"{indent}G[{name!r}] = {value}")
+            self.line(f"{indent}G[{name!r}] = {value}")
             return
-        self.lines += [
+        self.add([
             f"{indent}if {name!r} in G:",
             f"{indent}    G[{name!r}] = {value}",
             f"{indent}else:",
             f"{indent}    L[{name!r}] = {value}",
-        ]
+        ])
 
     def stop_if(self, name: str, truth: Callable[[Any], bool], on_error) -> None:
         self._step(on_error)
-        self.lines += [
+        self.add([
             f"v = L[{name!r}]",
             f"if v is True or (v is not False and v is not None and {self._name('truth', truth)}(v)):",
-            "    raise StopBlock",
-        ]
+            "    break" if self.indent else "    raise StopBlock",  # ends an inline loop
+        ])
 
     def source(self) -> str:
         body = "\n".join("        " + line for line in self.lines)
