@@ -219,9 +219,9 @@ def _record_store(monkeypatch) -> list[tuple]:
         calls.append(("verify", node, epoch))
         return verify(ckpt_dir, node, epoch, rank)
 
-    def record_latest(ckpt_dir, nodes, world_size, *, verify_hashes=True):
+    def record_latest(ckpt_dir, nodes, world_size, *, verify_hashes=True, before=None):
         calls.append(("latest", verify_hashes))
-        return latest(ckpt_dir, nodes, world_size, verify_hashes=verify_hashes)
+        return latest(ckpt_dir, nodes, world_size, verify_hashes=verify_hashes, before=before)
 
     def record_load(ckpt_dir, node, epoch, rank=0, **kw):
         calls.append(("load", node, epoch, kw.get("verify_hashes", True)))
@@ -273,8 +273,8 @@ def test_resume_loads_unhashed_only_what_the_launcher_verified(reference, tmp_pa
     assert "warning: skipping checkpoint epoch 6: node 'local'" in r.out
     assert "checksum mismatch" in r.out
     assert "resumed from checkpoint epoch 5" in r.out
-    assert calls[0] == ("latest", True)
-    assert [c for c in calls if c[0] == "load"] == [("load", "local", 5, False)]
+    assert calls == [("latest", False), ("verify", "local", 6),  # cheap checks, then the bytes
+                     ("latest", False), ("verify", "local", 5), ("load", "local", 5, False)]
 
     calls.clear()
     r = jobrun("resume", "--run-dir", run, "--epoch", "2")
@@ -390,7 +390,7 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
 
     from jobrun.errors import CheckpointError
     from jobrun.runner import checkpoint as store
-    from jobrun.runner.launch import _pick_epoch_together
+    from jobrun.runner.launch import _pick_epoch
 
     plan, ckpt = two_ranks
     _flip_last_byte(ckpt / "local.3" / "rank-1" / "tensors.safetensors")
@@ -403,7 +403,7 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
         return verify(ckpt_dir, node, epoch, rank)
 
     monkeypatch.setattr(store, "verify", record)
-    got = _as_ranks(2, lambda rank, gather: _pick_epoch_together(ckpt, plan, 2, None, rank, gather))
+    got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, None, rank, gather))
     assert got == [1, 1]  # 3 is corrupt on rank 1 only, 2 incomplete: both pick 1
     out = capsys.readouterr().out
     assert out.count("warning: skipping checkpoint epoch 3:") == 1  # rank 0 says it, once
@@ -414,10 +414,10 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
         by_thread.setdefault(thread, set()).add((epoch, rank))
     # Each process read only its own rank, of the two epochs it had to check.
     assert sorted(map(sorted, by_thread.values())) == [[(1, 0), (3, 0)], [(1, 1), (3, 1)]]
-    got = _as_ranks(2, lambda rank, gather: _pick_epoch_together(ckpt, plan, 2, 3, rank, gather))
+    got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 3, rank, gather))
     assert all(isinstance(e, CheckpointError) and "epoch 3 cannot be used" in e.message
                and "rank-1" in e.message for e in got)
-    assert _as_ranks(2, lambda rank, gather: _pick_epoch_together(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
+    assert _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
 
 
 def test_two_runners_cannot_share_a_run_dir(tmp_path):

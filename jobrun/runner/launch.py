@@ -36,7 +36,12 @@ class Launch:
     run_dir: Path
     resume_epoch: int | None
     replicas: int
-    verified: bool = False  # this command has just checksummed resume_epoch (its own rank at least)
+
+    @property
+    def verified(self) -> bool:
+        """Whether resume_epoch is checksummed: a Launch with one comes from `resume`,
+        which has just checked it (every rank, or under torchrun this process's own)."""
+        return self.resume_epoch is not None
 
 
 # -- entry points (called by the CLI) -------------------------------------------------------
@@ -106,14 +111,13 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
         if torchrun:
             # Every process checksums its own rank only; they agree on the epoch together.
             _init_process_group(_device(info.get("device") or plan.device, n))
-            epoch = _pick_epoch_together(ckpt_dir, plan, n, epoch, int(os.environ["RANK"]),
-                                         _all_gather)
+            epoch = _pick_epoch(ckpt_dir, plan, n, epoch, int(os.environ["RANK"]), _all_gather)
         else:
             epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
         if leader:
             rd.truncate_metrics(path / rd.METRICS_FILE, epoch)
             rd.update_run_info(path, status="running", resumed_from=epoch, started=time.time())
-        return _launch(Launch(path, epoch, n, verified=True), torchrun)
+        return _launch(Launch(path, epoch, n), torchrun)
     finally:
         lock.release()
 
@@ -183,63 +187,52 @@ def _refuse_used(path: Path) -> None:
         )
 
 
-def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None) -> int:
-    from jobrun.runner import checkpoint as store
+def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
+                rank: int | None = None, gather: Callable[[Any], list[Any]] | None = None) -> int:
+    """The epoch to resume from, checksummed: ``epoch``, or else the newest one whose every
+    node and rank is complete and intact (each newer one skipped with a warning).
 
-    nodes = list(plan.nodes)
-    if epoch is None:
-        latest, skipped = store.latest_complete_epoch(ckpt_dir, nodes, replicas)
-        for e, why in skipped:
-            print(f"warning: skipping checkpoint epoch {e}: {why}")
-        if latest is None:
-            raise CheckpointError(f"no complete checkpoint in {ckpt_dir}",
-                                  hint="train again with `jobrun train`")
-        return latest
-    problems = [p for node in nodes for p in store.verify(ckpt_dir, node, epoch)]
-    if problems:
-        epochs = [info.epoch for info in store.list_checkpoints(ckpt_dir)]
-        raise CheckpointError(f"checkpoint epoch {epoch} cannot be used: {problems[0]}",
-                              hint=f"epochs present: {', '.join(map(str, epochs)) or 'none'}")
-    return epoch
-
-
-def _pick_epoch_together(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
-                         rank: int, gather: Callable[[Any], list[Any]]) -> int:
-    """``_pick_epoch`` for processes started by torchrun, each checksumming only its own
-    rank: the cheap checks (COMMIT, manifests, sizes) of every rank agree by themselves;
-    ``gather`` (an all-gather over the processes) shares each rank's problems, so that all
-    skip, pick or refuse the same epoch. Each byte is read once, by the rank it belongs to.
+    ``rank`` None: this process checks every rank. Under torchrun each process checks only
+    its own ``rank``, and ``gather`` (an all-gather over the processes) shares what each
+    found, so that all skip, pick or refuse the same epoch: each byte is read once, by the
+    rank it belongs to. The cheap checks (COMMIT, manifests, sizes) agree by themselves.
     """
     from jobrun.runner import checkpoint as store
 
     nodes = list(plan.nodes)
+    say = rank in (None, 0)
 
-    def problems(e: int) -> list[str]:
-        mine = [p for node in nodes for p in store.verify(ckpt_dir, node, e, rank=rank)]
-        return [p for theirs in gather(mine) for p in theirs]
+    def problems(e: int) -> tuple[str, list[str]] | None:
+        """The first node with problems at epoch ``e`` and its problems (of every rank)."""
+        mine = {node: store.verify(ckpt_dir, node, e, rank=rank) for node in nodes}
+        every = gather(mine) if gather else [mine]
+        for node in nodes:
+            found = [p for theirs in every for p in theirs[node]]
+            if found:
+                return node, found
+        return None
 
     if epoch is not None:
-        found = problems(epoch)
-        if found:
+        bad = problems(epoch)
+        if bad:
             epochs = [info.epoch for info in store.list_checkpoints(ckpt_dir)]
-            raise CheckpointError(f"checkpoint epoch {epoch} cannot be used: {found[0]}",
+            raise CheckpointError(f"checkpoint epoch {epoch} cannot be used: {bad[1][0]}",
                                   hint=f"epochs present: {', '.join(map(str, epochs)) or 'none'}")
         return epoch
     before = None
     while True:
         latest, skipped = store.latest_complete_epoch(ckpt_dir, nodes, replicas,
                                                       verify_hashes=False, before=before)
-        if rank == 0:
-            for e, why in skipped:
-                print(f"warning: skipping checkpoint epoch {e}: {why}")
+        for e, why in skipped if say else ():
+            print(f"warning: skipping checkpoint epoch {e}: {why}")
         if latest is None:
             raise CheckpointError(f"no complete checkpoint in {ckpt_dir}",
                                   hint="train again with `jobrun train`")
-        found = problems(latest)
-        if not found:
+        bad = problems(latest)
+        if bad is None:
             return latest
-        if rank == 0:
-            print(f"warning: skipping checkpoint epoch {latest}: {'; '.join(found)}")
+        if say:
+            print(f"warning: skipping checkpoint epoch {latest}: node {bad[0]!r}: {'; '.join(bad[1])}")
         before = latest
 
 
