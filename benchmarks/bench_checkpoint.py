@@ -265,25 +265,21 @@ def async_e2e(mode: Mode) -> list[Row]:
                "async_train_s": train[True], "sync_train_s": train[False],
                "save_hidden_fraction": hidden},
     )]
+    def stall_row(name: str, stalls: list[float], note: str) -> None:
+        stall = median(stalls)
+        rows.append(Row(
+            section="checkpoint", name=name, value=stall, unit="s", baseline=save,
+            baseline_name="synchronous save in the job", ratio=stall / save,
+            goal=f"<= {GOAL_STALL:.0%} of a synchronous save", ok=stall / save <= GOAL_STALL,
+            note=note, extra={"blocked_s": stalls},
+        ))
+
     if blocked:
-        stall = median(blocked)
-        rows.append(Row(
-            section="checkpoint", name="async: training blocked per save (end to end)",
-            value=stall, unit="s", baseline=save, baseline_name="synchronous save in the job",
-            ratio=stall / save, goal=f"<= {GOAL_STALL:.0%} of a synchronous save",
-            ok=stall / save <= GOAL_STALL, note="the runner's own `ms blocked` (copy + wait)",
-            extra={"blocked_s": blocked},
-        ))
+        stall_row("async: training blocked per save (end to end)", blocked,
+                  "the runner's own `ms blocked` (copy + wait)")
     if first:
-        stall = median(first)
-        rows.append(Row(
-            section="checkpoint", name="async: blocked at epoch 1 (Adam's new state)",
-            value=stall, unit="s", baseline=save, baseline_name="synchronous save in the job",
-            ratio=stall / save, goal=f"<= {GOAL_STALL:.0%} of a synchronous save",
-            ok=stall / save <= GOAL_STALL,
-            note="the first save with Adam's moments (2/3 of the state), copied into spares",
-            extra={"blocked_s": first},
-        ))
+        stall_row("async: blocked at epoch 1 (Adam's new state)", first,
+                  "the first save with Adam's moments (2/3 of the state), copied into spares")
     return rows
 
 

@@ -125,9 +125,9 @@ def _cpu_tensor(t: Any, copy: bool, into: Any, copies: list[_Copy], spares: Any 
     import torch
 
     t = t.detach().resolve_conj().resolve_neg()
-    if copy and not _fits(into, t) and spares is not None:
-        into = spares.take(t.dtype, tuple(t.shape))
-    if copy and _fits(into, t):
+    if copy and not _fits(into, t):
+        into = spares.take(t.dtype, tuple(t.shape)) if spares is not None else None
+    if copy and into is not None:  # it fits: a spare has t's dtype and shape
         if t.device.type != "cpu":
             return into.copy_(t)
         copies.append(_Copy(into, t, fresh=False))

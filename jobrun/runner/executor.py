@@ -243,7 +243,7 @@ class _Builder:
         `loop` does, and its errors are the same."""
         progress = self.ctx.progress if self.ctx.progress is not None else {}
         task = code._name("task", self.task.name)
-        code.call_lines(
+        code.open_loop(
             self._loop_header(code, s, task, code._name("progress", progress)),
             s.index.name if s.index else None,
         )
@@ -453,7 +453,7 @@ class _BlockCode:
         for text in texts:
             self.line(text)
 
-    def call_lines(self, header: list[str], index: str | None) -> None:
+    def open_loop(self, header: list[str], index: str | None) -> None:
         """Open an inline loop: its header, then (indented) the storing of its index;
         the steps written until ``end_loop`` are its body."""
         self._step(None)  # a bad count raises its own RunError, as `loop` does
