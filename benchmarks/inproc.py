@@ -73,8 +73,8 @@ def run_plan(
     """Run the job; the times of each epoch, in order. ``between(epoch)`` runs after each
     epoch, outside its times (to interleave a baseline with the epochs)."""
     from jobrun.plans.compile import compile_file
-    from jobrun.runner import rundir as rd
     from jobrun.runner.job import JobConfig, JobRunner, seed_everything
+    from jobrun.runner.rundir import RunDir
 
     own = run_dir is None
     tmp = tempfile.TemporaryDirectory(prefix="jobrun-bench-") if own else None
@@ -83,7 +83,7 @@ def run_plan(
     try:
         rdir.mkdir(parents=True, exist_ok=True)
         plan = compile_file(plan_path, run_dir=str(rdir), plan_dir=str(plan_path.parent))
-        rd.write_json_atomic(rdir / rd.RUN_FILE, {
+        RunDir(rdir).write_info({
             "job": plan.job, "plan_dir": str(plan_path.parent), "status": "running",
             "started": time.time(), "replicas": 1, "device": "cpu",
         })

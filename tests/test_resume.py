@@ -335,7 +335,8 @@ def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeyp
     r = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert r.code == 0, r.text
     assert calls == [("verify", "local", 3)]
-    assert started == [(str(run), 3, True)] * (2 if how == "elastic" else 1)
+    seen = [(a[0].run_dir, a[0].resume_epoch, a[0].verified) for a in started]
+    assert seen == [(run, 3, True)] * (2 if how == "elastic" else 1)
 
 
 def _as_ranks(n: int, fn) -> list:

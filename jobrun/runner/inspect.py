@@ -12,19 +12,17 @@ from typing import Any
 
 from jobrun.errors import CheckpointError, UsageError
 from jobrun.runner import checkpoint as store
-from jobrun.runner import rundir as rd
 from jobrun.runner.codec import SavedState
 from jobrun.runner.display import human_size
+from jobrun.runner.rundir import RunDir
 
 
 def _locate(run_dir: str | None) -> tuple[Path, Path, list[str]]:
-    from jobrun.runner.launch import _ckpt_dir, _plan_from_run
-
-    path = Path(run_dir) if run_dir else rd.latest_run()
-    plan = _plan_from_run(path, rd.read_run_info(path))
-    if plan.checkpoint is None:
-        raise UsageError(f"the job in {path} writes no checkpoints", hint="add a `checkpoint:` block")
-    return path, _ckpt_dir(path, plan), list(plan.nodes)
+    run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
+    ckpt_dir = run.checkpoints
+    if ckpt_dir is None:
+        raise UsageError(f"the job in {run.path} writes no checkpoints", hint="add a `checkpoint:` block")
+    return run.path, ckpt_dir, list(run.plan().nodes)
 
 
 def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) -> str:

@@ -30,7 +30,7 @@ from jobrun.runner import checkpoint as store
 from jobrun.runner.codec import SavedState, UnsupportedValue
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
-from jobrun.runner.rundir import METRICS_FILE, Metrics, TensorBoard, update_run_info
+from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
 
 RNG_KEY = "jobrun:rng"
 
@@ -62,7 +62,8 @@ class JobRunner:
         self.rank = cfg.rank
         self.main_rank = cfg.rank == 0
         self.display = display or Display(enabled=self.main_rank)
-        self.metrics = Metrics(cfg.run_dir / METRICS_FILE if self.main_rank else None)
+        self.run_dir = RunDir(cfg.run_dir, cfg.plan)
+        self.metrics = Metrics(self.run_dir.metrics_file if self.main_rank else None)
         self.tensorboard = TensorBoard(cfg.run_dir if self.main_rank else None)
         self.epoch = 0
         self.group = "init"
@@ -75,8 +76,7 @@ class JobRunner:
         self._spares: dict[str, store.Spares] = {}  # per node: host memory made ahead
         self._hooks: dict[str, list[Any]] = {}  # per node: optimizer hooks that make spares
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
-        ck = self.plan.checkpoint
-        self.ckpt_dir = _under(cfg.run_dir, ck.dir) if ck else None
+        self.ckpt_dir = self.run_dir.checkpoints
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
             g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
@@ -163,7 +163,7 @@ class JobRunner:
         self._wait_for_writer()
         ck = self.plan.checkpoint
         if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
-            dest = _under(self.cfg.run_dir, ck.upload)
+            dest = self.run_dir.under(ck.upload)
             for node in self.nodes:
                 try:
                     path = store.upload(self.ckpt_dir, node, self._last_saved, dest)
@@ -173,8 +173,7 @@ class JobRunner:
         self._run_group("download")
         self._run_group("exit")
         if self.main_rank:
-            update_run_info(self.cfg.run_dir, status="finished", last_epoch=self.epoch,
-                            finished=time.time())
+            self.run_dir.update_info(status="finished", last_epoch=self.epoch, finished=time.time())
 
     def _run_group(self, name: str) -> dict[str, dict[str, Any]]:
         self.group = name
@@ -400,11 +399,6 @@ class _Writer:
     def wait(self) -> BaseException | None:
         self.thread.join()
         return self.error
-
-
-def _under(run_dir: Path, path: str) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else run_dir / p
 
 
 def _rng_state(ctx: OpContext) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,12 +29,16 @@ from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.resolve import apply_sets
-from jobrun.runner import rundir as rd
+from jobrun.runner.rundir import RunDir
 
 
 @dataclass
 class Launch:
+    """What every worker process of a run needs to start."""
+
     run_dir: Path
+    plan_dir: Path
+    device: str  # as asked for (auto, cpu, cuda, cuda:N); each worker picks its own
     resume_epoch: int | None
     replicas: int
 
@@ -51,78 +56,70 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
           device: str | None) -> int:
     torchrun = _under_torchrun()
     plan, stored = _compile_for_run(plan_path, sets, run_dir)
-    path = Path(run_dir) if run_dir else Path("runs") / plan.job
+    run = RunDir(Path(run_dir) if run_dir else Path("runs") / plan.job, plan)
     n = _replicas(plan, replicas)
+    src = Path(plan_path).resolve()
+    launch = Launch(run.path, src.parent, device or plan.device, None, n)
     if torchrun:
         # Every rank joins first; rank 0 prepares the run directory while the others wait.
         import torch.distributed as dist
 
-        _init_process_group(_device(device or plan.device, int(os.environ["WORLD_SIZE"])))
+        _init_process_group(_device(launch.device, int(os.environ["WORLD_SIZE"])))
         if int(os.environ["RANK"]) != 0:
             dist.barrier()
-            return _worker(str(path), None)
-    _refuse_used(path)
-    path.mkdir(parents=True, exist_ok=True)
-    lock = rd.RunLock(path)
-    lock.acquire()
-    try:
-        _refuse_used(path)
-        (path / rd.PLAN_FILE).write_text(yaml.safe_dump(stored, sort_keys=False))
-        src = Path(plan_path)
-        rd.write_json_atomic(path / rd.RUN_FILE, {
-            "job": plan.job, "source": str(src.resolve()), "plan_dir": str(src.resolve().parent),
+            return _worker(launch, plan)
+    else:
+        _device(launch.device, 1, select=False)  # refuse a device now, before writing anything
+    run.check_can_train(run.checkpoints)
+    run.create()
+    with run.lock():
+        run.check_can_train(run.checkpoints)
+        run.start(yaml.safe_dump(stored, sort_keys=False), {
+            "job": plan.job, "source": str(src), "plan_dir": str(src.parent),
             "plan_sha256": hashlib.sha256(src.read_bytes()).hexdigest(), "sets": list(sets),
-            "replicas": n, "device": device or plan.device, "started": time.time(),
+            "replicas": n, "device": launch.device, "started": time.time(),
             "status": "running", "jobrun": __version__,
         })
-        metrics = path / rd.METRICS_FILE
-        if metrics.exists():
-            metrics.unlink()  # a run without checkpoints being started again from scratch
         if torchrun:
             import torch.distributed as dist
 
             dist.barrier()
-        return _launch(Launch(path, None, n), torchrun)
-    finally:
-        lock.release()
+        return _launch(launch, torchrun, plan)
 
 
 def resume(run_dir: str | None, epoch: int | None) -> int:
-    path = Path(run_dir) if run_dir else rd.latest_run()
-    info = rd.read_run_info(path)
+    run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
+    info = run.info()
     torchrun = _under_torchrun()
     # Under torchrun every rank picks the same epoch from disk; rank 0 alone holds the
     # lock and writes the run's files.
     leader = not torchrun or int(os.environ["RANK"]) == 0
-    lock = rd.RunLock(path)
-    if leader:
-        lock.acquire()
-    try:
-        plan = _plan_from_run(path, info)
-        if plan.checkpoint is None:
-            raise UsageError(f"the job in {path} writes no checkpoints, so it cannot be resumed",
+    with run.lock() if leader else nullcontext():
+        plan = run.plan()
+        ckpt_dir = run.checkpoints
+        if ckpt_dir is None:
+            raise UsageError(f"the job in {run.path} writes no checkpoints, so it cannot be resumed",
                              hint="add a `checkpoint:` block to the plan and train again")
-        ckpt_dir = _ckpt_dir(path, plan)
         n = int(os.environ["WORLD_SIZE"]) if torchrun else int(info.get("replicas", 1))
         if epoch is None and info.get("status") == "finished":
-            print(f"{path}: job {plan.job!r} already finished at epoch {info.get('last_epoch')}; "
+            print(f"{run.path}: job {plan.job!r} already finished at epoch {info.get('last_epoch')}; "
                   "nothing to do (use --epoch E to train again from E)")
             return 0
+        device = str(info.get("device") or plan.device)
         if torchrun:
             # Every process checksums its own rank only; they agree on the epoch together.
-            _init_process_group(_device(info.get("device") or plan.device, n))
+            _init_process_group(_device(device, n))
             epoch = _pick_epoch(ckpt_dir, plan, n, epoch, int(os.environ["RANK"]), _all_gather)
         else:
+            _device(device, 1, select=False)
             epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
         if leader:
-            rd.truncate_metrics(path / rd.METRICS_FILE, epoch)
-            rd.update_run_info(path, status="running", resumed_from=epoch, started=time.time())
-        return _launch(Launch(path, epoch, n), torchrun)
-    finally:
-        lock.release()
+            run.truncate_metrics(epoch)
+            run.update_info(status="running", resumed_from=epoch, started=time.time())
+        return _launch(Launch(run.path, run.plan_dir, device, epoch, n), torchrun, plan)
 
 
-# -- plans and run directories ------------------------------------------------------------
+# -- plans ----------------------------------------------------------------------------------
 
 
 def _compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None):
@@ -142,49 +139,6 @@ def _compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None)
         raise PlanError(first.message + (f"\n{more}" if more else ""), first.pos,
                         first.hint or "`jobrun analyze PLAN` lists every problem")
     return plan, stored
-
-
-def _plan_from_run(path: Path, info: dict[str, Any]) -> ir.Plan:
-    """The plan a run uses: the user's file when unchanged (so errors point there), else
-    the resolved copy stored in the run directory."""
-    plan_dir = info.get("plan_dir", str(path.resolve()))
-    source = Path(info.get("source", ""))
-    try:
-        same = source.is_file() and hashlib.sha256(source.read_bytes()).hexdigest() == info.get("plan_sha256")
-    except OSError:
-        same = False
-    if same:
-        tree, name, sets = load_file(source), str(source), info.get("sets", [])
-    else:
-        tree, name, sets = load_file(path / rd.PLAN_FILE), str(path / rd.PLAN_FILE), []
-    return compile_tree(tree, name, sets, run_dir=str(path.resolve()), plan_dir=plan_dir)
-
-
-def _ckpt_dir(run_dir: Path, plan: ir.Plan) -> Path:
-    assert plan.checkpoint is not None
-    p = Path(plan.checkpoint.dir).expanduser()
-    return p if p.is_absolute() else run_dir / p
-
-
-def _refuse_used(path: Path) -> None:
-    info_file = path / rd.RUN_FILE
-    if not info_file.exists():
-        return
-    try:
-        info = rd.read_run_info(path)
-        plan = _plan_from_run(path, info)
-    except JobrunError:
-        return
-    if plan.checkpoint is None:
-        return
-    from jobrun.runner import checkpoint as store
-
-    ckpt_dir = _ckpt_dir(path, plan)
-    if ckpt_dir.is_dir() and store.list_checkpoints(ckpt_dir):
-        raise UsageError(
-            f"run directory {path} already holds checkpoints",
-            hint=f"continue it with `jobrun resume --run-dir {path}`, or choose another --run-dir",
-        )
 
 
 def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
@@ -264,9 +218,11 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _launch(launch: Launch, torchrun: bool) -> int:
+def _launch(launch: Launch, torchrun: bool, plan: ir.Plan) -> int:
+    """Run the job in this process (one replica, or one torchrun rank) with the plan
+    already compiled, or start N workers that each compile it from the run directory."""
     if launch.replicas <= 1 or torchrun:
-        return _worker(str(launch.run_dir), launch.resume_epoch, launch.verified)
+        return _worker(launch, plan)
     return _elastic(launch)
 
 
@@ -281,8 +237,7 @@ def _elastic(launch: Launch) -> int:
         monitor_interval=0.2, start_method="spawn", shutdown_timeout=5,
     )
     try:
-        results = elastic_launch(config, _worker)(str(launch.run_dir), launch.resume_epoch,
-                                                  launch.verified)
+        results = elastic_launch(config, _worker)(launch)
     except ChildFailedError as e:
         rank, failure = _culprit(e.failures)
         code = failure.exitcode
@@ -316,32 +271,32 @@ def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=order)
 
 
-def _worker(run_dir: str, resume_epoch: int | None, verified: bool = False) -> int:
-    """One process of the job (also the whole job when there is one replica).
+def _worker(launch: Launch, plan: ir.Plan | None = None) -> int:
+    """One process of the job (also the whole job when there is one replica). ``plan``:
+    the compiled plan when this process has it; a spawned worker compiles the run's own.
 
-    ``verified``: this command has checksummed ``resume_epoch`` (every rank, or under
-    torchrun this process's own), so the restore skips the checksums (it still checks
-    COMMIT, the manifest and the sizes).
+    ``launch.verified``: the launcher has checksummed the resume epoch (every rank, or
+    under torchrun this process's own), so the restore skips the checksums (it still
+    checks COMMIT, the manifest and the sizes).
     """
     from jobrun.runner.job import Interrupted, JobConfig, JobRunner, seed_everything
 
-    path = Path(run_dir)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
-        info = rd.read_run_info(path)
-        plan = _plan_from_run(path, info)
+        if plan is None:
+            plan = RunDir(launch.run_dir).plan()
         # Model classes and functions next to the plan are importable by `build`/`call`.
-        if info["plan_dir"] not in sys.path:
-            sys.path.insert(0, info["plan_dir"])
-        device = _device(info.get("device") or plan.device, world)
+        if str(launch.plan_dir) not in sys.path:
+            sys.path.insert(0, str(launch.plan_dir))
+        device = _device(launch.device, world)
         if world > 1:
             _init_process_group(device)
         seed_everything(plan.seed)
         _set_threads()
-        cfg = JobConfig(plan=plan, run_dir=path.resolve(), plan_dir=Path(info["plan_dir"]),
-                        device=device, rank=rank, world_size=world, resume_epoch=resume_epoch,
-                        resume_verified=verified)
+        cfg = JobConfig(plan=plan, run_dir=launch.run_dir.resolve(), plan_dir=launch.plan_dir,
+                        device=device, rank=rank, world_size=world,
+                        resume_epoch=launch.resume_epoch, resume_verified=launch.verified)
         return JobRunner(cfg).run()
     except Interrupted as e:
         if rank == 0:
@@ -371,7 +326,11 @@ def _set_threads() -> None:
                              hint="set it to the number of CPU threads torch may use") from None
 
 
-def _device(wanted: str, world: int) -> str:
+def _device(wanted: str, world: int, select: bool = True) -> str:
+    """The device this process uses; an unusable one is refused. ``select``: make it
+    the current CUDA device (a worker), or only check it (before anything is written)."""
+    if not select and not wanted.startswith("cuda"):
+        return wanted  # cpu and auto are always usable: no need to import torch yet
     import torch
 
     if wanted == "auto":
@@ -380,9 +339,14 @@ def _device(wanted: str, world: int) -> str:
         if not torch.cuda.is_available():
             raise UsageError(f"device {wanted!r} was asked for, but CUDA is not available here",
                              hint="use --device cpu")
+        count = torch.cuda.device_count()
+        if ":" in wanted and int(wanted.split(":")[1]) >= count:
+            raise UsageError(f"device {wanted!r} was asked for, but this machine has {count} "
+                             "CUDA device(s)", hint=f"use cuda:0 .. cuda:{count - 1}, or cpu")
         if world > 1 and wanted == "cuda":
             wanted = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(torch.device(wanted))
+        if select:
+            torch.cuda.set_device(torch.device(wanted))
     return wanted
 
 

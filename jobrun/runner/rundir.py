@@ -1,11 +1,17 @@
-"""The run directory: resolved plan, run facts, lock, metrics.
+"""The run directory: the resolved plan, the run's facts, its lock and its metrics.
 
     runs/<job>/
+      run.json        where the plan came from, plan_dir, replicas, device, status; its
+                      presence (a JSON object naming the job) marks a jobrun run directory
       plan.yaml       the plan after --set (vars are substituted again on resume)
-      run.json        where the plan came from, plan_dir, replicas, device, status
       metrics.jsonl   one JSON object per log line / checkpoint event
       checkpoints/    <node>.<epoch>/rank-<r>/...
       .lock           held by the running job (flock), so two runners cannot share it
+
+jobrun writes into a directory only when it is new, empty, or a jobrun run directory, and
+never trains over one that holds checkpoints. Every file it writes here is opened through
+:mod:`jobrun.safefs`, so a symlink or FIFO planted in the directory is an error, not a
+write through it.
 """
 
 from __future__ import annotations
@@ -13,131 +19,337 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobrun.errors import UsageError
+from jobrun import safefs
+from jobrun.errors import JobrunError, UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from jobrun.plans import ir
 
 RUN_FILE = "run.json"
 PLAN_FILE = "plan.yaml"
 METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = ".lock"
+MAX_INFO_BYTES = 1 << 20
+
+# A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
+_EPOCH_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.\d+")
 
 
-class RunLock:
-    """An exclusive flock on <run_dir>/.lock for the life of the job."""
+class RunDir:
+    """One run directory. ``plan``: the compiled plan when the caller has it (`train`);
+    otherwise :meth:`plan` compiles the run's own, once."""
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / LOCK_FILE
-        self.fd: int | None = None
+    def __init__(self, path: Path, plan: ir.Plan | None = None):
+        self.path = path
+        self._plan = plan
+        self._info: dict[str, Any] | None = None
 
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise UsageError(
-                f"run directory {self.path.parent} is in use by {holder}",
-                hint="wait for that job to end, or choose another --run-dir",
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())
-        self.fd = fd
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
 
-    def release(self) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def read_run_info(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / RUN_FILE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(
-            f"{run_dir} is not a jobrun run directory (no {RUN_FILE})",
-            hint="give the directory `jobrun train` created (runs/<job> by default)",
-        ) from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read {path}: {e}") from None
-
-
-def update_run_info(run_dir: Path, **changes: Any) -> None:
-    info = read_run_info(run_dir)
-    info.update(changes)
-    write_json_atomic(run_dir / RUN_FILE, info)
-
-
-def latest_run(root: Path = Path("runs")) -> Path:
-    """The most recently started run under ./runs (by run.json's `started`)."""
-    candidates = []
-    if root.is_dir():
-        for d in root.iterdir():
-            f = d / RUN_FILE
-            if f.is_file():
+    @classmethod
+    def latest(cls, root: Path = Path("runs")) -> RunDir:
+        """The most recently started run under ./runs (by run.json's `started`)."""
+        candidates = []
+        if root.is_dir():
+            for d in root.iterdir():
                 try:
-                    started = float(json.loads(f.read_text()).get("started", 0))
-                except (OSError, ValueError):
+                    started = float(RunDir(d).info().get("started", 0))
+                except (JobrunError, TypeError, ValueError):
                     continue
-                candidates.append((started, d))
-    if not candidates:
-        raise UsageError(
-            f"no runs under {root}/ to resume", hint="give --run-dir DIR, or start one with `jobrun train`"
-        )
-    return max(candidates)[1]
+                candidates.append((started, str(d)))
+        if not candidates:
+            raise UsageError(f"no runs under {root}/ to resume",
+                             hint="give --run-dir DIR, or start one with `jobrun train`")
+        return cls(Path(max(candidates)[1]))
+
+    # -- paths -------------------------------------------------------------------------
+    @property
+    def info_file(self) -> Path:
+        return self.path / RUN_FILE
+
+    @property
+    def plan_file(self) -> Path:
+        return self.path / PLAN_FILE
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def checkpoints(self) -> Path | None:
+        """Where the plan's checkpoints go (None: the plan writes none). A relative
+        `checkpoint.dir` is under the run directory; an absolute one is the user's."""
+        plan = self.plan()
+        if plan.checkpoint is None:
+            return None
+        p = Path(plan.checkpoint.dir).expanduser()
+        return p if p.is_absolute() else self.path / p
+
+    def under(self, path: str) -> Path:
+        """A path a plan gives, relative to this run directory unless absolute."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self.path / p
+
+    # -- run.json ----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = self._read_info()
+        return self._info
+
+    def _read_info(self) -> dict[str, Any]:
+        try:
+            data = safefs.read_bounded(self.info_file, MAX_INFO_BYTES)
+        except FileNotFoundError:
+            raise UsageError(
+                f"{self.path} is not a jobrun run directory (no {RUN_FILE})",
+                hint="give the directory `jobrun train` created (runs/<job> by default)",
+            ) from None
+        except OSError as e:
+            raise UsageError(f"cannot read {self.info_file}: {e.strerror or e}") from None
+        try:
+            info = json.loads(data)
+        except ValueError as e:
+            raise UsageError(f"{self.info_file} is damaged: {e}",
+                             hint="it is jobrun's record of the run; restore it or start a new run") from None
+        if not isinstance(info, dict) or not isinstance(info.get("job"), str):
+            raise UsageError(f"{self.info_file} is not a jobrun run record",
+                             hint="give the directory `jobrun train` created")
+        return info
+
+    def write_info(self, info: dict[str, Any]) -> None:
+        text = json.dumps(info, indent=2, sort_keys=True) + "\n"
+        self._write(self.info_file, text.encode())
+        self._info = info
+
+    def update_info(self, **changes: Any) -> None:
+        self.write_info({**self.info(), **changes})
+
+    def _write(self, path: Path, data: bytes) -> None:
+        try:
+            safefs.write_atomic(path, data)
+        except OSError as e:
+            raise _write_error(path, e) from None
+
+    # -- the plan ----------------------------------------------------------------------
+    def plan(self) -> ir.Plan:
+        """The plan this run uses: the user's file when unchanged (so that messages point
+        at it), else the resolved copy stored here. Compiled once."""
+        if self._plan is None:
+            self._plan = self._compile()
+        return self._plan
+
+    def _compile(self) -> ir.Plan:
+        import hashlib
+
+        from jobrun.plans.compile import compile_tree
+        from jobrun.plans.load import load_file
+
+        info = self.info()
+        plan_dir = str(info.get("plan_dir") or self.path.resolve())
+        source = Path(str(info.get("source", "")))
+        try:
+            same = (source.is_file() and hashlib.sha256(source.read_bytes()).hexdigest()
+                    == info.get("plan_sha256"))
+        except OSError:
+            same = False
+        if same:
+            tree, name, sets = load_file(source), str(source), list(info.get("sets", []))
+        else:
+            tree, name, sets = load_file(self.plan_file), str(self.plan_file), []
+        return compile_tree(tree, name, sets, run_dir=str(self.path.resolve()), plan_dir=plan_dir)
+
+    @property
+    def plan_dir(self) -> Path:
+        return Path(str(self.info().get("plan_dir") or self.path.resolve()))
+
+    # -- creating a run ----------------------------------------------------------------
+    def check_can_train(self, checkpoint_dir: Path | None) -> None:
+        """Refuse to start a run here unless the directory is new, empty, or a jobrun run
+        directory without checkpoints; ``checkpoint_dir``: where the new plan writes its
+        checkpoints, which must hold none either (it may lie outside the run directory)."""
+        hint_resume = f"continue it with `jobrun resume --run-dir {self.path}`, or choose another --run-dir"
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"--run-dir {self.path} is not a directory", hint="choose another --run-dir")
+        if self.path.is_dir():
+            held = self._held_checkpoints()
+            if held:
+                raise UsageError(f"run directory {self.path} already holds checkpoints ({held})",
+                                 hint=hint_resume)
+            if not self._is_run() and any(p.name != LOCK_FILE for p in self.path.iterdir()):
+                raise UsageError(
+                    f"{self.path} is not empty and is not a jobrun run directory",
+                    hint="jobrun only writes into a new or empty directory: choose another --run-dir",
+                )
+        if checkpoint_dir is not None and _holds_checkpoints(checkpoint_dir, depth=0):
+            raise UsageError(f"checkpoint directory {checkpoint_dir} already holds checkpoints",
+                             hint=hint_resume)
+
+    def _is_run(self) -> bool:
+        try:
+            self.info()
+        except UsageError:
+            return False
+        return True
+
+    def _held_checkpoints(self) -> str | None:
+        """The first checkpoint found anywhere in the run directory (a few levels down),
+        whatever run.json says: a missing or damaged run.json must not hide them."""
+        found = _holds_checkpoints(self.path, depth=3)
+        return str(found.relative_to(self.path)) if found else None
+
+    def create(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _write_error(self.path, e) from None
+
+    def start(self, plan_text: str, info: dict[str, Any]) -> None:
+        """Write the plan copy and run.json of a new run; a new run's metrics start empty
+        (the directory held a run without checkpoints: its metrics are jobrun's own)."""
+        self._write(self.plan_file, plan_text.encode())
+        self.write_info(info)
+        try:
+            safefs.check_replaceable(self.metrics_file)
+            self.metrics_file.unlink(missing_ok=True)
+        except OSError as e:
+            raise _write_error(self.metrics_file, e) from None
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """An exclusive flock on <run_dir>/.lock while the block runs."""
+        path = self.path / LOCK_FILE
+        try:
+            fd = safefs.open_lock(path)
+        except OSError as e:
+            raise _write_error(path, e) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+                raise UsageError(f"run directory {self.path} is in use by {holder}",
+                                 hint="wait for that job to end, or choose another --run-dir") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()}".encode())
+            yield
+        finally:
+            os.close(fd)  # also releases the flock
+
+    def truncate_metrics(self, after_epoch: int) -> None:
+        """On resume from epoch E, drop what the interrupted run logged after E."""
+        path = self.metrics_file
+        try:
+            data = safefs.read_bounded(path, 1 << 40)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+        kept = []
+        for line in data.decode(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if not isinstance(record, dict) or record.get("group") in ("download", "exit"):
+                continue  # the interrupted run's end phase runs again
+            epoch = record.get("epoch", 0)
+            if not isinstance(epoch, int) or epoch <= after_epoch:
+                kept.append(line)
+        self._write(path, "".join(k + "\n" for k in kept).encode())
+
+
+def _holds_checkpoints(root: Path, depth: int) -> Path | None:
+    """A `<node>.<epoch>/rank-<r>` checkpoint directory in ``root`` or up to ``depth``
+    levels below it (symlinks are not followed)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        if _EPOCH_DIR.fullmatch(entry.name) and _has_ranks(path):
+            return path
+        if depth > 0:
+            found = _holds_checkpoints(path, depth - 1)
+            if found:
+                return found
+    return None
+
+
+def _has_ranks(path: Path) -> bool:
+    try:
+        return any(c.name.startswith("rank-") for c in os.scandir(path))
+    except OSError:
+        return False
+
+
+def _write_error(path: Path, e: OSError) -> JobrunError:
+    import errno
+
+    if isinstance(e, safefs.UnsafeFile):
+        return UsageError(f"refusing to write {path}: {e.strerror}",
+                          hint="remove it; jobrun writes only regular files of its own in a run directory")
+    why = e.strerror or str(e)
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = "choose a writable --run-dir"
+    elif e.errno == errno.ENOSPC:
+        hint = "free some disk space"
+    else:
+        hint = "check the path and its permissions"
+    return UsageError(f"cannot write {path}: {why}", hint=hint)
 
 
 class Metrics:
-    """Appends one JSON object per line to metrics.jsonl (thread-safe; rank 0 writes)."""
+    """Appends one JSON object per line to metrics.jsonl (thread-safe; rank 0 writes).
+
+    Metrics never stop a job: a line that cannot be written (a full disk) is dropped,
+    with one warning on stderr for the whole run.
+    """
 
     def __init__(self, path: Path | None):
         self.path = path
         self.lock = threading.Lock()
-        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - kept open
+        self.fd: int | None = None
+        self.warned = False
+        if path is not None:
+            try:
+                self.fd = safefs.open_write(path, append=True)
+            except OSError as e:
+                self._drop(e)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.file is None:
+        if self.fd is None:
             return
-        line = json.dumps({**record, "time": round(time.time(), 3)}, default=str)
+        line = json.dumps({**record, "time": round(time.time(), 3)}, default=str) + "\n"
         with self.lock:
-            self.file.write(line + "\n")
+            try:
+                safefs.write_all(self.fd, line.encode())
+            except OSError as e:
+                self._drop(e)
+
+    def _drop(self, e: OSError) -> None:
+        if not self.warned:
+            self.warned = True
+            print(f"warning: cannot write {self.path} ({e.strerror or e}); metrics lines are "
+                  "dropped from now on, training goes on", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-def truncate_metrics(path: Path, after_epoch: int) -> None:
-    """On resume from epoch E, drop what the interrupted run logged after E."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a kill
-        epoch = record.get("epoch", 0)
-        if record.get("group") in ("download", "exit"):
-            continue  # the interrupted run's end phase runs again
-        if not isinstance(epoch, int) or epoch <= after_epoch:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class TensorBoard:

@@ -1,0 +1,259 @@
+"""What jobrun refuses to write over: checkpoints, files it did not write, links, FIFOs.
+
+Each test does what a user (or someone who can write into a run directory) did, then
+asserts that nothing that was there is lost or written through, with one clear message.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from runner_util import jobrun
+
+PLAN = """\
+job: counter
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do: [{const: {out: total, value: 0}}]
+epoch:
+  - task: count
+    do:
+      - add: {in: [total, 1], out: total}
+      - log: {in: [total]}
+    outputs: [total]
+"""
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file under root (not following links) and its content's digest."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            if p.is_symlink() or not p.is_file():
+                out[str(p.relative_to(root))] = "special"
+            else:
+                out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A finished run with checkpoints 0..2, and its plan file."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    return plan, run
+
+
+def _no_traceback(r) -> None:
+    assert "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "not-an-object"])
+def test_checkpoints_are_never_trained_over_whatever_run_json_says(trained, damage):
+    plan, run = trained
+    info = run / "run.json"
+    if damage == "missing":
+        info.unlink()
+    elif damage == "garbage":
+        info.write_text("{not json")
+    else:
+        info.write_text("[1, 2]")
+    before = _snapshot(run)
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 2
+    assert "already holds checkpoints" in r.err and "jobrun resume --run-dir" in r.err
+    _no_traceback(r)
+    assert _snapshot(run) == before
+
+
+def test_checkpoints_in_a_nested_directory_are_found(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("{dir: ckpt}", "{dir: deep/er/ckpt}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    (run / "run.json").unlink()
+    before = _snapshot(run)
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 2 and "already holds checkpoints" in r.err
+    assert _snapshot(run) == before
+
+
+def test_an_absolute_checkpoint_dir_holding_checkpoints_is_not_trained_over(tmp_path):
+    shared = tmp_path / "shared-ckpt"
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("{dir: ckpt}", f"{{dir: {shared}}}"))
+    assert jobrun("train", plan, "--run-dir", tmp_path / "first").code == 0
+    before = _snapshot(shared)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "second")
+    assert r.code == 2
+    assert f"checkpoint directory {shared} already holds checkpoints" in r.err
+    assert _snapshot(shared) == before
+    assert not (tmp_path / "second").exists()  # refused before anything was created
+
+
+def test_run_dir_next_to_the_plan_is_refused_and_the_plan_kept(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    project.mkdir()
+    plan = project / "plan.yaml"
+    plan.write_text("# my comments\n" + PLAN)
+    (project / "metrics.jsonl").write_text('{"mine": 1}\n')
+    before = _snapshot(project)
+    monkeypatch.chdir(project)
+    r = jobrun("train", "plan.yaml", "--run-dir", ".", "--set", "max_epochs=1")
+    assert r.code == 2
+    assert "is not empty and is not a jobrun run directory" in r.err
+    _no_traceback(r)
+    assert _snapshot(project) == before
+
+
+def test_a_foreign_non_empty_directory_is_refused(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "data"
+    run.mkdir()
+    (run / "plan.yaml").write_text("someone else's file\n")
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 2 and "not a jobrun run directory" in r.err
+    assert (run / "plan.yaml").read_text() == "someone else's file\n"
+    assert sorted(p.name for p in run.iterdir()) == ["plan.yaml"]
+
+
+def test_an_empty_directory_and_a_run_without_checkpoints_can_be_trained_in(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("checkpoint: {dir: ckpt}\n", ""))
+    run = tmp_path / "run"
+    run.mkdir()
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    first = (run / "metrics.jsonl").read_text()
+    # A run without checkpoints starts again from scratch: its own metrics start over.
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    assert (run / "metrics.jsonl").read_text().count('"values"') == first.count('"values"') == 2
+
+
+@pytest.mark.parametrize("name", [".lock", "run.json", "metrics.jsonl", "plan.yaml"])
+def test_a_symlink_in_the_run_dir_is_never_written_through(tmp_path, name):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("checkpoint: {dir: ckpt}\n", ""))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0  # a jobrun run, no checkpoints
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    target = run / name
+    target.unlink(missing_ok=True)
+    target.symlink_to(victim)
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code != 0
+    assert "symlink" in r.err or "not a jobrun run directory" in r.err
+    _no_traceback(r)
+    assert victim.read_text() == "precious\n"
+    assert target.is_symlink()
+
+
+def test_a_lock_symlink_is_refused_on_resume_too(trained, tmp_path):
+    plan, run = trained
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run / ".lock").unlink()
+    (run / ".lock").symlink_to(victim)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 2 and "symlink" in r.err
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_fifo_for_metrics_is_an_error_not_a_hang(trained):
+    plan, run = trained
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 2 and "FIFO" in r.err
+    _no_traceback(r)
+
+
+def test_a_hard_link_to_a_users_file_is_replaced_not_written_through(trained, tmp_path):
+    plan, run = trained
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run / "metrics.jsonl").unlink()
+    os.link(victim, run / "metrics.jsonl")
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 0, r.text
+    assert victim.read_text() == "precious\n"
+    assert '"values"' in (run / "metrics.jsonl").read_text()  # a new file of its own
+
+
+def test_a_hard_link_is_never_appended_to(tmp_path):
+    from jobrun import safefs
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.link(victim, tmp_path / "metrics.jsonl")
+    with pytest.raises(safefs.UnsafeFile, match="hard links"):
+        safefs.open_write(tmp_path / "metrics.jsonl", append=True)
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_refused_device_creates_nothing(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has a cuda:7")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run", "--device", "cuda:7")
+    assert r.code == 2 and "cuda:7" in r.err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_read_only_run_dir_is_one_clear_message(tmp_path, monkeypatch):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if "ro" in self.parts:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "ro" / "run")
+    assert r.code == 2
+    assert "Read-only file system" in r.err and "writable" in r.err
+    _no_traceback(r)
+
+
+def test_resume_of_a_run_on_a_read_only_disk_is_one_clear_message(trained, monkeypatch):
+    plan, run = trained
+    from jobrun import safefs
+
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(safefs, "open_lock", read_only)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 2 and "Read-only file system" in r.err
+    _no_traceback(r)
+
+
+def test_copied_run_resumes(trained, tmp_path):
+    """A run copied elsewhere is still a jobrun run directory (run.json travels with it)."""
+    plan, run = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    info = json.loads((copy / "run.json").read_text())
+    assert info["job"] == "counter"
+    r = jobrun("resume", "--run-dir", copy, "--epoch", "1")
+    assert r.code == 0, r.text
+    assert "resumed from checkpoint epoch 1" in r.out
