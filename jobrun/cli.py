@@ -12,10 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import click
+from jobrun import signals
 
-from jobrun import __version__
-from jobrun.errors import JobrunError
+signals.defer()  # before any heavy import: see jobrun/signals.py
+
+import click  # noqa: E402
+
+from jobrun import __version__  # noqa: E402
+from jobrun.errors import Interrupted, JobrunError  # noqa: E402
 
 
 class _Group(click.Group):
@@ -24,7 +28,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except JobrunError as e:
+        except (JobrunError, Interrupted) as e:
             click.echo(e.format_message(), err=True)
             ctx.exit(e.exit_code)
         except KeyboardInterrupt:
@@ -34,7 +38,8 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="jobrun")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Run PyTorch training jobs described by YAML plans.
 
     \b
@@ -43,6 +48,9 @@ def main() -> None:
     jobrun print plans/mlp.yaml      the plan as readable pseudo-code
     jobrun analyze plans/mlp.yaml    check the plan before running it
     """
+    if ctx.invoked_subcommand in ("train", "resume"):
+        import torch  # noqa: F401 - imported while signals wait, see jobrun/signals.py
+    signals.interruptible()
 
 
 _sets = click.option(

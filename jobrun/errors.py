@@ -43,8 +43,9 @@ class Pos:
         return f"{self.file}:{self.line}:{self.col}"
 
 
-class JobrunError(Exception):
-    """Base of every error jobrun reports to a user (never shown with a traceback)."""
+class _Reported:
+    """What every error shown to a user has: a message, maybe a position and a hint,
+    and the exit code the CLI should use."""
 
     exit_code = 1
 
@@ -62,6 +63,10 @@ class JobrunError(Exception):
 
     def __str__(self) -> str:
         return self.format_message()
+
+
+class JobrunError(_Reported, Exception):
+    """Base of every error jobrun reports to a user (never shown with a traceback)."""
 
 
 class PlanError(JobrunError):
@@ -88,14 +93,25 @@ class CheckpointError(JobrunError):
     exit_code = 1
 
 
-class Interrupted(JobrunError):
-    """SIGINT/SIGTERM: the job stopped cleanly; its checkpoints are intact."""
+class Interrupted(_Reported, BaseException):
+    """SIGINT/SIGTERM: the job stopped cleanly; its checkpoints are intact.
 
-    def __init__(self, signum: int):
+    A BaseException, as KeyboardInterrupt is: code that wraps the errors of user code
+    (`except Exception`) must let it through.
+
+    ``during``: the phase it stopped in when nothing can be resumed yet (start-up, init);
+    ``hint``: how to go on, when there is a way."""
+
+    def __init__(self, signum: int, during: str | None = None,
+                 hint: str | None = "continue with `jobrun resume`"):
         import signal
 
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name}", hint="continue with `jobrun resume`")
+        if during:
+            super().__init__(f"interrupted during {during} ({name})", hint=None)
+        else:
+            super().__init__(f"stopped by {name}", hint=hint)
+        self.signum = signum
         self.exit_code = 128 + signum
 
 

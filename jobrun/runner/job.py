@@ -71,6 +71,7 @@ class JobRunner:
         self.unsaved: set[str] = set()
         self._saving = False
         self._pending_signal: int | None = None
+        self._resumable = cfg.resume_epoch is not None  # a checkpoint of this run exists
         self._writer: _Writer | None = None
         self._buffers: dict[str, Any] = {}
         self._spares: dict[str, store.Spares] = {}  # per node: host memory made ahead
@@ -118,6 +119,8 @@ class JobRunner:
                 while not stop:
                     stop = self._epoch(self.epoch + 1)
                 self._finish()
+            except Interrupted as e:
+                raise self._interrupted(e.signum) from None
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
                 self.metrics.close()
@@ -125,11 +128,20 @@ class JobRunner:
         self._summary()
         return 0
 
+    def _interrupted(self, signum: int) -> Interrupted:
+        """The error for a signal: how to go on, when a checkpoint exists to go on from."""
+        if self.ckpt_dir is None:
+            return Interrupted(signum, hint="this plan writes no checkpoints: train it again")
+        if not self._resumable:
+            return Interrupted(signum, during=self.group)
+        return Interrupted(signum, hint=f"continue with `{self.run_dir.resume_command()}`")
+
     def _start(self) -> bool:
         self._run_group("init")
         resume = self.cfg.resume_epoch
         if resume is None:
             self._save(0, stop=False)
+            self._resumable = True
             return False
         meta = self._restore(resume)
         self.epoch = resume

@@ -299,8 +299,10 @@ def _worker(launch: Launch, plan: ir.Plan | None = None) -> int:
                         resume_epoch=launch.resume_epoch, resume_verified=launch.verified)
         return JobRunner(cfg).run()
     except Interrupted as e:
+        if world == 1:
+            raise  # the CLI prints it
         if rank == 0:
-            print(e.format_message(), flush=True)
+            print(e.format_message(), file=sys.stderr, flush=True)
         return e.exit_code
     except JobrunError as e:
         if world > 1:

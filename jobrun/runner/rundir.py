@@ -96,6 +96,16 @@ class RunDir:
         p = Path(plan.checkpoint.dir).expanduser()
         return p if p.is_absolute() else self.path / p
 
+    def resume_command(self) -> str:
+        """The command that continues this run (with --run-dir unless it is the default
+        run a bare `jobrun resume` would pick)."""
+        default = Path("runs") / self.plan().job
+        try:
+            same = self.path.resolve() == default.resolve() and RunDir.latest().path.resolve() == default.resolve()
+        except (JobrunError, OSError):
+            same = False
+        return "jobrun resume" if same else f"jobrun resume --run-dir {self.path}"
+
     def under(self, path: str) -> Path:
         """A path a plan gives, relative to this run directory unless absolute."""
         p = Path(path).expanduser()

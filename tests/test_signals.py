@@ -1,0 +1,95 @@
+"""Ctrl-C and SIGTERM at any moment of a run's start: a clean exit 130/143, one message,
+no crash, no traceback, and no `jobrun resume` offered when there is nothing to resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PLAN = Path(__file__).resolve().parent.parent / "plans" / "mlp.yaml"
+
+SLOW_INIT = """\
+job: slowinit
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - model.mlp: {out: model, sizes: [4, 4]}
+      - call: {fn: "jobrun_test_helpers:touch", path: "${run_dir}/../init-started"}
+      - call: {fn: "jobrun_test_helpers:sleep", seconds: 60}
+epoch:
+  - task: t
+    do: [{const: {out: x, value: 1}}]
+"""
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jobrun", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+# The interpreter's own start-up (before any of jobrun's code runs) is outside jobrun's
+# reach: this starts timing once `jobrun.cli` is imported, as the `jobrun` script does.
+_ENTRY = ("import sys; import jobrun.cli as cli; print('ready', flush=True); "
+          "sys.argv[0] = 'jobrun'; cli.main()")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, 0.9])
+def test_a_signal_during_start_up_exits_cleanly(tmp_path, sig, delay):
+    p = subprocess.Popen([sys.executable, "-c", _ENTRY, "train", str(PLAN), "--run-dir",
+                          str(tmp_path / "run")], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    time.sleep(delay)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + sig, (p.returncode, out, err)
+    assert "Traceback" not in out + err
+    assert signal.Signals(sig).name in err, (out, err)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_init_says_so_and_offers_no_resume(tmp_path, sig):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT)
+    p = _start(["train", str(plan), "--run-dir", str(tmp_path / "run")], tmp_path)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "init-started").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + sig, (out, err)
+    assert f"interrupted during init ({signal.Signals(sig).name})" in err
+    assert "resume" not in out + err and "Traceback" not in out + err
+    assert "failed" not in err  # not an op failure
+
+
+def test_a_signal_after_checkpoint_0_offers_resume_with_the_run_dir(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace(
+        "      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", "").replace(
+        "    do: [{const: {out: x, value: 1}}]",
+        "    do: [{call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}}]"))
+    run = tmp_path / "run"
+    p = _start(["train", str(plan), "--run-dir", str(run)], tmp_path)
+    deadline = time.monotonic() + 60
+    while not list(run.glob("ckpt/local.0/rank-0/COMMIT")):
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (out, err)
+    assert "stopped by SIGINT" in out + err
+    assert f"jobrun resume --run-dir {run}" in out + err
