@@ -126,6 +126,10 @@ def test_dead_rank_stops_the_job_and_it_resumes(runs, tmp_path):
     assert "replica rank 1 failed" in r.err and "killed by signal 9" in r.err
     assert "jobrun resume" in r.err
     assert elapsed < 90  # never a hang
+    # torch's own lines (the agent's traceback of the dead worker) go to the run's log
+    assert "Traceback" not in r.text and "torch.distributed" not in r.text
+    log = (run / "console.log").read_text()
+    assert "ProcessExitedException" in log and "local_rank: 1" in log
     os.environ["JOBRUN_TEST_NO_DIE"] = "1"
     try:
         again = jobrun_proc("resume", "--run-dir", run)

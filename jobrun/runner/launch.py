@@ -14,8 +14,8 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,13 +23,13 @@ from typing import Any
 
 import yaml
 
-from jobrun import __version__
+from jobrun import __version__, safefs
 from jobrun.errors import CheckpointError, JobrunError, PlanError, RunError, UsageError
 from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.resolve import apply_sets
-from jobrun.runner.rundir import RunDir
+from jobrun.runner.rundir import CONSOLE_FILE, RunDir
 
 
 @dataclass
@@ -237,7 +237,8 @@ def _elastic(launch: Launch) -> int:
         monitor_interval=0.2, start_method="spawn", shutdown_timeout=5,
     )
     try:
-        results = elastic_launch(config, _worker)(launch)
+        with _torch_logs_to(launch.run_dir / CONSOLE_FILE):
+            results = elastic_launch(config, _worker)(launch)
     except ChildFailedError as e:
         rank, failure = _culprit(e.failures)
         code = failure.exitcode
@@ -251,12 +252,42 @@ def _elastic(launch: Launch) -> int:
         stopped = f"; ranks {', '.join(map(str, others))} stopped with it" if others else ""
         raise RunError(
             f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}",
-            hint=f"see the messages above; continue with `jobrun resume --run-dir {launch.run_dir}`",
+            hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
+                 f"`jobrun resume --run-dir {launch.run_dir}`",
         ) from None
     except SignalException as e:
         return 128 + int(e.sigval)
     codes = [c for c in results.values() if c]
     return max(codes) if codes else 0
+
+
+@contextmanager
+def _torch_logs_to(path: Path) -> Iterator[None]:
+    """Send torch's own log lines (the elastic agent's warnings, a dead worker's traceback)
+    to the run's log file instead of the console, where jobrun's message says what
+    happened. torch gives many of its loggers their own stderr handler."""
+    import logging
+
+    try:
+        stream = os.fdopen(safefs.open_write(path, append=True), "a", buffering=1)
+    except OSError:
+        yield  # no log file: the lines stay on the console
+        return
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    swapped: list[tuple[logging.Logger, list[logging.Handler]]] = []
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            consoles = [h for h in logger.handlers if getattr(h, "stream", None) is sys.stderr]
+            if consoles:
+                swapped.append((logger, logger.handlers[:]))
+                logger.handlers = [h for h in logger.handlers if h not in consoles] + [handler]
+    try:
+        yield
+    finally:
+        for logger, handlers in swapped:
+            logger.handlers = handlers
+        stream.close()
 
 
 def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:

@@ -5,6 +5,7 @@
                       presence (a JSON object naming the job) marks a jobrun run directory
       plan.yaml       the plan after --set (vars are substituted again on resume)
       metrics.jsonl   one JSON object per log line / checkpoint event
+      console.log     torch's own log lines of a data-parallel run (the launcher's)
       checkpoints/    <node>.<epoch>/rank-<r>/...
       .lock           held by the running job (flock), so two runners cannot share it
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 RUN_FILE = "run.json"
 PLAN_FILE = "plan.yaml"
 METRICS_FILE = "metrics.jsonl"
+CONSOLE_FILE = "console.log"
 LOCK_FILE = ".lock"
 MAX_INFO_BYTES = 1 << 20
 
