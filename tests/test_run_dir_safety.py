@@ -257,3 +257,71 @@ def test_copied_run_resumes(trained, tmp_path):
     r = jobrun("resume", "--run-dir", copy, "--epoch", "1")
     assert r.code == 0, r.text
     assert "resumed from checkpoint epoch 1" in r.out
+
+
+# -- export and ckpt show: clear messages, valid JSON ----------------------------------------
+
+INF_PLAN = """\
+job: inf
+max_epochs: 1
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - fill: {out: one, shape: [2], value: 1.0}
+      - fill: {out: zero, shape: [2], value: 0.0}
+      - div: {in: [one, zero], out: big}
+      - mul: {in: [zero, big], out: nan}
+      - sub: {in: [zero, big], out: neg}
+      - const: {out: name, value: hello}
+epoch:
+  - task: t
+    do: [{const: {out: x, value: 1}}]
+"""
+
+
+@pytest.fixture
+def inf_run(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(INF_PLAN)
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    return run
+
+
+def test_ckpt_show_json_and_export_json_are_valid_json(inf_run, tmp_path):
+    r = jobrun("ckpt", "show", inf_run, "--epoch", "1", "--json")
+    assert r.code == 0, r.text
+    values = json.loads(r.out, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    local = values["nodes"]["local"]
+    assert (local["big"], local["nan"], local["neg"]) == (["inf"] * 2, ["nan"] * 2, ["-inf"] * 2)
+    out = tmp_path / "out.json"
+    r = jobrun("export", inf_run, "--epoch", "1", "--blob", "big", "--blob", "neg", "-o", out)
+    assert r.code == 0, r.text
+    data = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    assert data == {"big": ["inf", "inf"], "neg": ["-inf", "-inf"]}
+
+
+def test_export_of_a_value_without_tensors_to_safetensors_is_refused(inf_run, tmp_path):
+    out = tmp_path / "out.safetensors"
+    r = jobrun("export", inf_run, "--epoch", "1", "--blob", "name", "-o", out)
+    assert r.code == 2
+    assert "blob 'name' holds a str, no tensor" in r.err and ".json" in r.err
+    assert not out.exists()
+
+
+def test_export_into_a_missing_directory_is_one_clear_message(inf_run, tmp_path):
+    r = jobrun("export", inf_run, "--epoch", "1", "--blob", "big", "-o", tmp_path / "nope" / "x.json")
+    assert r.code == 2 and "does not exist" in r.err
+    _no_traceback(r)
+
+
+def test_export_into_an_unwritable_directory_is_one_clear_message(inf_run, tmp_path, monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    r = jobrun("export", inf_run, "--epoch", "1", "--blob", "big", "-o", tmp_path / "x.json")
+    assert r.code == 2 and "Read-only file system" in r.err
+    _no_traceback(r)

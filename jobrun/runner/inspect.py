@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def show_text(run_dir: str | None, epoch: int, node: str | None, rank: int, want
         blobs = _select(_load(ckpt_dir, epoch, n, rank, nodes), wanted, f"node {n!r} epoch {epoch}")
         shown[n] = {k: _jsonable(v) for k, v in sorted(blobs.items())}
     if as_json:
-        return json.dumps({"epoch": epoch, "rank": rank, "nodes": shown}, indent=2)
+        return json.dumps({"epoch": epoch, "rank": rank, "nodes": shown}, indent=2, allow_nan=False)
     lines = [f"epoch {epoch}" + (f" rank {rank}" if rank else "")]
     for n, blobs in shown.items():
         lines.append(f"node {n}:")
@@ -99,23 +100,44 @@ def export(run_dir: str | None, epoch: int, node: str | None, wanted: tuple[str,
     blobs = _select(_load(ckpt_dir, epoch, n, 0, nodes), wanted, f"node {n!r} epoch {epoch}")
     out = Path(output)
     suffix = out.suffix.lower()
-    tensors = _flatten(blobs)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if suffix == ".safetensors":
-        from jobrun.runner.safetensors_io import write_safetensors
-
-        write_safetensors(tmp, {k: v for k, v in tensors.items() if hasattr(v, "dtype")})
-    elif suffix == ".json":
-        tmp.write_text(json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2) + "\n")
-    elif suffix == ".pt":
-        import torch
-
-        torch.save({k: torch.from_numpy(v.copy()) if hasattr(v, "dtype") else v for k, v in tensors.items()}, tmp)
-    else:
+    if suffix not in (".safetensors", ".json", ".pt"):
         raise UsageError(f"cannot export to {suffix or 'a file without suffix'!r}",
                          hint="use -o FILE.safetensors, FILE.json or FILE.pt")
-    tmp.replace(out)
+    tensors = _flatten(blobs)
+    if suffix == ".safetensors":
+        for name in blobs:
+            if not any(k == name or k.startswith(name + ".") for k, v in tensors.items() if hasattr(v, "dtype")):
+                raise UsageError(f"blob {name!r} holds {_kind(blobs[name])}, no tensor, so it cannot go "
+                                 "into a .safetensors file", hint="export it to a .json file")
+    if not out.parent.is_dir():
+        raise UsageError(f"cannot write {out}: directory {out.parent} does not exist",
+                         hint="create it first, or give another -o")
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        if suffix == ".safetensors":
+            from jobrun.runner.safetensors_io import write_safetensors
+
+            write_safetensors(tmp, {k: v for k, v in tensors.items() if hasattr(v, "dtype")})
+        elif suffix == ".json":
+            tmp.write_text(json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2,
+                                      allow_nan=False) + "\n")
+        else:
+            import torch
+
+            torch.save({k: torch.from_numpy(v.copy()) if hasattr(v, "dtype") else v
+                        for k, v in tensors.items()}, tmp)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write {out}: {e.strerror or e}",
+                         hint="check that its directory is writable and has space") from None
     return out
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, SavedState):
+        return f"the state of a {value.type_name}"
+    return f"a {type(value).__name__}"
 
 
 def _flatten(blobs: dict[str, Any]) -> dict[str, Any]:
@@ -140,13 +162,13 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, SavedState):
         return {"type": value.type_name, "state": _jsonable(value.state)}
     if hasattr(value, "tolist") and hasattr(value, "dtype"):
-        return value.tolist()
+        return _jsonable(value.tolist())
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
-    if isinstance(value, float) and value != value:
-        return "nan"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan": the form `log` and `save` write too
     return value
 
 
