@@ -46,3 +46,10 @@ def die_on_rank(epoch: int, rank: int = 1, at: int = 2) -> None:
 
     if int(os.environ.get("RANK", 0)) == rank and epoch == at and not os.environ.get("JOBRUN_TEST_NO_DIE"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_once(path: str, message: str = "bad luck") -> None:
+    """Raise the first time (leaving `path` behind), pass every later time."""
+    if not os.path.exists(path):
+        touch(path)
+        raise ValueError(message)

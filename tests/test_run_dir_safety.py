@@ -325,3 +325,40 @@ def test_export_into_an_unwritable_directory_is_one_clear_message(inf_run, tmp_p
     r = jobrun("export", inf_run, "--epoch", "1", "--blob", "big", "-o", tmp_path / "x.json")
     assert r.code == 2 and "Read-only file system" in r.err
     _no_traceback(r)
+
+
+# -- run.json says how a run ended ---------------------------------------------------------
+
+
+def test_run_json_records_finished_failed_and_resumed(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("      - log: {in: [total]}\n",
+                                 "      - call: {fn: \"jobrun_test_helpers:fail_once\", path: \"${run_dir}/../failed\"}\n"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 1
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed" and info["last_epoch"] == 1
+    assert "bad luck" in info["error"]
+    assert info["error_at"] == f"{plan}:11:9"  # the failing call
+    r = jobrun("resume", "--run-dir", run)
+    info = json.loads((run / "run.json").read_text())
+    assert r.code == 0, r.text
+    assert info["status"] == "finished" and info["error"] is None and info["last_epoch"] == 2
+
+
+def test_a_full_disk_for_run_json_is_a_warning_not_a_crash(trained, monkeypatch, capsys):
+    plan, run = trained
+    from jobrun import safefs
+
+    real = safefs.write_atomic
+
+    def full(path, data, **kw):
+        if path.name == "run.json" and b'"finished"' in data:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(safefs, "write_atomic", full)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 0, r.text
+    assert "was not recorded" in r.err and "No space left" in r.err

@@ -120,7 +120,12 @@ class JobRunner:
                     stop = self._epoch(self.epoch + 1)
                 self._finish()
             except Interrupted as e:
-                raise self._interrupted(e.signum) from None
+                stopped = self._interrupted(e.signum)
+                self._record("interrupted", stopped)
+                raise stopped from None
+            except JobrunError as e:
+                self._record("failed", e)
+                raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
                 self.metrics.close()
@@ -185,7 +190,11 @@ class JobRunner:
         self._run_group("download")
         self._run_group("exit")
         if self.main_rank:
-            self.run_dir.update_info(status="finished", last_epoch=self.epoch, finished=time.time())
+            self._record("finished")
+
+    def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
+        if self.main_rank:
+            self.run_dir.record_end(status, error, last_epoch=self.epoch)
 
     def _run_group(self, name: str) -> dict[str, dict[str, Any]]:
         self.group = name

@@ -115,7 +115,8 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
             epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
         if leader:
             run.truncate_metrics(epoch)
-            run.update_info(status="running", resumed_from=epoch, started=time.time())
+            run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
+                            error_at=None)
         return _launch(Launch(run.path, run.plan_dir, device, epoch, n), torchrun, plan)
 
 
@@ -250,12 +251,15 @@ def _elastic(launch: Launch) -> int:
             detail = failure.message if isinstance(failure.message, str) else ""
         others = sorted(r for r in e.failures if r != rank)
         stopped = f"; ranks {', '.join(map(str, others))} stopped with it" if others else ""
-        raise RunError(
+        error = RunError(
             f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}",
             hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
                  f"`jobrun resume --run-dir {launch.run_dir}`",
-        ) from None
+        )
+        RunDir(launch.run_dir).record_end("failed", error, keep_ended=True)
+        raise error from None
     except SignalException as e:
+        RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
         return 128 + int(e.sigval)
     codes = [c for c in results.values() if c]
     return max(codes) if codes else 0

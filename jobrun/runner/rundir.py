@@ -147,6 +147,31 @@ class RunDir:
     def update_info(self, **changes: Any) -> None:
         self.write_info({**self.info(), **changes})
 
+    def record_end(self, status: str, error: Any = None, last_epoch: int | None = None,
+                   keep_ended: bool = False) -> None:
+        """Say in run.json how the run ended: finished, interrupted or failed (with the
+        error and its plan position). A run.json that cannot be written (a full disk)
+        costs a warning on stderr, never the job. ``keep_ended``: leave what a worker
+        recorded already (the launcher knows less of a failure than the rank that had it)."""
+        self._info = None
+        if keep_ended:
+            try:
+                if self.info().get("status") != "running":
+                    return
+            except JobrunError:
+                pass
+        facts: dict[str, Any] = {"status": status, "ended": time.time(), "error": None, "error_at": None}
+        if last_epoch is not None:
+            facts["last_epoch"] = last_epoch
+        if error is not None:
+            facts["error"] = error.message
+            facts["error_at"] = str(error.pos) if error.pos else None
+        try:
+            self.update_info(**facts)
+        except JobrunError as e:
+            print(f"warning: the run's status ({status}) was not recorded: {e.message}",
+                  file=sys.stderr, flush=True)
+
     def _write(self, path: Path, data: bytes) -> None:
         try:
             safefs.write_atomic(path, data)
