@@ -164,15 +164,17 @@ def schema(output: str | None) -> None:
 @_sets
 @click.option("--replicas", type=click.IntRange(1, 1024), help="Data-parallel processes on this host.")
 @click.option("--device", help="auto, cpu, cuda or cuda:N (overrides the plan).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the run in --run-dir (checkpoints included) instead of refusing it.")
 def train(plan: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,
-          device: str | None) -> None:
+          device: str | None, overwrite: bool) -> None:
     """Train a plan from scratch: init, checkpoint 0, epochs, download, exit."""
     from jobrun.plans.compile import DEVICE
     from jobrun.runner.launch import train as run_train
 
     if device is not None and not DEVICE.match(device):
         raise _usage(f"bad --device {device!r}", "use auto, cpu, cuda or cuda:N")
-    sys.exit(run_train(plan, run_dir, sets, replicas, device))
+    sys.exit(run_train(plan, run_dir, sets, replicas, device, overwrite))
 
 
 @main.command()

@@ -362,3 +362,50 @@ def test_a_full_disk_for_run_json_is_a_warning_not_a_crash(trained, monkeypatch,
     r = jobrun("resume", "--run-dir", run, "--epoch", "1")
     assert r.code == 0, r.text
     assert "was not recorded" in r.err and "No space left" in r.err
+
+
+# -- train --overwrite ---------------------------------------------------------------------
+
+
+def test_overwrite_replaces_a_jobrun_run(trained):
+    plan, run = trained
+    (run / "ckpt" / "local.7" / "rank-0").mkdir(parents=True)  # an epoch the new run won't write
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite", "--set", "max_epochs=1")
+    assert r.code == 0, r.text
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["local.0", "local.1"]
+    assert json.loads((run / "run.json").read_text())["sets"] == ["max_epochs=1"]
+    assert (run / "metrics.jsonl").read_text().count('"values"') == 1
+
+
+def test_overwrite_also_replaces_the_runs_own_absolute_checkpoint_dir(tmp_path):
+    shared = tmp_path / "elsewhere"
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("{dir: ckpt}", f"{{dir: {shared}}}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite", "--set", "max_epochs=1")
+    assert r.code == 0, r.text
+    assert sorted(p.name for p in shared.iterdir()) == ["local.0", "local.1"]
+
+
+@pytest.mark.parametrize("what", ["foreign", "checkpoints without run.json"])
+def test_overwrite_refuses_what_is_not_a_jobrun_run(trained, tmp_path, what):
+    plan, run = trained
+    if what == "foreign":
+        run = tmp_path / "data"
+        run.mkdir()
+        (run / "thesis.tex").write_text("years of work\n")
+    else:
+        (run / "run.json").unlink()
+    before = _snapshot(run)
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite")
+    assert r.code == 2
+    assert "not a jobrun run directory" in r.err
+    assert _snapshot(run) == before
+
+
+def test_refusal_hint_offers_resume_and_overwrite(trained):
+    plan, run = trained
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 2
+    assert f"jobrun resume --run-dir {run}" in r.err and "--overwrite" in r.err

@@ -53,7 +53,7 @@ class Launch:
 
 
 def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,
-          device: str | None) -> int:
+          device: str | None, overwrite: bool = False) -> int:
     torchrun = _under_torchrun()
     plan, stored = _compile_for_run(plan_path, sets, run_dir)
     run = RunDir(Path(run_dir) if run_dir else Path("runs") / plan.job, plan)
@@ -70,10 +70,12 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
             return _worker(launch, plan)
     else:
         _device(launch.device, 1, select=False)  # refuse a device now, before writing anything
-    run.check_can_train(run.checkpoints)
+    run.check_can_train(run.checkpoints, overwrite)
     run.create()
     with run.lock():
-        run.check_can_train(run.checkpoints)
+        run.check_can_train(run.checkpoints, overwrite)
+        if overwrite:
+            run.clear()
         run.start(yaml.safe_dump(stored, sort_keys=False), {
             "job": plan.job, "source": str(src), "plan_dir": str(src.parent),
             "plan_sha256": hashlib.sha256(src.read_bytes()).hexdigest(), "sets": list(sets),

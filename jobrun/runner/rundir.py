@@ -211,26 +211,68 @@ class RunDir:
         return Path(str(self.info().get("plan_dir") or self.path.resolve()))
 
     # -- creating a run ----------------------------------------------------------------
-    def check_can_train(self, checkpoint_dir: Path | None) -> None:
+    def check_can_train(self, checkpoint_dir: Path | None, overwrite: bool = False) -> None:
         """Refuse to start a run here unless the directory is new, empty, or a jobrun run
-        directory without checkpoints; ``checkpoint_dir``: where the new plan writes its
-        checkpoints, which must hold none either (it may lie outside the run directory)."""
-        hint_resume = f"continue it with `jobrun resume --run-dir {self.path}`, or choose another --run-dir"
+        directory without checkpoints (``overwrite``: with them; :meth:`clear` removes
+        them). ``checkpoint_dir``: where the new plan writes its checkpoints, which must
+        hold none either (it may lie outside the run directory)."""
+        hint_resume = (f"continue it with `jobrun resume --run-dir {self.path}`, replace it with "
+                       "`jobrun train --overwrite`, or choose another --run-dir")
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"--run-dir {self.path} is not a directory", hint="choose another --run-dir")
         if self.path.is_dir():
+            is_run = self._is_run()
             held = self._held_checkpoints()
-            if held:
+            if held and not (overwrite and is_run):
+                if overwrite:
+                    raise UsageError(
+                        f"{self.path} holds checkpoints ({held}) but is not a jobrun run directory "
+                        f"(its {RUN_FILE} is missing or damaged), so --overwrite will not delete it",
+                        hint="remove it yourself, or choose another --run-dir")
                 raise UsageError(f"run directory {self.path} already holds checkpoints ({held})",
                                  hint=hint_resume)
-            if not self._is_run() and any(p.name != LOCK_FILE for p in self.path.iterdir()):
+            if not is_run and any(p.name != LOCK_FILE for p in self.path.iterdir()):
                 raise UsageError(
                     f"{self.path} is not empty and is not a jobrun run directory",
                     hint="jobrun only writes into a new or empty directory: choose another --run-dir",
                 )
-        if checkpoint_dir is not None and _holds_checkpoints(checkpoint_dir, depth=0):
+        if checkpoint_dir is not None and not (overwrite and self._owns(checkpoint_dir)) \
+                and _holds_checkpoints(checkpoint_dir, depth=0):
             raise UsageError(f"checkpoint directory {checkpoint_dir} already holds checkpoints",
                              hint=hint_resume)
+
+    def _owns(self, checkpoint_dir: Path) -> bool:
+        """Whether ``checkpoint_dir`` is this (existing) run's own checkpoint directory."""
+        try:
+            old = RunDir(self.path).checkpoints
+        except JobrunError:
+            return False
+        return old is not None and old.resolve() == checkpoint_dir.resolve()
+
+    def clear(self) -> None:
+        """Delete what an existing run holds (``train --overwrite``): everything in the
+        run directory but the lock, and its checkpoints where its plan put them."""
+        import shutil
+
+        try:
+            old = RunDir(self.path).checkpoints if self._is_run() else None
+        except JobrunError:
+            old = None
+        try:
+            if old is not None and old.is_dir():
+                for entry in os.scandir(old):
+                    if _EPOCH_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+            for entry in os.scandir(self.path):
+                if entry.name == LOCK_FILE:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+        except OSError as e:
+            raise _write_error(Path(e.filename or self.path), e) from None
+        self._info = None
 
     def _is_run(self) -> bool:
         try:
