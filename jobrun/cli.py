@@ -160,31 +160,52 @@ def schema(output: str | None) -> None:
 
 @main.command()
 @click.argument("plan", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Default: runs/<job>.")
 @_sets
 @click.option("--replicas", type=click.IntRange(1, 1024), help="Data-parallel processes on this host.")
 @click.option("--device", help="auto, cpu, cuda or cuda:N (overrides the plan).")
 @click.option("--overwrite", is_flag=True,
               help="Replace the run in --run-dir (checkpoints included) instead of refusing it.")
-def train(plan: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,
-          device: str | None, overwrite: bool) -> None:
-    """Train a plan from scratch: init, checkpoint 0, epochs, download, exit."""
+def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tuple[str, ...],
+          replicas: int | None, device: str | None, overwrite: bool) -> None:
+    """Train a plan from scratch: init, checkpoint 0, epochs, download, exit.
+
+    KEY=VALUE overrides after the plan mean what --set means (vars.lr=0.05 max_epochs=3).
+    """
     from jobrun.plans.compile import DEVICE
     from jobrun.runner.launch import train as run_train
 
     if device is not None and not DEVICE.match(device):
         raise _usage(f"bad --device {device!r}", "use auto, cpu, cuda or cuda:N")
-    sys.exit(run_train(plan, run_dir, sets, replicas, device, overwrite))
+    sys.exit(run_train(plan, run_dir, sets + _positional(overrides), replicas, device, overwrite))
 
 
 @main.command()
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
 @click.option("--epoch", type=click.IntRange(0), help="Default: the latest complete checkpoint.")
-def resume(run_dir: str | None, epoch: int | None) -> None:
-    """Continue a run from a checkpoint, exactly where it stopped."""
+@_sets
+def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | None,
+           sets: tuple[str, ...]) -> None:
+    """Continue a run from a checkpoint, exactly where it stopped.
+
+    Overrides change the plan from here on: `jobrun resume max_epochs=20` extends a
+    finished run; other changes are allowed with a warning (the result is no longer the
+    one an uninterrupted run gives) and are recorded in run.json.
+    """
     from jobrun.runner.launch import resume as run_resume
 
-    sys.exit(run_resume(run_dir, epoch))
+    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides)))
+
+
+def _positional(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """KEY=VALUE arguments after the plan (Hydra's style); they mean what --set means."""
+    for item in overrides:
+        if "=" not in item:
+            raise _usage(f"unexpected argument {item!r}",
+                         "overrides are KEY=VALUE (e.g. max_epochs=3 vars.lr=0.05)")
+    return overrides
 
 
 def _usage(message: str, hint: str | None = None):

@@ -409,3 +409,52 @@ def test_refusal_hint_offers_resume_and_overwrite(trained):
     r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 2
     assert f"jobrun resume --run-dir {run}" in r.err and "--overwrite" in r.err
+
+
+# -- resume with overrides -----------------------------------------------------------------
+
+
+def test_resume_max_epochs_extends_a_finished_run_exactly(trained, tmp_path):
+    plan, run = trained
+    r = jobrun("resume", "--run-dir", run, "max_epochs=4")
+    assert r.code == 0, r.text
+    assert "resumed from checkpoint epoch 2" in r.out and "epoch 4/4" in r.out
+    assert "resuming with max_epochs: 2 -> 4" in r.err and "warning" not in r.err
+    straight = tmp_path / "straight"
+    assert jobrun("train", plan, "--run-dir", straight, "max_epochs=4").code == 0
+    show = [jobrun("ckpt", "show", d, "--epoch", "4", "--json").out for d in (run, straight)]
+    assert show[0] == show[1]
+    info = json.loads((run / "run.json").read_text())
+    assert info["sets"] == ["max_epochs=4"] and info["status"] == "finished"
+    assert info["changes"] == [{"from_epoch": 2, "sets": ["max_epochs=4"],
+                                "changed": ["max_epochs: 2 -> 4"]}]
+    # the run goes on with its new plan: a later resume keeps max_epochs 4
+    again = jobrun("resume", "--run-dir", run)
+    assert again.code == 0 and "already finished at epoch 4" in again.out
+
+
+def test_resume_with_other_changes_warns_and_records_them(trained):
+    plan, run = trained
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1", "--set", "seed=7")
+    assert r.code == 0, r.text
+    assert "resuming with seed: (not set) -> 7" in r.err  # the plan left it to its default
+    assert "no longer the one an uninterrupted run would give" in r.err
+
+
+def test_resume_says_that_an_edited_plan_file_is_not_used(trained):
+    plan, run = trained
+    plan.write_text(PLAN.replace("max_epochs: 2", "max_epochs: 9"))
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 0, r.text
+    assert f"{plan} changed since the run started" in r.err and "KEY=VALUE" in r.err
+    assert "epoch 2/2" in r.out  # the stored plan
+
+
+def test_positional_overrides_mean_set(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run", "max_epochs=1")
+    assert r.code == 0, r.text
+    assert "epoch 1/1" in r.out
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run2", "oops")
+    assert r.code == 2 and "overrides are KEY=VALUE" in r.err

@@ -151,7 +151,12 @@ class JobRunner:
         meta = self._restore(resume)
         self.epoch = resume
         self.display.line(f"resumed from checkpoint epoch {resume}")
-        return bool(meta.get("stop"))
+        # The stop condition of this plan (a resume may have raised max_epochs), on the
+        # outputs the epoch had; checkpoint 0 has none.
+        outputs = meta.get("outputs")
+        if resume == 0 or not isinstance(outputs, dict):
+            return bool(meta.get("stop"))
+        return self._should_stop(outputs, resume)
 
     def _epoch(self, epoch: int) -> bool:
         self.epoch = epoch

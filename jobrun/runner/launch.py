@@ -89,7 +89,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         return _launch(launch, torchrun, plan)
 
 
-def resume(run_dir: str | None, epoch: int | None) -> int:
+def resume(run_dir: str | None, epoch: int | None, sets: tuple[str, ...] = ()) -> int:
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     info = run.info()
     torchrun = _under_torchrun()
@@ -97,13 +97,22 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
     # lock and writes the run's files.
     leader = not torchrun or int(os.environ["RANK"]) == 0
     with run.lock() if leader else nullcontext():
-        plan = run.plan()
+        if run.source_changed() and leader:
+            print(f"warning: {info.get('source')} changed since the run started; resume uses the "
+                  f"plan stored in {run.plan_file} (give changes as KEY=VALUE overrides)",
+                  file=sys.stderr)
+        changes: list[str] = []
+        if sets:
+            plan, changes, stored = run.changed_plan(sets)
+            _refuse_errors(plan)
+        else:
+            plan = run.plan()
         ckpt_dir = run.checkpoints
         if ckpt_dir is None:
             raise UsageError(f"the job in {run.path} writes no checkpoints, so it cannot be resumed",
                              hint="add a `checkpoint:` block to the plan and train again")
         n = int(os.environ["WORLD_SIZE"]) if torchrun else int(info.get("replicas", 1))
-        if epoch is None and info.get("status") == "finished":
+        if epoch is None and info.get("status") == "finished" and not changes:
             print(f"{run.path}: job {plan.job!r} already finished at epoch {info.get('last_epoch')}; "
                   "nothing to do (use --epoch E to train again from E)")
             return 0
@@ -117,8 +126,15 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
             epoch = _pick_epoch(ckpt_dir, plan, n, epoch)
         if leader:
             run.truncate_metrics(epoch)
+            facts: dict[str, Any] = {}
+            if changes:
+                _warn_changes(changes)
+                run.write_plan(yaml.safe_dump(stored, sort_keys=False))
+                facts = {"sets": [*info.get("sets", []), *sets],
+                         "changes": [*info.get("changes", []), {"from_epoch": epoch, "sets": list(sets),
+                                                                 "changed": changes}]}
             run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
-                            error_at=None)
+                            error_at=None, **facts)
         return _launch(Launch(run.path, run.plan_dir, device, epoch, n), torchrun, plan)
 
 
@@ -126,8 +142,6 @@ def resume(run_dir: str | None, epoch: int | None) -> int:
 
 
 def _compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None):
-    from jobrun.plans.analyze import analyze
-
     tree = load_file(plan_path)
     apply_sets(tree, sets)
     stored = to_plain(tree)
@@ -135,13 +149,32 @@ def _compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None)
     rdir = Path(run_dir) if run_dir else Path("runs") / str(job)
     plan = compile_tree(tree, plan_path, (), run_dir=str(rdir.resolve()),
                         plan_dir=str(Path(plan_path).resolve().parent))
+    _refuse_errors(plan)
+    return plan, stored
+
+
+def _refuse_errors(plan: ir.Plan) -> None:
+    """A plan the analyzer finds errors in does not run: they are the message."""
+    from jobrun.plans.analyze import analyze
+
     errors = [d for d in analyze(plan) if d.severity == "error"]
     if errors:
         first = errors[0]
         more = "\n".join(d.format() for d in errors[1:])
         raise PlanError(first.message + (f"\n{more}" if more else ""), first.pos,
                         first.hint or "`jobrun analyze PLAN` lists every problem")
-    return plan, stored
+
+
+# Keys a resume may change and still give the result of an uninterrupted run with them.
+_EXTENDING = ("max_epochs",)
+
+
+def _warn_changes(changes: list[str]) -> None:
+    for change in changes:
+        print(f"resuming with {change}", file=sys.stderr)
+    if any(not c.startswith(tuple(f"{k}:" for k in _EXTENDING)) for c in changes):
+        print("warning: the plan changed beyond max_epochs: the result is no longer the one an "
+              "uninterrupted run would give (the changes are recorded in run.json)", file=sys.stderr)
 
 
 def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,

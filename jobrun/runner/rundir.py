@@ -32,7 +32,7 @@ from jobrun import safefs
 from jobrun.errors import JobrunError, UsageError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
     from jobrun.plans import ir
 
@@ -187,24 +187,49 @@ class RunDir:
         return self._plan
 
     def _compile(self) -> ir.Plan:
-        import hashlib
-
         from jobrun.plans.compile import compile_tree
+
+        tree, name, sets = self._source()
+        return compile_tree(tree, name, sets, run_dir=str(self.path.resolve()),
+                            plan_dir=str(self.plan_dir))
+
+    def _source(self) -> tuple[Any, str, list[str]]:
+        """The run's plan tree as loaded, its file name, and the overrides to apply."""
         from jobrun.plans.load import load_file
 
+        if self.source_changed():
+            return load_file(self.plan_file), str(self.plan_file), []
+        source = str(self.info()["source"])
+        return load_file(source), source, [str(x) for x in self.info().get("sets", [])]
+
+    def source_changed(self) -> bool:
+        """Whether the user's plan file is gone or differs from the one the run started
+        with (the run then uses its stored copy, plan.yaml)."""
+        import hashlib
+
         info = self.info()
-        plan_dir = str(info.get("plan_dir") or self.path.resolve())
         source = Path(str(info.get("source", "")))
         try:
-            same = (source.is_file() and hashlib.sha256(source.read_bytes()).hexdigest()
-                    == info.get("plan_sha256"))
+            return not (source.is_file() and hashlib.sha256(source.read_bytes()).hexdigest()
+                        == info.get("plan_sha256"))
         except OSError:
-            same = False
-        if same:
-            tree, name, sets = load_file(source), str(source), list(info.get("sets", []))
-        else:
-            tree, name, sets = load_file(self.plan_file), str(self.plan_file), []
-        return compile_tree(tree, name, sets, run_dir=str(self.path.resolve()), plan_dir=plan_dir)
+            return True
+
+    def changed_plan(self, sets: Sequence[str]) -> tuple[ir.Plan, list[str], Any]:
+        """The run's plan with more overrides (a resume that changes it): the plan, what
+        changed (`key: old -> new`), and the tree to store as plan.yaml."""
+        from jobrun.plans.compile import compile_tree
+        from jobrun.plans.load import to_plain
+        from jobrun.plans.resolve import apply_sets
+
+        tree, name, own = self._source()
+        apply_sets(tree, own)
+        before = to_plain(tree)
+        apply_sets(tree, sets)
+        after = to_plain(tree)
+        plan = compile_tree(tree, name, (), run_dir=str(self.path.resolve()), plan_dir=str(self.plan_dir))
+        self._plan = plan
+        return plan, _differences(before, after), after
 
     @property
     def plan_dir(self) -> Path:
@@ -293,10 +318,13 @@ class RunDir:
         except OSError as e:
             raise _write_error(self.path, e) from None
 
+    def write_plan(self, plan_text: str) -> None:
+        self._write(self.plan_file, plan_text.encode())
+
     def start(self, plan_text: str, info: dict[str, Any]) -> None:
         """Write the plan copy and run.json of a new run; a new run's metrics start empty
         (the directory held a run without checkpoints: its metrics are jobrun's own)."""
-        self._write(self.plan_file, plan_text.encode())
+        self.write_plan(plan_text)
         self.write_info(info)
         try:
             safefs.check_replaceable(self.metrics_file)
@@ -366,6 +394,25 @@ def _holds_checkpoints(root: Path, depth: int) -> Path | None:
             if found:
                 return found
     return None
+
+
+def _differences(before: Any, after: Any, at: str = "") -> list[str]:
+    """`key: old -> new` for every leaf that an override changed, added or removed."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out = []
+        for key in [*before, *(k for k in after if k not in before)]:
+            path = f"{at}.{key}" if at else str(key)
+            out += _differences(before.get(key, _NONE), after.get(key, _NONE), path)
+        return out
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [d for i, (b, a) in enumerate(zip(before, after)) for d in _differences(b, a, f"{at}.{i}")]
+    if before == after and type(before) is type(after):
+        return []
+    show = lambda v: "(not set)" if v is _NONE else json.dumps(v)  # noqa: E731
+    return [f"{at}: {show(before)} -> {show(after)}"]
+
+
+_NONE = object()
 
 
 def _has_ranks(path: Path) -> bool:
