@@ -145,6 +145,24 @@ def ops(name: str | None, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("name", required=False)
+@click.option("--from", "example", default="mlp", show_default=True, help="The example to start from.")
+@click.option("--list", "show_list", is_flag=True, help="List the bundled examples.")
+def new(name: str | None, example: str, show_list: bool) -> None:
+    """Start a plan from a bundled example: NAME/plan.yaml (and its models/, data/)."""
+    from jobrun import scaffold
+
+    if show_list:
+        click.echo(scaffold.list_text())
+        return
+    if name is None:
+        raise _usage("give a NAME for the new plan", "e.g. `jobrun new my-job --from cnn`; "
+                                                     "`jobrun new --list` shows the examples")
+    dest = scaffold.create(name, example)
+    click.echo(f"wrote {dest}/ from the {example!r} example; train it with `jobrun train {dest / 'plan.yaml'}`")
+
+
+@main.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to a file.")
 def schema(output: str | None) -> None:
     """Print a JSON Schema of the plan format (for editor completion and checks)."""

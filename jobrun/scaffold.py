@@ -1,0 +1,76 @@
+"""`jobrun new`: start a plan from one of the bundled examples.
+
+The examples (plans/ in the repository) ship inside the package as `jobrun.examples`, so
+a user who installed jobrun from a wheel has them too. An example that uses files next
+to it (user code in models/, data in data/) is copied with them: the new directory is a
+plan a user can train and edit at once.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+
+from jobrun.errors import UsageError, did_you_mean
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+_JOB_LINE = re.compile(r"^job:.*$", re.M)
+DEFAULT = "mlp"
+
+
+def _root():
+    return resources.files("jobrun.examples")
+
+
+def examples() -> dict[str, str]:
+    """Every example's name and the first line of its opening comment."""
+    out = {}
+    for entry in sorted(_root().iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            first = entry.read_text().splitlines()[0] if entry.read_text() else ""
+            out[entry.name.removesuffix(".yaml")] = first.lstrip("# ").strip()
+    return out
+
+
+def list_text() -> str:
+    found = examples()
+    width = max(map(len, found))
+    return "\n".join(f"{name:<{width}}  {about}" for name, about in found.items())
+
+
+def create(name: str, example: str = DEFAULT, where: Path = Path(".")) -> Path:
+    """Write ``where/name/plan.yaml`` from ``example`` (its job renamed ``name``), with the
+    example's models/ and data/ when it uses them. Nothing that exists is overwritten."""
+    if not _JOB_NAME.match(name) or ".." in name:
+        raise UsageError(f"bad name {name!r}", hint="a job name is 1-64 letters, digits, '_', '.' "
+                                                    "or '-', starting with a letter or digit")
+    found = examples()
+    if example not in found:
+        hint = did_you_mean(example, found) or f"examples: {', '.join(found)}"
+        raise UsageError(f"no example named {example!r}", hint=hint)
+    text = (_root() / f"{example}.yaml").read_text()
+    dest = where / name
+    if dest.exists():
+        raise UsageError(f"{dest} exists already", hint="choose another name, or remove it")
+    parts = [sub for sub, used in (("models", "models."), ("data", "data/")) if used in text]
+    try:
+        dest.mkdir(parents=True)
+        (dest / "plan.yaml").write_text(_JOB_LINE.sub(f"job: {name}", text, count=1))
+        for sub in parts:
+            _copy_tree(_root() / sub, dest / sub)
+    except OSError as e:
+        raise UsageError(f"cannot write {dest}: {e.strerror or e}",
+                         hint="choose a writable directory") from None
+    return dest
+
+
+def _copy_tree(src, dst: Path) -> None:
+    dst.mkdir()
+    for entry in src.iterdir():
+        if entry.name == "__pycache__":
+            continue
+        if entry.is_dir():
+            _copy_tree(entry, dst / entry.name)
+        else:
+            (dst / entry.name).write_bytes(entry.read_bytes())

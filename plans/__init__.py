@@ -1,0 +1,1 @@
+"""The example plans, shipped inside jobrun as `jobrun.examples` (`jobrun new --list`)."""
