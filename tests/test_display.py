@@ -13,3 +13,100 @@ from jobrun.runner.display import human_size
 ])
 def test_human_size(n, text):
     assert human_size(n) == text
+
+
+# -- what a run prints ---------------------------------------------------------------------
+
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from jobrun.runner.display import Display  # noqa: E402
+
+COUNTER = """\
+job: counter
+max_epochs: 5
+stop_when: [done]
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do: [{const: {out: n, value: 0}}]
+epoch:
+  - task: count
+    do:
+      - add: {in: [n, 1], out: n}
+      - ge: {in: [n, 3], out: done}
+      - log: {in: [n], msg: counted}
+    outputs: [n, done]
+exit:
+  - task: bye
+    do: [{log: {in: [n], msg: final}}]
+"""
+
+
+def _run(tmp_path, text: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    p = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    return p, (tmp_path / "run" / "console.log").read_text()
+
+
+def test_piped_output_is_one_plain_line_per_epoch(tmp_path):
+    p, log = _run(tmp_path, COUNTER)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [line.split()[:2] for line in epochs] == [["epoch", "1/5"], ["epoch", "2/5"], ["epoch", "3/5"]]
+    assert "n=1" in epochs[0] and "done" not in epochs[0]  # a false stop flag is noise
+    assert "n=3 done=true" in epochs[2]
+    assert not any(line.startswith("  [epoch") for line in lines)  # no second line per epoch
+    assert "[exit bye] final: n=3" in lines  # logs outside epochs keep their own line
+    assert "\x1b" not in p.stdout + p.stderr and "\r" not in p.stdout
+    assert log.splitlines() == lines  # console.log holds what was printed
+
+
+def test_a_long_epoch_shows_life_in_a_log(tmp_path):
+    slow = COUNTER.replace("      - add: {in: [n, 1], out: n}\n", (
+        "      - add: {in: [n, 1], out: n}\n"
+        "      - loop: 6\n"
+        "        do: [{call: {fn: \"jobrun_test_helpers:sleep\", seconds: 0.25}}]\n"))
+    p, log = _run(tmp_path, slow.replace("max_epochs: 5", "max_epochs: 1"), JOBRUN_PROGRESS_SECONDS="0.5")
+    assert p.returncode == 0, p.stderr
+    beats = [line for line in p.stdout.splitlines() if re.match(r"  epoch 1: step \d/6, [\d.]+ steps/s", line)]
+    assert beats, p.stdout
+    assert all(line in log for line in beats)
+
+
+def test_a_failure_is_in_console_log_too(tmp_path):
+    p, log = _run(tmp_path, COUNTER.replace("      - log: {in: [n], msg: counted}\n",
+                                            "      - call: {fn: \"jobrun_test_helpers:fail\"}\n"))
+    assert p.returncode == 1
+    assert "boom" in p.stderr and "boom" in log.splitlines()[-1]
+
+
+def test_steps_per_epoch_are_known_from_the_second_epoch():
+    d = Display(enabled=False, tty=False)
+    d.status("epoch 1")
+    for i in range(5):
+        d.progress["loop"] = ("train", i, None)
+        assert d._step() == (i + 1, None)  # the first epoch only counts
+    d.status("epoch 2")
+    d.progress["loop"] = ("train", 1, None)
+    assert d._step() == (2, 5)
+    d.progress["loop"] = ("train", 1, 9)  # a loop with a count knows it
+    assert d._step() == (2, 9)
+
+
+def test_summary_merges_outputs_and_logged_values_and_hides_false_flags(capsys):
+    d = Display(enabled=True, tty=False)
+    with d.live("j", frozenset({"done", "bored"})):
+        d.status("epoch 4")
+        d.logged("epoch", 4, "train", {"loss": 0.123456, "lr": 0.1}, None)
+        d.epoch_line(SimpleNamespace(epoch=4, outputs={"train": {"loss": 0.1234, "done": False,
+                                                                  "bored": True}},
+                                     seconds=1.5, ckpt="ckpt 1 KB in 2 ms"), 10)
+    out = capsys.readouterr().out
+    assert out == "epoch 4/10  loss=0.1234 lr=0.1 bored=true  1.50s  ckpt 1 KB in 2 ms\n"

@@ -1,97 +1,224 @@
-"""What a person sees while a job runs.
+"""What a person sees while a job runs, and the run's console.log.
 
-On a terminal: a rich live status line (job, group, epoch, elapsed) above which the
-epoch summaries scroll. Elsewhere (logs, CI, pipes): the same summaries as plain lines.
-Only rank 0 shows anything.
+On a terminal: a rich progress bar for the running epoch (steps done / steps per epoch
+when known, steps/s, elapsed, ETA, the latest logged values), with one summary line per
+epoch scrolling above it. Elsewhere (logs, CI, pipes): the same summary lines as plain
+text, plus a progress line every ``heartbeat`` seconds during a long epoch so that a log
+shows life; never a control character. Every line shown is also appended to
+``<run dir>/console.log``. Only rank 0 shows anything.
+
+A step is an iteration of the innermost running loop (the executor writes
+``progress["loop"] = (task, i, n)``). A loop without a count (`loop: null`) has no known
+length in its first epoch; from the second on, the previous epoch's count is the total.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
+
+HEARTBEAT_S = float(os.environ.get("JOBRUN_PROGRESS_SECONDS", "30"))
 
 
 class Display:
-    def __init__(self, enabled: bool = True, tty: bool | None = None):
+    def __init__(self, enabled: bool = True, tty: bool | None = None, log: Path | None = None,
+                 heartbeat: float = HEARTBEAT_S):
         self.enabled = enabled
         self.tty = sys.stdout.isatty() if tty is None else tty
-        self._status: Any = None
-        self._console: Any = None
+        self.heartbeat = heartbeat
+        # Written by the executor's loops (task, iteration, count), read by the ticker.
+        self.progress: dict[str, Any] = {}
+        self.quiet: frozenset[str] = frozenset()  # outputs shown only when true (stop flags)
+        self._log_path = log if enabled else None
+        self._log: Any = None
+        self._progress_bar: Any = None
+        self._bar_task: Any = None
         self._job = ""
         self._what = "starting"
         self._t0 = time.monotonic()
-        # Written by the executor's loops (task, iteration, count), read by the ticker.
-        self.progress: dict[str, Any] = {}
+        self._epoch_t0 = time.monotonic()
+        self._values: dict[str, Any] = {}  # logged in the running epoch, latest first
+        self._counts: dict[str, int] = {}  # steps of each task's loop in the last epoch
+        self._last_beat = time.monotonic()
+        self._lock = threading.Lock()
 
+    # -- the run ------------------------------------------------------------------------
     @contextmanager
-    def live(self, job: str):
+    def live(self, job: str, stop_names: frozenset[str] = frozenset()):
         self._job = job
+        self.quiet = stop_names
         self._t0 = time.monotonic()
-        if not (self.enabled and self.tty):
-            yield self
-            return
-        from rich.console import Console
-
-        self._console = Console()
+        self._open_log()
         stop = threading.Event()
-        with self._console.status(f"[bold]{job}[/] starting") as status:
-            self._status = status
-            ticker = threading.Thread(target=self._tick, args=(stop,), daemon=True)
-            ticker.start()
-            try:
-                yield self
-            finally:
-                stop.set()
+        ticker = threading.Thread(target=self._tick, args=(stop,), daemon=True)
+        try:
+            if self.enabled and self.tty:
+                self._progress_bar = _progress_bar()
+                self._bar_task = self._progress_bar.add_task(f"{job} starting", total=None, values="")
+                self._progress_bar.start()
+            if self.enabled:
+                ticker.start()
+            yield self
+        finally:
+            stop.set()
+            if ticker.is_alive():
                 ticker.join()
-                self._status = None
-
-    def _tick(self, stop: threading.Event) -> None:
-        while not stop.wait(0.2):
-            self._refresh()
+            if self._progress_bar is not None:
+                self._progress_bar.stop()
+                self._progress_bar = None
+            self._close_log()
 
     def status(self, what: str) -> None:
+        """A group starts: `init`, `epoch N`, `download`, `exit`."""
+        self._remember_counts()
         self._what = what
         self.progress.pop("loop", None)
-        self._refresh()
+        self._values = {}
+        self._epoch_t0 = self._last_beat = time.monotonic()
+        if self._progress_bar is not None:  # a new task: rich cannot set a known total back to none
+            self._progress_bar.remove_task(self._bar_task)
+            self._bar_task = self._progress_bar.add_task(f"{self._job} {what}", total=None, values="")
 
-    def _refresh(self) -> None:
-        status = self._status
-        if status is None:
+    def logged(self, group: str, epoch: int, task: str, values: dict[str, Any], msg: str | None) -> None:
+        """A `log` op's values: during an epoch they go into its summary line and the
+        progress bar; in the other groups each call is a line of its own."""
+        if group == "epoch":
+            with self._lock:
+                self._values.update(values)
             return
-        elapsed = time.monotonic() - self._t0
-        loop = self.progress.get("loop")
-        where = ""
-        if loop is not None:
-            task, i, n = loop
-            where = f"  task {task}  iteration {i + 1}" + (f"/{n}" if n else "")
-        status.update(f"[bold]{self._job}[/] {self._what}{where}  [dim]{elapsed:,.1f}s[/]")
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        self.line(f"[{group} {task}] {msg + ': ' if msg else ''}{shown}")
 
+    def epoch_line(self, result: Any, max_epochs: int | None) -> None:
+        of = f"/{max_epochs}" if max_epochs else ""
+        values = dict(self._values)
+        for task in result.outputs.values():
+            values.update(task)
+        outs = " ".join(f"{k}={_fmt(v)}" for k, v in values.items()
+                        if not (k in self.quiet and not _true(v)))
+        parts = [f"epoch {result.epoch}{of}", outs, f"{result.seconds:.2f}s", result.ckpt]
+        self.line("  ".join(p for p in parts if p))
+
+    # -- lines ----------------------------------------------------------------------------
     def line(self, text: str) -> None:
         if not self.enabled:
             return
-        if self._console is not None:
-            self._console.print(text, markup=False, highlight=False)
+        if self._progress_bar is not None:
+            self._progress_bar.console.print(text, markup=False, highlight=False)
         else:
             print(text, flush=True)
+        self.to_log(text)
 
     def warn(self, text: str) -> None:
         if not self.enabled:
             return
-        if self._console is not None:
-            self._console.print(f"[bold yellow]warning:[/] {text}", highlight=False)
+        if self._progress_bar is not None:
+            self._progress_bar.console.print(f"[bold yellow]warning:[/] {text}", highlight=False)
         else:
             print(f"warning: {text}", file=sys.stderr, flush=True)
+        self.to_log(f"warning: {text}")
 
-    def epoch_line(self, result: Any, max_epochs: int | None) -> None:
-        of = f"/{max_epochs}" if max_epochs else ""
-        outs = " ".join(
-            f"{name}={_fmt(value)}" for task in result.outputs.values() for name, value in task.items()
-        )
-        parts = [f"epoch {result.epoch}{of}", outs, f"{result.seconds:.2f}s", result.ckpt]
-        self.line("  ".join(p for p in parts if p))
+    def to_log(self, text: str) -> None:
+        """Append a line to console.log only (e.g. the error the CLI prints)."""
+        if self._log is None:
+            return
+        try:
+            self._log.write(text + "\n")
+        except OSError:
+            self._close_log()  # a full disk: the console goes on without its copy
+
+    # -- progress ---------------------------------------------------------------------------
+    def _tick(self, stop: threading.Event) -> None:
+        while not stop.wait(0.2):
+            self._refresh()
+
+    def _step(self) -> tuple[int, int | None] | None:
+        """Steps done in the running loop and its length, when known."""
+        loop = self.progress.get("loop")
+        if loop is None:
+            return None
+        task, i, n = loop
+        return i + 1, n or self._counts.get(task)
+
+    def _refresh(self) -> None:
+        step = self._step()
+        values = " ".join(f"{k}={_fmt(v)}" for k, v in list(self._values.items())[-4:])
+        if self._progress_bar is not None:
+            if step is not None:
+                done, total = step
+                self._progress_bar.update(self._bar_task, completed=done, values=values,
+                                          **({"total": total} if total else {}))
+            return
+        now = time.monotonic()
+        if self._what.startswith("epoch") and step is not None and now - self._last_beat >= self.heartbeat:
+            self._last_beat = now
+            done, total = step
+            rate = done / max(now - self._epoch_t0, 1e-9)
+            of = f"/{total}" if total else ""
+            self.line(f"  {self._what}: step {done}{of}, {rate:.3g} steps/s, "
+                      f"{now - self._epoch_t0:.0f}s" + (f", {values}" if values else ""))
+
+    def _remember_counts(self) -> None:
+        loop = self.progress.get("loop")
+        if loop is not None and self._what.startswith("epoch"):
+            task, i, _n = loop
+            self._counts[task] = i + 1
+
+    # -- console.log --------------------------------------------------------------------------
+    def _open_log(self) -> None:
+        if self._log_path is None:
+            return
+        from jobrun import safefs
+
+        try:
+            self._log = os.fdopen(safefs.open_write(self._log_path, append=True), "a", buffering=1)
+        except OSError as e:
+            print(f"warning: cannot write {self._log_path} ({e.strerror or e}); the console is "
+                  "not copied there", file=sys.stderr, flush=True)
+
+    def _close_log(self) -> None:
+        log, self._log = self._log, None
+        if log is not None:
+            with suppress(OSError):
+                log.close()
+
+
+def _progress_bar() -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class StepsPerSecond(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{speed:.3g} steps/s", style="progress.data.speed")
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), StepsPerSecond(),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[values]}"),
+        refresh_per_second=5, transient=True,
+    )
+
+
+def _true(value: Any) -> bool:
+    from jobrun.ops.core import truthy
+
+    try:
+        return truthy(value)
+    except Exception:  # noqa: BLE001 - a value without one truth value is shown
+        return True
 
 
 def _fmt(value: Any) -> str:

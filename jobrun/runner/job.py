@@ -61,8 +61,8 @@ class JobRunner:
         self.plan = cfg.plan
         self.rank = cfg.rank
         self.main_rank = cfg.rank == 0
-        self.display = display or Display(enabled=self.main_rank)
         self.run_dir = RunDir(cfg.run_dir, cfg.plan)
+        self.display = display or Display(enabled=self.main_rank, log=self.run_dir.console_file)
         self.metrics = Metrics(self.run_dir.metrics_file if self.main_rank else None)
         self.tensorboard = TensorBoard(cfg.run_dir if self.main_rank else None)
         self.epoch = 0
@@ -105,15 +105,15 @@ class JobRunner:
                 "msg": msg, "values": values,
             })
             self.tensorboard.write(tctx.task, self.epoch, values)
-            shown = " ".join(f"{k}={_short(v)}" for k, v in values.items())
-            self.display.line(f"  [{self.group} {self.epoch} {tctx.task}] {msg + ': ' if msg else ''}{shown}")
+            self.display.logged(self.group, self.epoch, tctx.task, values, msg)
 
         return log
 
     # -- the loop -------------------------------------------------------------------
     def run(self) -> int:
         """Run the whole job; return the process exit code."""
-        with self._signals(), self.display.live(self.plan.job):
+        stop_names = frozenset(ref.name for ref in self.plan.stop_when)
+        with self._signals(), self.display.live(self.plan.job, stop_names):
             try:
                 stop = self._start()
                 while not stop:
@@ -122,15 +122,17 @@ class JobRunner:
             except Interrupted as e:
                 stopped = self._interrupted(e.signum)
                 self._record("interrupted", stopped)
+                self.display.to_log(stopped.format_message())
                 raise stopped from None
             except JobrunError as e:
                 self._record("failed", e)
+                self.display.to_log(e.format_message())
                 raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
                 self.metrics.close()
                 self.tensorboard.close()
-        self._summary()
+            self._summary()
         return 0
 
     def _interrupted(self, signum: int) -> Interrupted:

@@ -5,7 +5,7 @@
                       presence (a JSON object naming the job) marks a jobrun run directory
       plan.yaml       the plan after --set (vars are substituted again on resume)
       metrics.jsonl   one JSON object per log line / checkpoint event
-      console.log     torch's own log lines of a data-parallel run (the launcher's)
+      console.log     what the run printed, and torch's own log lines (the launcher's)
       checkpoints/    <node>.<epoch>/rank-<r>/...
       .lock           held by the running job (flock), so two runners cannot share it
 
@@ -87,6 +87,10 @@ class RunDir:
     @property
     def metrics_file(self) -> Path:
         return self.path / METRICS_FILE
+
+    @property
+    def console_file(self) -> Path:
+        return self.path / CONSOLE_FILE
 
     @property
     def checkpoints(self) -> Path | None:
