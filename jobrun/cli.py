@@ -232,6 +232,18 @@ def _usage(message: str, hint: str | None = None):
     return UsageError(message, hint=hint)
 
 
+@main.command("plot")
+@click.argument("run_dirs", nargs=-1, type=click.Path(file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="A .png file. Default: RUN_DIR/metrics.png (one run), ./metrics.png (several).")
+@click.option("--metric", "metrics", multiple=True, help="Only this metric (repeatable). Default: all.")
+def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...]) -> None:
+    """Draw the values a run logged against epochs (several runs: overlaid)."""
+    from jobrun.runner.plot import plot
+
+    click.echo(f"wrote {plot(list(run_dirs), output, metrics)}")
+
+
 @main.group()
 def ckpt() -> None:
     """Inspect the checkpoints of a run."""

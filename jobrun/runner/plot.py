@@ -1,0 +1,117 @@
+"""`jobrun plot`: the logged values of one or more runs against epochs, as a PNG.
+
+One panel per metric (a name a `log` op logged with a number), one line per run. A value
+logged once an epoch sits at that epoch; one logged several times in an epoch (inside the
+training loop, or with `log: {every: K}`) is spread evenly over the epoch, so that epoch E's
+points lie in (E-1, E]. matplotlib is an optional extra: `pip install "jobrun[plot]"`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from jobrun import safefs
+from jobrun.errors import UsageError, did_you_mean
+from jobrun.runner.rundir import RunDir
+
+MAX_METRICS_BYTES = 1 << 30
+
+Series = dict[str, list[tuple[float, float]]]  # metric -> [(x, value)]
+
+
+def series(run: RunDir) -> Series:
+    """Every numeric value the run logged, placed on the epoch axis."""
+    try:
+        data = safefs.read_bounded(run.metrics_file, MAX_METRICS_BYTES)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
+    per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if not isinstance(record, dict) or not isinstance(record.get("values"), dict):
+            continue
+        epoch = record.get("epoch")
+        if record.get("group") != "epoch" or not isinstance(epoch, int):
+            continue
+        for name, value in record["values"].items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                per_epoch[(str(name), epoch)].append(float(value))
+    out: Series = defaultdict(list)
+    for (name, epoch), values in sorted(per_epoch.items()):
+        n = len(values)
+        out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
+    return dict(out)
+
+
+def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...]) -> Path:
+    runs = [RunDir(Path(d)) for d in run_dirs] if run_dirs else [RunDir.latest()]
+    for run in runs:
+        run.info()  # a clear message for what is not a run directory
+    data = {run: series(run) for run in runs}
+    found = sorted({name for s in data.values() for name in s})
+    if not found:
+        raise UsageError(f"{', '.join(str(r.path) for r in runs)}: no values logged in an epoch yet",
+                         hint="a `log: {in: [loss]}` step in an epoch task logs them")
+    for name in metrics:
+        if name not in found:
+            raise UsageError(f"no metric {name!r} was logged",
+                             hint=did_you_mean(name, found) or f"metrics: {', '.join(found)}")
+    names = list(metrics) or found
+    out = Path(output) if output else (runs[0].path / "metrics.png" if len(runs) == 1 else Path("metrics.png"))
+    if out.suffix.lower() != ".png":
+        raise UsageError(f"-o {out}: jobrun plot writes PNG files", hint="give -o FILE.png")
+    if not out.parent.is_dir():
+        raise UsageError(f"cannot write {out}: directory {out.parent} does not exist",
+                         hint="create it first, or give another -o")
+    _draw(data, names, out)
+    return out
+
+
+def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("jobrun plot needs matplotlib, which is not installed",
+                         hint='install the extra: pip install "jobrun[plot]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(2, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for run, s in data.items():
+            points = s.get(name)
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3,
+                        label=_label(run, data))
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        if len(data) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        raise UsageError(f"cannot write {out}: {e.strerror or e}",
+                         hint="check that its directory is writable and has space") from None
+    finally:
+        plt.close(fig)
+
+
+def _label(run: RunDir, data: dict[RunDir, Any]) -> str:
+    names = [r.path.name for r in data]
+    return run.path.name if names.count(run.path.name) == 1 else str(run.path)

@@ -1,0 +1,109 @@
+"""`jobrun plot`: logged values against epochs, one panel per metric, runs overlaid."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+from runner_util import jobrun
+
+from jobrun.runner.plot import series
+from jobrun.runner.rundir import RunDir
+
+PLAN = """\
+job: curve
+max_epochs: 3
+init:
+  - task: setup
+    do: [{const: {out: n, value: 0}}, {const: {out: x, value: 0}}]
+epoch:
+  - task: t
+    do:
+      - add: {in: [n, 1], out: n}
+      - loop: 2
+        do:
+          - add: {in: [x, 10], out: x}
+          - log: {in: [x]}
+      - log: {in: [n], msg: per-epoch}
+"""
+
+
+def _metrics(tmp_path, records) -> RunDir:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"job": "j"}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut')
+    return RunDir(run)
+
+
+def test_series_places_values_on_the_epoch_axis(tmp_path):
+    run = _metrics(tmp_path, [
+        {"epoch": 0, "group": "init", "values": {"loss": 9.0}},  # not an epoch: no point
+        {"epoch": 1, "group": "epoch", "values": {"loss": 1.0, "name": "a", "flag": True}},
+        {"epoch": 2, "group": "epoch", "values": {"loss": 0.5}},
+        {"epoch": 2, "group": "epoch", "values": {"loss": 0.25}},
+        {"epoch": 2, "event": "checkpoint_save", "seconds": 0.1},
+        {"epoch": 3, "group": "epoch", "values": {"loss": "nan"}},
+    ])
+    assert series(run) == {"loss": [(1.0, 1.0), (1.5, 0.5), (2.0, 0.25)]}
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    for name, extra in (("a", ()), ("b", ("max_epochs=2",))):
+        assert jobrun("train", plan, "--run-dir", tmp_path / name, *extra).code == 0
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_plot_draws_every_metric_of_every_run(two_runs, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    drawn = {}
+    real = matplotlib.figure.Figure.savefig
+
+    def capture(fig, path, **kw):
+        for ax in fig.axes:
+            if ax.get_visible():
+                drawn[ax.get_title()] = {line.get_label(): list(line.get_xdata()) for line in ax.lines}
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    out = tmp_path / "both.png"
+    r = jobrun("plot", *two_runs, "-o", out)
+    assert r.code == 0, r.text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == {"n": {"a": [1.0, 2.0, 3.0], "b": [1.0, 2.0]},
+                     "x": {"a": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0], "b": [0.5, 1.0, 1.5, 2.0]}}
+
+
+def test_plot_of_one_run_defaults_into_the_run_dir(two_runs):
+    r = jobrun("plot", two_runs[0], "--metric", "n")
+    assert r.code == 0, r.text
+    assert (two_runs[0] / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unknown_metric_is_one_message(two_runs):
+    r = jobrun("plot", two_runs[0], "--metric", "nn")
+    assert r.code == 2 and "no metric 'nn'" in r.err and "did you mean 'n'" in r.err
+
+
+def test_without_matplotlib_the_message_names_the_extra(two_runs, monkeypatch):
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    r = jobrun("plot", two_runs[0])
+    assert r.code == 2 and 'pip install "jobrun[plot]"' in r.err
+    assert "Traceback" not in r.text
+
+
+def test_not_a_run_is_one_message(tmp_path):
+    r = jobrun("plot", tmp_path)
+    assert r.code == 2 and "not a jobrun run directory" in r.err
