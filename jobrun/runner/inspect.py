@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jobrun import store
 from jobrun.errors import CheckpointError, UsageError
-from jobrun.runner import checkpoint as store
 from jobrun.runner import rundir as rd
-from jobrun.runner.codec import SavedState
 from jobrun.runner.display import human_size
+from jobrun.store import SavedState
 
 
 def _locate(run_dir: str | None) -> tuple[Path, Path, list[str]]:
@@ -104,9 +104,10 @@ def export(run_dir: str | None, epoch: int, node: str | None, wanted: tuple[str,
     tensors = _flatten(blobs)
     tmp = out.with_name(f".{out.name}.tmp")
     if suffix == ".safetensors":
-        from jobrun.runner.safetensors_io import write_safetensors
+        import numpy as np
+        from safetensors.numpy import save_file
 
-        write_safetensors(tmp, {k: v for k, v in tensors.items() if hasattr(v, "dtype")})
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items() if hasattr(v, "dtype")}, tmp)
     elif suffix == ".json":
         tmp.write_text(json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2) + "\n")
     elif suffix == ".pt":

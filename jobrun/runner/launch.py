@@ -177,7 +177,7 @@ def _refuse_used(path: Path) -> None:
         return
     if plan.checkpoint is None:
         return
-    from jobrun.runner import checkpoint as store
+    from jobrun import store
 
     ckpt_dir = _ckpt_dir(path, plan)
     if ckpt_dir.is_dir() and store.list_checkpoints(ckpt_dir):
@@ -197,7 +197,7 @@ def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
     found, so that all skip, pick or refuse the same epoch: each byte is read once, by the
     rank it belongs to. The cheap checks (COMMIT, manifests, sizes) agree by themselves.
     """
-    from jobrun.runner import checkpoint as store
+    from jobrun import store
 
     nodes = list(plan.nodes)
     say = rank in (None, 0)
