@@ -599,10 +599,10 @@ KILLED_SAVE = textwrap.dedent(
     """
     import os, re, sys, time
     import numpy as np
-    from jobrun import store as checkpoint
+    from jobrun import store
 
     where, pause_at = sys.argv[1], sys.argv[2]
-    checkpoint.save({"w": np.zeros(10)}, {"epoch": 0}, where, "n", 0)
+    store.save({"w": np.zeros(10)}, {"epoch": 0}, where, "n", 0)
     real_fsync = os.fsync
 
     def pausing_fsync(fd):  # stop at one chosen fsync, for the parent to kill us there
@@ -613,7 +613,7 @@ KILLED_SAVE = textwrap.dedent(
 
     os.fsync = pausing_fsync
     big = np.random.default_rng(0).random(6_500_000)  # ~50 MB
-    checkpoint.save({"w": big, "more": [big[:10]]}, {"epoch": 1}, where, "n", 1)
+    store.save({"w": big, "more": [big[:10]]}, {"epoch": 1}, where, "n", 1)
     print("done", flush=True)
     """
 )
