@@ -215,10 +215,10 @@ def write(
         return size + len(values) + _write_file(tmp / MANIFEST_FILE, raw), raw
 
     def commit(written: tuple[int, bytes]) -> None:
-        commit = {"manifest_sha256": hashlib.sha256(written[1]).hexdigest(), **ids}
+        marker = {"manifest_sha256": hashlib.sha256(written[1]).hexdigest(), **ids}
         tmp = final / f".{COMMIT_FILE}.tmp-{secrets.token_hex(4)}"
         try:
-            _write_file(tmp, json.dumps(commit).encode())
+            _write_file(tmp, json.dumps(marker).encode())
             os.replace(tmp, final / COMMIT_FILE)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -7,14 +7,17 @@ disks, not against tampering (whoever can change a file can rewrite the manifest
 it), and CRC-32 is what lets a verified load keep up with ``torch.load``, which checks
 nothing.
 
-Reading the tensors with torch maps the file (the library's default): the checksum is then
-computed on the mapped bytes the tensors are made of, so what was checked is what is used.
-Reading them as numpy (``jobrun ckpt show``, which must not import torch) reads the file
-into memory once, checksums it and hands the bytes to the library.
+Reading the tensors with torch maps the file (the library's default; copy-on-write, so
+changing a tensor never changes the file, and a deleted file's space is freed when its
+tensors are): the checksum is computed on the mapped bytes the tensors are made of, so
+what was checked is what is used. Reading them as numpy (``jobrun ckpt show``, which
+must not import torch) reads the file into memory once, checksums it and hands the
+bytes to the library.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import zlib
@@ -129,7 +132,9 @@ def _distinct(tensors: dict[str, Any]) -> dict[str, Any]:
 def _os_error(e: Exception, path: Path) -> OSError:
     """The OSError the library met (it reports it as text: "... (os error 28) ...")."""
     m = re.search(r"os error (\d+)", str(e))
-    code = int(m.group(1)) if m else 5  # EIO when it does not say
+    if m is None:
+        return OSError(errno.EIO, f"safetensors: {e}", str(path))
+    code = int(m.group(1))
     return OSError(code, os.strerror(code), str(path))
 
 
