@@ -10,7 +10,7 @@ checkpoint save adds at most 1.1x the state size at its peak.
   (epoch 1 creates the optimizer state): the live RSS after the last epoch over that
   after epoch 2, and the median per-epoch peak of the later half over the earlier half.
 * In a fresh process: the state of the checkpoint benchmark (model + Adam), then the
-  peak RSS is reset (/proc/self/clear_refs) before a synchronous ``checkpoint.save``, a
+  peak RSS is reset (/proc/self/clear_refs) before a synchronous ``store.save``, a
   ``prepare(copy=True)`` + ``write`` (what an async save costs in memory) and a
   ``load``: the rise of the peak over the RSS before, divided by the state's size.
 """
@@ -120,9 +120,9 @@ def run(mode: Mode) -> list[Row]:
         got = json.loads(out.strip().splitlines()[-1])
     size = got["state_bytes"]
     for key, label, goal in (
-        ("save", "checkpoint.save: peak added / state", GOAL_SAVE),
+        ("save", "store.save: peak added / state", GOAL_SAVE),
         ("prepare_copy_write", "prepare(copy=True) + write: peak added / state", GOAL_SAVE),
-        ("load", "checkpoint.load: peak added / state", None),
+        ("load", "store.load: peak added / state", None),
     ):
         ratio = got[key] / size
         rows.append(Row(

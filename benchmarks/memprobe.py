@@ -71,7 +71,7 @@ def _added(fn) -> float:
 
 def save_peak(width: int, directory: str) -> dict[str, float]:
     from benchmarks.bench_checkpoint import make_state, state_bytes
-    from jobrun.runner import checkpoint as store
+    from jobrun import store
 
     state = make_state(width)
     size = state_bytes(state)

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from jobrun import store as ck
 from jobrun.errors import CheckpointError
-from jobrun.runner import checkpoint as ck
-from jobrun.runner.codec import SavedState, restore
+from jobrun.store import SavedState, files, restore, tensorfile
 
 
 def workspace(seed: int = 0) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def test_save_load_round_trip_and_layout(tmp_path: Path) -> None:
         data = (rdir / name).read_bytes()
         assert manifest["files"][name] == {
             "size": len(data),
-            "chunk_bytes": ck.CHUNK_BYTES,  # far more than this file: one chunk
+            "chunk_bytes": files.CHUNK_BYTES,  # far more than this file: one chunk
             "crc32_chunks": [crc(data)],
         }
     commit = json.loads((rdir / "COMMIT").read_bytes())
@@ -159,6 +159,47 @@ def test_write_from_another_thread_while_training_goes_on(tmp_path: Path) -> Non
         w.add_(1)
     thread.join()
     assert done and torch.equal(ck.load(tmp_path, "n", 0)[0]["w"], torch.zeros(300_000))
+
+
+def test_a_copy_written_later_gives_the_same_bytes_as_a_save(tmp_path: Path) -> None:
+    """An async save (prepare(copy=True) + write, reusing the last copy) is a sync save."""
+    ws = workspace()
+    first = ck.prepare(ws, {"e": 0})
+    ck.write(first, tmp_path / "async", "n", 0)
+    ws["model"].weight.data.add_(1)
+    ws["step"] = 99
+    again = ck.prepare(ws, {"e": 1}, reuse=first)
+    assert again.tensors["model.weight"] is first.tensors["model.weight"]
+    ck.write(again, tmp_path / "async", "n", 1)
+    ck.save(ws, {"e": 1}, tmp_path / "sync", "n", 1)
+    for name in ("tensors.safetensors", "values.json"):
+        a = (tmp_path / "async" / "n.1" / "rank-0" / name).read_bytes()
+        b = (tmp_path / "sync" / "n.1" / "rank-0" / name).read_bytes()
+        assert a == b, name
+
+
+def test_tensors_that_share_memory_and_foreign_byte_orders(tmp_path: Path) -> None:
+    w = torch.arange(10.0)
+    model = torch.nn.Linear(3, 3)
+    ws = {
+        "w": w, "head": w[:4], "tail": w[6:], "again": w, "tied": {"a": model.weight, "b": model.weight},
+        "big_endian": np.arange(6, dtype=">i4").reshape(2, 3), "le": np.arange(3, dtype="<f8"),
+    }
+    ck.save(ws, {}, tmp_path, "n", 0)
+    back, _ = ck.load(tmp_path, "n", 0)
+    for key in ("w", "head", "tail", "again"):
+        assert torch.equal(back[key], ws[key]), key
+    assert torch.equal(back["tied"]["a"], model.weight) and torch.equal(back["tied"]["b"], model.weight)
+    assert back["big_endian"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert np.array_equal(back["le"], ws["le"])
+    assert w.tolist() == list(range(10))  # nothing written into the live tensors
+
+
+def test_changing_loaded_tensors_leaves_the_checkpoint_alone(saved: Path) -> None:
+    blobs, _ = ck.load(saved, "n", 1)
+    blobs["w"].add_(1)  # training goes on with a restored tensor
+    assert ck.verify(saved, "n", 1) == []
+    assert torch.equal(ck.load(saved, "n", 1)[0]["w"], torch.arange(1000.0) * 2)
 
 
 def test_unsupported_blobs_are_skipped_when_asked(tmp_path: Path) -> None:
@@ -307,6 +348,22 @@ def test_read_manifest_and_load_without_hashes(saved: Path) -> None:
         ck.read_manifest(saved, "n", 1)
 
 
+def test_a_tensors_file_the_library_cannot_parse(saved: Path) -> None:
+    rdir = saved / "n.1" / "rank-0"
+    path = rdir / "tensors.safetensors"
+    garbage = b"\xff" * path.stat().st_size  # same size: only the bytes tell
+    path.write_bytes(garbage)
+    for hashes in (True, False):  # a file that does not parse is checked to say why
+        with pytest.raises(CheckpointError, match=r"tensors\.safetensors: checksum mismatch"):
+            ck.load(saved, "n", 1, verify_hashes=hashes)
+    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
+    manifest["files"]["tensors.safetensors"]["crc32_chunks"] = [crc(garbage)]
+    rewrite_manifest(rdir, manifest)  # a manifest that vouches for garbage
+    for as_numpy in (False, True):
+        with pytest.raises(CheckpointError, match=r"tensors\.safetensors cannot be read: .*header"):
+            ck.load(saved, "n", 1, as_numpy=as_numpy)
+
+
 def test_missing_epoch_and_copied_directories(saved: Path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint of node 'n' at epoch 7"):
         ck.load(saved, "n", 7)
@@ -324,12 +381,12 @@ def test_missing_epoch_and_copied_directories(saved: Path) -> None:
 @pytest.fixture
 def small_chunks(monkeypatch) -> int:
     """Chunks of 64 KiB, so that a small checkpoint spans many of them."""
-    monkeypatch.setattr(ck, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(files, "CHUNK_BYTES", 64 << 10)
     return 64 << 10
 
 
 def test_every_chunk_has_its_own_hash(tmp_path: Path, small_chunks: int) -> None:
-    w = torch.randn(300_000)  # 1.2 MB: 19 chunks, hashed on several threads
+    w = torch.randn(300_000)  # 1.2 MB: 19 chunks
     ck.save({"w": w, "note": "x" * 100_000}, {}, tmp_path, "n", 0)
     rdir = tmp_path / "n.0" / "rank-0"
     files = json.loads((rdir / "MANIFEST.json").read_bytes())["files"]
@@ -392,89 +449,46 @@ def rewrite_manifest(rdir: Path, manifest: dict[str, Any]) -> None:
     (rdir / "COMMIT").write_text(json.dumps(commit))
 
 
-def as_version_1(rdir: Path) -> None:
-    """Turn a rank directory into what format version 1 wrote: one SHA-256 per file."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_formats_1_and_2_are_refused_with_a_message(tmp_path: Path, version: int) -> None:
+    """Checkpoints of the jobrun before the safetensors library (SHA-256 checksums)."""
+    ck.save({"a": 1}, {}, tmp_path, "n", 0)
+    ck.save({"a": 2}, {}, tmp_path, "n", 1)
+    rdir = tmp_path / "n.1" / "rank-0"
     manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
-    manifest["version"] = 1
-    digest = {name: hashlib.sha256((rdir / name).read_bytes()).hexdigest() for name in ck.DATA_FILES}
-    manifest["files"] = {
-        name: {"size": info["size"], "sha256": digest[name]}
-        for name, info in manifest["files"].items()
-    }
-    rewrite_manifest(rdir, manifest)
-
-
-def as_version_2(rdir: Path, chunk: int) -> None:
-    """Turn a rank directory into what format version 2 wrote: a SHA-256 per chunk."""
-    manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
-    manifest["version"] = 2
-    for name, info in manifest["files"].items():
+    manifest["version"] = version
+    for name, info in manifest["files"].items():  # what that format wrote
         data = (rdir / name).read_bytes()
-        del info["crc32_chunks"]
-        info["chunk_bytes"] = chunk
-        starts = range(0, max(len(data), 1), chunk)
-        info["sha256_chunks"] = [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in starts]
+        if version == 1:
+            manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        else:
+            del info["crc32_chunks"]
+            info["chunk_bytes"] = 64 << 20
+            info["sha256_chunks"] = [hashlib.sha256(data).hexdigest()]
     rewrite_manifest(rdir, manifest)
+    with pytest.raises(CheckpointError) as info:
+        ck.load(tmp_path, "n", 1)
+    message = info.value.message
+    assert f"{rdir / 'MANIFEST.json'} has checkpoint format {version}" in message
+    assert "written by an older jobrun" in message and "format 3 only" in message
+    assert "train again" in info.value.hint
+    assert "written by an older jobrun" in ck.verify(tmp_path, "n", 1)[0]
+    assert not ck.list_checkpoints(tmp_path)[1].ok
+    latest, skipped = ck.latest_complete_epoch(tmp_path, ["n"], 1)
+    assert latest == 0 and "written by an older jobrun" in skipped[0][1]
 
 
-def test_version_2_checkpoints_are_still_read(tmp_path: Path) -> None:
-    w = torch.randn(300_000)  # 1.2 MB: 19 chunks of 64 KiB, read by several threads
-    for e in (0, 1):
-        ck.save({"w": w, "step": e}, {"e": e}, tmp_path, "n", e)
-        as_version_2(tmp_path / f"n.{e}" / "rank-0", 64 << 10)
-    assert ck.read_manifest(tmp_path, "n", 1)["version"] == 2
-    blobs, meta = ck.load(tmp_path, "n", 1)
-    assert meta == {"e": 1} and blobs["step"] == 1 and torch.equal(blobs["w"], w)
-    assert ck.verify(tmp_path, "n", 1) == [] and ck.latest_complete_epoch(tmp_path, ["n"], 1) == (1, [])
-    path = tmp_path / "n.1" / "rank-0" / "tensors.safetensors"
-    raw = bytearray(path.read_bytes())
-    raw[700_000] ^= 0x10
-    path.write_bytes(raw)
-    k = 700_000 // (64 << 10)
-    expect_problem(
-        tmp_path, 1,
-        rf"checksum mismatch in bytes {k * (64 << 10)}-{(k + 1) * (64 << 10)} \(sha256 [0-9a-f]{{12}}, ",
-    )
-
-
-def test_version_1_checkpoints_are_still_read(tmp_path: Path) -> None:
-    ws = workspace()
-    ck.save(ws, {"loss": 0.5}, tmp_path, "n", 0)
-    ck.save(ws, {"loss": 0.5}, tmp_path, "n", 1)
-    for e in (0, 1):
-        as_version_1(tmp_path / f"n.{e}" / "rank-0")
-    assert ck.read_manifest(tmp_path, "n", 1)["version"] == 1
-    blobs, meta = ck.load(tmp_path, "n", 1)
-    assert meta == {"loss": 0.5} and torch.equal(blobs["emb"], ws["emb"])
-    assert ck.verify(tmp_path, "n", 1) == [] and ck.verify_dir(tmp_path / "n.1" / "rank-0") == []
-    assert ck.latest_complete_epoch(tmp_path, ["n"], 1) == (1, [])
-    path = tmp_path / "n.1" / "rank-0" / "tensors.safetensors"
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    path.write_bytes(raw)
-    expect_problem(tmp_path, 1, r"tensors\.safetensors: checksum mismatch \(sha256")
-    values = tmp_path / "n.0" / "rank-0" / "values.json"
-    raw = bytearray(values.read_bytes())
-    raw[-3] ^= 0x01
-    values.write_bytes(raw)
-    with pytest.raises(CheckpointError, match=r"values\.json: checksum mismatch"):
-        ck.load(tmp_path, "n", 0)
-
-
-def test_version_1_entries_in_a_version_2_manifest_and_newer_versions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [ck.FORMAT_VERSION + 1, 0, "3", None, True])
+def test_unknown_formats_are_refused(tmp_path: Path, version: Any) -> None:
     ck.save({"a": 1}, {}, tmp_path, "n", 0)
     rdir = tmp_path / "n.0" / "rank-0"
-    as_version_1(rdir)
     manifest = json.loads((rdir / "MANIFEST.json").read_bytes())
-    manifest["version"] = 2  # entries of version 1 under version 2: refused
+    manifest["version"] = version
     rewrite_manifest(rdir, manifest)
-    with pytest.raises(CheckpointError, match="bad entry"):
+    with pytest.raises(CheckpointError) as info:
         ck.load(tmp_path, "n", 0)
-    manifest["version"] = ck.FORMAT_VERSION + 1
-    rewrite_manifest(rdir, manifest)
-    with pytest.raises(CheckpointError, match="upgrade jobrun") as info:
-        ck.load(tmp_path, "n", 0)
-    assert f"format version {ck.FORMAT_VERSION + 1}" in info.value.message
+    assert f"has checkpoint format {version!r}; this jobrun reads format 3" in info.value.message
+    assert "upgrade jobrun" in info.value.hint
 
 
 # -------------------------------------------------------------------- crashes and errors
@@ -502,7 +516,7 @@ def test_exception_while_writing_is_reraised_after_cleanup(saved: Path, monkeypa
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ck, "write_safetensors", boom)
+    monkeypatch.setattr(tensorfile, "_save_file", boom)
     with pytest.raises(KeyboardInterrupt):
         ck.save({"w": torch.ones(3)}, {}, saved, "n", 2)
     assert hidden_entries(saved) == [] and ck.latest_complete_epoch(saved, ["n"], 1)[0] == 1
@@ -530,11 +544,25 @@ class FullDisk:
         self.f.close()
 
 
-def test_no_space_left(saved: Path, monkeypatch) -> None:
-    real = ck._create
-    monkeypatch.setattr(ck, "_create", lambda path: FullDisk(real(path), 1000))
+def library_out_of_space(tensors, path) -> None:
+    """What the safetensors library raises when the disk fills while it writes."""
+    from safetensors import SafetensorError
+
+    Path(path).with_name(".tmpXYZ").write_bytes(b"half")  # it writes beside, then renames
+    raise SafetensorError(
+        f'Error while serializing: I/O error: No space left on device (os error 28) at path "{path}"'
+    )
+
+
+@pytest.mark.parametrize("where", ["tensors", "values"])
+def test_no_space_left(saved: Path, monkeypatch, where: str) -> None:
+    if where == "tensors":
+        monkeypatch.setattr(tensorfile, "_save_file", library_out_of_space)
+    else:
+        real = files._create
+        monkeypatch.setattr(files, "_create", lambda path: FullDisk(real(path), 100))
     with pytest.raises(CheckpointError) as info:
-        ck.save({"w": torch.randn(10_000)}, {}, saved, "n", 2)
+        ck.save({"w": torch.randn(10_000), "v": "x" * 1000}, {}, saved, "n", 2)
     assert "no space left on device" in info.value.message
     assert "n.2" in info.value.message and "free disk space" in info.value.hint
     monkeypatch.undo()
@@ -571,10 +599,10 @@ KILLED_SAVE = textwrap.dedent(
     """
     import os, re, sys, time
     import numpy as np
-    from jobrun.runner import checkpoint
+    from jobrun import store
 
     where, pause_at = sys.argv[1], sys.argv[2]
-    checkpoint.save({"w": np.zeros(10)}, {"epoch": 0}, where, "n", 0)
+    store.save({"w": np.zeros(10)}, {"epoch": 0}, where, "n", 0)
     real_fsync = os.fsync
 
     def pausing_fsync(fd):  # stop at one chosen fsync, for the parent to kill us there
@@ -585,7 +613,7 @@ KILLED_SAVE = textwrap.dedent(
 
     os.fsync = pausing_fsync
     big = np.random.default_rng(0).random(6_500_000)  # ~50 MB
-    checkpoint.save({"w": big, "more": [big[:10]]}, {"epoch": 1}, where, "n", 1)
+    store.save({"w": big, "more": [big[:10]]}, {"epoch": 1}, where, "n", 1)
     print("done", flush=True)
     """
 )
@@ -726,7 +754,7 @@ def test_list_verify_and_numpy_load_do_not_import_torch(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys
-        from jobrun.runner import checkpoint as ck
+        from jobrun import store as ck
         where = {str(tmp_path)!r}
         assert [i.epoch for i in ck.list_checkpoints(where)] == [0]
         assert ck.verify(where, "n", 0) == []

@@ -92,8 +92,14 @@ def _start(plan: Path, run_dir: Path) -> subprocess.Popen:
     )
 
 
+def _nothing_to_resume(r) -> bool:
+    """Killed before checkpoint 0, or before the run directory was made: train again."""
+    return r.code != 0 and any(why in r.err for why in (
+        "no complete checkpoint", "there is no run", "not a jobrun run directory"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.6, 1.1, 1.5, 1.9, 2.4])
+@pytest.mark.parametrize("delay", [0.6, 1.4, 1.9, 2.4, 3.0])
 def test_kill_9_then_resume_is_bit_exact(reference, tmp_path, delay):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
@@ -103,8 +109,8 @@ def test_kill_9_then_resume_is_bit_exact(reference, tmp_path, delay):
     proc.kill()
     proc.wait()
     r = jobrun("resume", "--run-dir", run)
-    if "no complete checkpoint" in r.err:  # killed before checkpoint 0: start again
-        shutil.rmtree(run)
+    if _nothing_to_resume(r):
+        shutil.rmtree(run, ignore_errors=True)
         r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 0, r.text
     assert _final(run) == _final(reference)
@@ -129,7 +135,7 @@ def test_kill_9_during_saves(tmp_path, reference):
         proc.kill()
         proc.wait()
         r = jobrun("resume", "--run-dir", run)
-        if "no complete checkpoint" in r.err or "not a jobrun run directory" in r.err:
+        if _nothing_to_resume(r):
             shutil.rmtree(run, ignore_errors=True)
             r = jobrun("train", plan, "--run-dir", run)
         assert r.code == 0, r.text
@@ -208,78 +214,73 @@ def _unfinished(run: Path) -> None:
     (run / "run.json").write_text(json.dumps(info))
 
 
-def _record_store(monkeypatch) -> list[tuple]:
-    """Wrap the store's verify, latest_complete_epoch and load, recording each call."""
-    from jobrun.runner import checkpoint as store
+def _data_bytes(run: Path, epoch: int) -> int:
+    """The bytes of an epoch's data files (what its checksums cover)."""
+    rank = run / "ckpt" / f"local.{epoch}" / "rank-0"
+    return sum((rank / name).stat().st_size for name in ("tensors.safetensors", "values.json"))
 
-    calls: list[tuple] = []
-    verify, latest, load = store.verify, store.latest_complete_epoch, store.load
 
-    def record_verify(ckpt_dir, node, epoch, rank=None):
-        calls.append(("verify", node, epoch))
-        return verify(ckpt_dir, node, epoch, rank)
+def _watch_reads(monkeypatch) -> dict[str, list]:
+    """Count the bytes the store checksums, and record the epochs it loads (its public load)."""
+    from jobrun import store
+    from jobrun.store import tensorfile
 
-    def record_latest(ckpt_dir, nodes, world_size, *, verify_hashes=True, before=None):
-        calls.append(("latest", verify_hashes))
-        return latest(ckpt_dir, nodes, world_size, verify_hashes=verify_hashes, before=before)
+    seen: dict[str, list] = {"checksummed": [], "loaded": []}
+    update, load = tensorfile.Checksums.update, store.load
 
-    def record_load(ckpt_dir, node, epoch, rank=0, **kw):
-        calls.append(("load", node, epoch, kw.get("verify_hashes", True)))
+    def counting(self, data):
+        seen["checksummed"].append(memoryview(data).nbytes)
+        update(self, data)
+
+    def loading(ckpt_dir, node, epoch, rank=0, **kw):
+        seen["loaded"].append((node, epoch))
         return load(ckpt_dir, node, epoch, rank, **kw)
 
-    monkeypatch.setattr(store, "verify", record_verify)
-    monkeypatch.setattr(store, "latest_complete_epoch", record_latest)
-    monkeypatch.setattr(store, "load", record_load)
-    return calls
+    monkeypatch.setattr(tensorfile.Checksums, "update", counting)
+    monkeypatch.setattr(store, "load", loading)
+    return seen
 
 
 def test_resume_checksums_each_checkpoint_byte_once(reference, tmp_path, monkeypatch):
-    from jobrun.runner.safetensors_io import CHECKSUMS
-
     run = tmp_path / "run"
     shutil.copytree(reference, run)
-    crc32, hashed = CHECKSUMS["crc32"], []
-
-    class Counting:
-        def __init__(self):
-            self.h = crc32()
-
-        def update(self, data):
-            hashed.append(memoryview(data).nbytes)
-            self.h.update(data)
-
-        def hexdigest(self):
-            return self.h.hexdigest()
-
-    monkeypatch.setitem(CHECKSUMS, "crc32", Counting)
+    seen = _watch_reads(monkeypatch)
     # Epoch 6 is the last: the resumed job saves nothing, so every byte checksummed is a
     # byte of epoch 6 read back.
     r = jobrun("resume", "--run-dir", run, "--epoch", "6")
     assert r.code == 0, r.text
     assert "resumed from checkpoint epoch 6" in r.out
-    rank = run / "ckpt" / "local.6" / "rank-0"
-    sizes = sum((rank / name).stat().st_size for name in ("tensors.safetensors", "values.json"))
-    assert sum(hashed) == sizes
+    assert sum(seen["checksummed"]) == _data_bytes(run, 6)
+    assert seen["loaded"] == [("local", 6)]
 
 
-def test_resume_loads_unhashed_only_what_the_launcher_verified(reference, tmp_path, monkeypatch):
+def test_resume_skips_a_damaged_epoch_and_reads_each_byte_once(reference, tmp_path, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     _unfinished(run)
     _flip_last_byte(run / "ckpt" / "local.6" / "rank-0" / "tensors.safetensors")
-    calls = _record_store(monkeypatch)
+    seen = _watch_reads(monkeypatch)
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
     assert "warning: skipping checkpoint epoch 6: node 'local'" in r.out
     assert "checksum mismatch" in r.out
     assert "resumed from checkpoint epoch 5" in r.out
-    assert calls == [("latest", False), ("verify", "local", 6),  # cheap checks, then the bytes
-                     ("latest", False), ("verify", "local", 5), ("load", "local", 5, False)]
+    # Epochs 6 (found damaged) and 5 checked once each before the job starts; the job
+    # loads epoch 5 without checksumming it again. (The job then saves epoch 6 afresh,
+    # which checksums its own files once as it writes them.)
+    written = _data_bytes(run, 6)
+    assert sum(seen["checksummed"]) == _data_bytes(reference, 6) + _data_bytes(run, 5) + written
+    assert seen["loaded"] == [("local", 5)]
+    assert _final(run) == _final(reference)
 
-    calls.clear()
+    seen["checksummed"].clear()
+    seen["loaded"].clear()
     r = jobrun("resume", "--run-dir", run, "--epoch", "2")
     assert r.code == 0, r.text
-    assert calls == [("verify", "local", 2), ("load", "local", 2, False)]
+    assert "resumed from checkpoint epoch 2" in r.out
+    saved = sum(_data_bytes(run, e) for e in range(3, 7))  # epochs 3..6 written again
+    assert sum(seen["checksummed"]) == _data_bytes(run, 2) + saved
+    assert seen["loaded"] == [("local", 2)]
     assert _final(run) == _final(reference)
 
 
@@ -287,13 +288,14 @@ def test_resume_named_epoch_with_bad_checksum_is_refused(reference, tmp_path, mo
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     _flip_last_byte(run / "ckpt" / "local.3" / "rank-0" / "tensors.safetensors")
-    calls = _record_store(monkeypatch)
+    seen = _watch_reads(monkeypatch)
     r = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert r.code == 1
     assert "checkpoint epoch 3 cannot be used" in r.err and "checksum mismatch" in r.err
     assert "epochs present: 0, 1, 2, 3, 4, 5, 6" in r.err
     assert "Traceback" not in r.text and "resumed from" not in r.out
-    assert not [c for c in calls if c[0] == "load"]  # refused before any worker started
+    assert seen["loaded"] == []  # refused before any worker started
+    assert sum(seen["checksummed"]) == _data_bytes(run, 3)
 
 
 def test_job_runner_without_the_launcher_still_checks_checksums(reference, tmp_path):
@@ -331,12 +333,12 @@ def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeyp
             monkeypatch.setenv(key, value)
         monkeypatch.setattr(launch, "_init_process_group", lambda device: None)
         monkeypatch.setattr(launch, "_all_gather", lambda obj: [obj])
-    calls = _record_store(monkeypatch)
+    seen = _watch_reads(monkeypatch)
     r = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert r.code == 0, r.text
-    assert calls == [("verify", "local", 3)]
-    seen = [(a[0].run_dir, a[0].resume_epoch, a[0].verified) for a in started]
-    assert seen == [(run, 3, True)] * (2 if how == "elastic" else 1)
+    assert sum(seen["checksummed"]) == _data_bytes(run, 3)  # checked once, by the launcher
+    started_as = [(a[0].run_dir, a[0].resume_epoch, a[0].verified) for a in started]
+    assert started_as == [(run, 3, True)] * (2 if how == "elastic" else 1)
 
 
 def _as_ranks(n: int, fn) -> list:
@@ -374,8 +376,8 @@ def two_ranks(tmp_path):
     """A plan and 4 epochs saved by 2 ranks."""
     import torch
 
+    from jobrun import store
     from jobrun.plans.compile import compile_text
-    from jobrun.runner import checkpoint as store
 
     plan = compile_text("job: j\nmax_epochs: 9\ncheckpoint: {dir: c}\n"
                         "epoch: [{task: t, do: [{const: {out: x, value: 1}}]}]\n")
@@ -389,8 +391,8 @@ def two_ranks(tmp_path):
 def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeypatch, capsys):
     import threading
 
+    from jobrun import store
     from jobrun.errors import CheckpointError
-    from jobrun.runner import checkpoint as store
     from jobrun.runner.launch import _pick_epoch
 
     plan, ckpt = two_ranks
@@ -454,8 +456,8 @@ def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path):
 
 def _disk_full_at(monkeypatch, failing_epoch: int) -> None:
     """Make the checkpoint store fail one epoch's write as a full disk would."""
+    from jobrun import store
     from jobrun.errors import CheckpointError
-    from jobrun.runner import checkpoint as store
 
     real_write = store.write
 
@@ -521,9 +523,9 @@ def test_ckpt_list_show_export(reference, tmp_path):
     out = tmp_path / "w.safetensors"
     r = jobrun("export", reference, "--epoch", "6", "--blob", "w", "-o", out)
     assert r.code == 0, r.text
-    from jobrun.runner.safetensors_io import read_safetensors
+    from safetensors.numpy import load_file
 
-    w = read_safetensors(out, as_numpy=True)["w"]
+    w = load_file(out)["w"]
     assert [round(float(v), 6) for v in w] == [round(v, 6) for v in ckpt_values(reference, 6)["w"]]
 
 
@@ -549,6 +551,47 @@ def test_async_checkpoints_resume_bit_exact(reference, tmp_path):
     assert r.code == 0, r.text
     assert _final(run) == _final(reference)
     assert jobrun("ckpt", "list", run, "--verify", "--json").out.count('"valid": true') == 7
+
+
+ADAM_PLAN = """
+job: adam
+seed: 1
+max_epochs: 3
+checkpoint: {dir: ckpt, async: ASYNC}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 6, classes: 3, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 16, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [6, 10, 3]}
+      - optimizer: {in: model, out: opt, target: torch.optim.Adam, lr: 0.01}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+    outputs: [loss]
+"""
+
+
+def test_async_saves_write_the_same_bytes_as_sync_saves(tmp_path):
+    """Adam creates its state at its first step: async copies it into new memory once, then
+    into the same buffers; every file is the one a synchronous save writes."""
+    runs = {}
+    for mode in ("true", "false"):
+        plan = tmp_path / f"plan-{mode}.yaml"
+        plan.write_text(ADAM_PLAN.replace("ASYNC", mode))
+        r = jobrun("train", plan, "--run-dir", tmp_path / mode)
+        assert r.code == 0, r.text
+        runs[mode] = tmp_path / mode
+    for epoch in (0, 1, 2, 3):
+        for name in ("tensors.safetensors", "values.json"):
+            a = (runs["true"] / "ckpt" / f"local.{epoch}" / "rank-0" / name).read_bytes()
+            b = (runs["false"] / "ckpt" / f"local.{epoch}" / "rank-0" / name).read_bytes()
+            assert a == b and len(a) > 100, (epoch, name)
 
 
 def test_async_save_failure_is_reported(tmp_path, monkeypatch):

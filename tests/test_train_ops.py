@@ -113,9 +113,9 @@ def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
     torch.save({"w": torch.ones(2), "b": torch.zeros(1)}, tmp_path / "s.pt")
     w, b = train.data_load(ctx, path="s.pt")
     assert w.tolist() == [1.0, 1.0] and b.tolist() == [0.0]
-    from jobrun.runner.safetensors_io import write_safetensors
+    from safetensors.torch import save_file
 
-    write_safetensors(tmp_path / "t.safetensors", {"a": torch.ones(3), "b": torch.arange(2)})
+    save_file({"a": torch.ones(3), "b": torch.arange(2)}, tmp_path / "t.safetensors")
     b2 = train.data_load(ctx, path="t.safetensors", keys=["b"])
     assert b2.tolist() == [0, 1]
     with pytest.raises(RunError, match="no such file"):

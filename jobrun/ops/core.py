@@ -191,9 +191,9 @@ def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) 
     if suffix == ".json":
         tmp.write_text(json.dumps({k: plain(v) for k, v in named.items()}, indent=2) + "\n")
     elif suffix == ".safetensors":
-        from jobrun.runner.safetensors_io import write_safetensors
+        from safetensors.torch import save_file
 
-        write_safetensors(tmp, _flat_tensors(named))
+        save_file(_flat_tensors(named), tmp)
     elif suffix == ".pt":
         torch = _torch()
         torch.save({k: _state_of(v) for k, v in named.items()}, tmp)
@@ -232,9 +232,14 @@ def load(ctx: OpContext, path: str, _out_names: tuple[str, ...] = ()) -> Any:
     if suffix == ".json":
         data = json.loads(source.read_text())
     elif suffix == ".safetensors":
-        from jobrun.runner.safetensors_io import read_safetensors
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
 
-        data = _nest(read_safetensors(source), _out_names)
+        try:
+            data = _nest(load_file(source), _out_names)
+        except SafetensorError as e:
+            raise RunError(f"load: cannot read {source}: {e}",
+                           hint="the file is damaged or is not a safetensors file") from e
     elif suffix == ".pt":
         torch = _torch()
         data = torch.load(source, map_location="cpu", weights_only=True)

@@ -11,11 +11,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jobrun import store
 from jobrun.errors import CheckpointError, UsageError
-from jobrun.runner import checkpoint as store
-from jobrun.runner.codec import SavedState
 from jobrun.runner.display import human_size
 from jobrun.runner.rundir import RunDir
+from jobrun.store import SavedState
 
 
 def _locate(run_dir: str | None) -> tuple[Path, Path, list[str]]:
@@ -115,9 +115,10 @@ def export(run_dir: str | None, epoch: int, node: str | None, wanted: tuple[str,
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         if suffix == ".safetensors":
-            from jobrun.runner.safetensors_io import write_safetensors
+            import numpy as np
+            from safetensors.numpy import save_file
 
-            write_safetensors(tmp, {k: v for k, v in tensors.items() if hasattr(v, "dtype")})
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items() if hasattr(v, "dtype")}, tmp)
         elif suffix == ".json":
             tmp.write_text(json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2,
                                       allow_nan=False) + "\n")

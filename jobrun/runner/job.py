@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobrun import store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir
-from jobrun.runner import checkpoint as store
-from jobrun.runner.codec import SavedState, UnsupportedValue
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
+from jobrun.store import SavedState, UnsupportedValue
 
 RNG_KEY = "jobrun:rng"
 
@@ -73,9 +73,7 @@ class JobRunner:
         self._pending_signal: int | None = None
         self._resumable = cfg.resume_epoch is not None  # a checkpoint of this run exists
         self._writer: _Writer | None = None
-        self._buffers: dict[str, Any] = {}
-        self._spares: dict[str, store.Spares] = {}  # per node: host memory made ahead
-        self._hooks: dict[str, list[Any]] = {}  # per node: optimizer hooks that make spares
+        self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         self.ckpt_dir = self.run_dir.checkpoints
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
@@ -224,8 +222,9 @@ class JobRunner:
         """Save every node's checkpoint of `epoch`; returns the epoch line's note.
 
         Synchronous by default. With `async: true` the training thread only copies the
-        state to host memory; a background thread writes the files (still atomic and
-        verified), and the next save, the end of the job or a signal waits for it.
+        state to host memory; a background thread writes the files with the same
+        `store.write` (still atomic and checksummed), and the next save, the end of the
+        job or a signal waits for it.
         """
         if self.ckpt_dir is None:
             return ""
@@ -266,33 +265,13 @@ class JobRunner:
             self.display.warn(f"blob {e.blob!r} on node {node.name!r} cannot be checkpointed "
                               f"({e.message}); resume rebuilds it with init")
 
-        # Asynchronous saves reuse the previous save's host buffers: touching fresh
-        # memory costs more than the copy itself.
+        # Asynchronous saves copy into the previous save's host buffers (its write has
+        # finished): touching fresh memory costs more than the copy itself.
         reuse = self._buffers.get(node.name) if copy else None
-        spares = self._spares.setdefault(node.name, store.Spares()) if copy else None
-        prepared = store.prepare(blobs, meta, copy=copy, reuse=reuse, spares=spares,
-                                 on_unsupported=unsupported)
+        prepared = store.prepare(blobs, meta, copy=copy, reuse=reuse, on_unsupported=unsupported)
         if copy:
             self._buffers[node.name] = prepared
-            spares.clear()
-            self._watch_optimizers(node.name, blobs, spares)
         return prepared
-
-    def _watch_optimizers(self, node: str, blobs: dict[str, Any], spares: store.Spares) -> None:
-        """Make host memory ahead for the state an optimizer creates at its first step.
-
-        An optimizer without state at this save (Adam before its first step) creates it
-        at its next step; a one-shot hook on that step has buffers of the same shapes
-        made in the background, so the next save copies into memory already touched.
-        """
-        import torch
-
-        for hook in self._hooks.pop(node, []):
-            hook.remove()
-        hooks = self._hooks[node] = []
-        for opt in blobs.values():
-            if isinstance(opt, torch.optim.Optimizer) and not any(opt.state.values()):
-                hooks.append(_spares_after_first_step(opt, spares))
 
     def _write_all(self, epoch: int, prepared: dict[str, Any]) -> tuple[int, float]:
         total_bytes, total_s = 0, 0.0
@@ -391,21 +370,6 @@ class JobRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def _spares_after_first_step(opt: Any, spares: store.Spares) -> Any:
-    """A one-shot hook on ``opt``'s next step: spares for every state tensor it then has."""
-    import torch
-
-    def made_state(o: Any, args: Any, kwargs: Any) -> None:
-        handle.remove()
-        like = [(t.dtype, tuple(t.shape)) for st in o.state.values() for t in st.values()
-                if isinstance(t, torch.Tensor)]
-        if like:
-            spares.add(like)
-
-    handle = opt.register_step_post_hook(made_state)
-    return handle
 
 
 class _Writer:

@@ -187,7 +187,7 @@ def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
     found, so that all skip, pick or refuse the same epoch: each byte is read once, by the
     rank it belongs to. The cheap checks (COMMIT, manifests, sizes) agree by themselves.
     """
-    from jobrun.runner import checkpoint as store
+    from jobrun import store
 
     nodes = list(plan.nodes)
     say = rank in (None, 0)

@@ -127,6 +127,9 @@ class RunDir:
         try:
             data = safefs.read_bounded(self.info_file, MAX_INFO_BYTES)
         except FileNotFoundError:
+            if not self.path.is_dir():
+                raise UsageError(f"there is no run in {self.path}: the directory does not exist",
+                                 hint="start one with `jobrun train PLAN --run-dir DIR`") from None
             raise UsageError(
                 f"{self.path} is not a jobrun run directory (no {RUN_FILE})",
                 hint="give the directory `jobrun train` created (runs/<job> by default)",

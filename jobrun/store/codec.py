@@ -38,13 +38,20 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jobrun.errors import CheckpointError
-from jobrun.runner.safetensors_io import deal, dtype_code, in_lanes, io_lanes, prefault
 
 TAG = "__jobrun__"
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _RESERVED_KEYS = {"__metadata__"}  # safetensors keeps this name for itself
 # numpy scalar dtypes we store (bool, ints, floats of at most 8 bytes), as dtype.str.
 _NP_SCALAR = re.compile(r"\|b1|[<>|][iu][1248]|[<>]f[248]")
+# Array dtypes the safetensors format has (complex128 goes as float64 pairs, see tensor()).
+_TORCH_DTYPES = frozenset({
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+})
+_NUMPY_KINDS = frozenset({("b", 1), ("c", 8)} | {(k, n) for k in "iu" for n in (1, 2, 4, 8)}
+                         | {("f", n) for n in (2, 4, 8)})
 
 
 @dataclass(frozen=True)
@@ -114,79 +121,22 @@ def _is_key(k: Any) -> bool:
     return isinstance(k, tuple) and all(_is_key(x) for x in k)
 
 
-def _cpu_tensor(t: Any, copy: bool, into: Any, copies: list[_Copy], spares: Any = None) -> Any:
+def _cpu_tensor(t: Any, copy: bool, into: Any) -> Any:
     """A contiguous CPU tensor with t's values; never t's own memory when ``copy``.
 
-    ``into``, a tensor of an earlier copy, is filled instead of new memory when it fits:
-    fresh memory costs a page fault per 4 KiB, often more than the copy itself. A copy
-    between CPU tensors is only planned, in ``copies``. ``spares`` (checkpoint.Spares)
-    lends memory made ahead when ``into`` does not fit.
+    ``into``, the tensor of an earlier copy, is filled instead of new memory when it has
+    t's dtype and shape: new memory costs a page fault per 4 KiB, often more than the copy.
     """
     import torch
 
     t = t.detach().resolve_conj().resolve_neg()
-    if copy and not _fits(into, t):
-        into = spares.take(t.dtype, tuple(t.shape)) if spares is not None else None
-    if copy and into is not None:  # it fits: a spare has t's dtype and shape
-        if t.device.type != "cpu":
-            return into.copy_(t)
-        copies.append(_Copy(into, t, fresh=False))
-        return into
+    if copy and _fits(into, t):
+        return into.copy_(t)
     if t.device.type != "cpu":
         return t.to("cpu", memory_format=torch.contiguous_format)  # already a copy
     if copy:
-        out = torch.empty_like(t, memory_format=torch.contiguous_format)
-        copies.append(_Copy(out, t, fresh=True))
-        return out
+        return t.clone(memory_format=torch.contiguous_format)
     return t.contiguous()
-
-
-_SLICE_BYTES = 8 << 20  # copies are cut in slices of this size, dealt to threads
-
-
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    """A planned copy between CPU tensors or numpy arrays of one shape and dtype."""
-
-    dst: Any  # contiguous
-    src: Any
-    fresh: bool  # dst is new memory, not touched yet
-
-    def slices(self) -> list[_Copy]:
-        """Flat slices of at most _SLICE_BYTES when both sides are contiguous."""
-        if self.dst.nbytes <= _SLICE_BYTES or not _contiguous(self.src):
-            return [self]
-        d, s = self.dst.reshape(-1), self.src.reshape(-1)
-        step = max(1, _SLICE_BYTES // self.dst.itemsize)
-        return [_Copy(d[i : i + step], s[i : i + step], self.fresh) for i in range(0, len(d), step)]
-
-    def run(self) -> None:
-        if isinstance(self.dst, np.ndarray):
-            if self.fresh:
-                prefault(self.dst.reshape(-1).view(np.uint8))
-            np.copyto(self.dst, self.src)
-            return
-        if self.fresh:
-            prefault(self.dst.view(-1).view(sys.modules["torch"].uint8).numpy())
-        self.dst.copy_(self.src)
-
-
-def _contiguous(a: Any) -> bool:
-    return bool(a.flags.c_contiguous) if isinstance(a, np.ndarray) else a.is_contiguous()
-
-
-def run_copies(copies: list[_Copy]) -> None:
-    """Carry out planned copies, in slices dealt to one thread per CPU (at most 4). Most
-    of the time of a copy into new memory is the kernel handing out its pages (new
-    memory is prefaulted: one call per slice, not a fault per 4 KiB), and several CPUs
-    do that at once: 0.16 s per 536 MB on 2 CPUs here, against 0.27 s on one."""
-    pieces = [p for c in copies for p in c.slices()]
-
-    def work(run: list[int]) -> None:
-        for k in run:
-            pieces[k].run()
-
-    in_lanes(work, deal([p.dst.nbytes for p in pieces], io_lanes()))
 
 
 def _fits(into: Any, t: Any) -> bool:
@@ -209,15 +159,12 @@ class _Encoder:
         used: set[str],
         copy: bool,
         reuse: Mapping[str, Any] | None,
-        spares: Any = None,
     ) -> None:
         self.blob = blob
-        self.spares = spares
         self.used = used
         self.copy = copy
         self.reuse = reuse or {}
         self.tensors: dict[str, Any] = {}
-        self.copies: list[_Copy] = []  # carried out by encode once every blob is encoded
         self._active: set[int] = set()  # containers being encoded: a repeat is a cycle
 
     def unsupported(self, value: Any, where: str, what: str | None = None) -> NoReturn:
@@ -310,7 +257,7 @@ class _Encoder:
             # safetensors has only C64: store (real, imag) pairs in a trailing dimension.
             data = torch.view_as_real(data.resolve_conj())
             out["complex"] = True
-        if dtype_code(data) is None:
+        if str(data.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
             self.unsupported(t, path, f"torch.Tensor of dtype {t.dtype}")
         if isinstance(t, torch.nn.Parameter):
             out["param"] = True
@@ -319,9 +266,7 @@ class _Encoder:
         if t.device.type != "cpu":
             out["device"] = str(t.device)  # for information: decode gives a CPU tensor
         key = out["key"] = self.claim(path)
-        self.tensors[key] = _cpu_tensor(
-            data, self.copy, self.reuse.get(key), self.copies, self.spares
-        )
+        self.tensors[key] = _cpu_tensor(data, self.copy, self.reuse.get(key))
         return out
 
     def ndarray(self, a: np.ndarray, path: str) -> dict[str, Any]:
@@ -329,22 +274,16 @@ class _Encoder:
         if a.dtype.kind == "c" and a.dtype.itemsize == 16:
             a = np.ascontiguousarray(a).view(a.real.dtype).reshape(*a.shape, 2)
             out["complex"] = True
-        if dtype_code(a) is None or a.dtype.fields is not None:
+        if (a.dtype.kind, a.dtype.itemsize) not in _NUMPY_KINDS or a.dtype.fields is not None:
             self.unsupported(a, path, f"numpy.ndarray of dtype {a.dtype}")
         key = out["key"] = self.claim(path)
         into = self.reuse.get(key)
-        if (
-            self.copy
-            and type(into) is np.ndarray
-            and into.dtype == a.dtype
-            and into.shape == a.shape
-        ):
-            self.copies.append(_Copy(into, a, fresh=False))
+        native = a.dtype.newbyteorder("=")  # torch, which the file is written through, needs it
+        if self.copy and type(into) is np.ndarray and into.dtype == native and into.shape == a.shape:
+            np.copyto(into, a)
             a = into
-        elif self.copy or not a.flags.c_contiguous:
-            fresh = np.empty_like(a, order="C")
-            self.copies.append(_Copy(fresh, a, fresh=True))
-            a = fresh
+        elif self.copy or not a.flags.c_contiguous or a.dtype != native:
+            a = np.array(a, dtype=native, order="C")
         self.tensors[key] = a
         return out
 
@@ -359,7 +298,6 @@ def encode(
     *,
     copy: bool = False,
     reuse: Mapping[str, Any] | None = None,
-    spares: Any = None,
     on_unsupported: Callable[[UnsupportedValue], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a workspace into (JSON-able tree, tensor key -> CPU tensor or numpy array).
@@ -368,18 +306,15 @@ def encode(
     is returned as is (it shares memory with the workspace), with ``copy=True`` every
     tensor and array is a private copy that training may go on mutating; ``reuse`` (the
     tensors of an earlier ``copy=True`` encoding, no longer in use) lends its memory to
-    the copies whose key, dtype and shape match, and ``spares`` (checkpoint.Spares) its
-    buffers to torch tensors that find none there. A blob that
-    cannot be stored raises UnsupportedValue, or, when ``on_unsupported`` is given, is
+    the copies whose key, dtype and shape match. A blob that cannot be stored raises UnsupportedValue, or, when ``on_unsupported`` is given, is
     passed to it and left out.
     """
     tree: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
-    copies: list[_Copy] = []
     used: set[str] = set()
     for name, value in blobs.items():
         _check_blob_name(name)
-        enc = _Encoder(name, used, copy, reuse, spares)
+        enc = _Encoder(name, used, copy, reuse)
         try:
             tree[name] = enc.value(value, name)
         except UnsupportedValue as e:
@@ -388,8 +323,6 @@ def encode(
             on_unsupported(e)
             continue
         tensors.update(enc.tensors)
-        copies += enc.copies
-    run_copies(copies)
     return tree, tensors
 
 

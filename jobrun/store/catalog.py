@@ -1,0 +1,272 @@
+"""The saved epochs of a checkpoint directory: list, verify, the latest complete one, prune, upload.
+
+An epoch is complete when every node of the job saved every rank of it validly.
+Listing is cheap (COMMIT markers, manifests and file sizes); ``verify`` reads every byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobrun.errors import CheckpointError
+from jobrun.store.files import (
+    COMMIT_FILE,
+    DATA_FILES,
+    MANIFEST_FILE,
+    check_count,
+    check_node,
+    epoch_dir,
+    fsync_dir,
+    missing_rank,
+    place_dir,
+    ranks_in,
+    write_error,
+)
+from jobrun.store.read import problem, rank_problems
+
+_EPOCH_DIR_RE = re.compile(r"(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.(?P<epoch>0|[1-9][0-9]*)")
+
+
+@dataclass
+class NodeInfo:
+    """One node's save of one epoch, as ``list_checkpoints`` sees it (no checksums)."""
+
+    node: str
+    epoch: int
+    path: Path
+    ranks: list[int]
+    world_size: int | None
+    bytes: int
+    created: float | None  # unix time of the newest rank's save
+    seconds: float | None  # the slowest rank's write time
+    ok: bool
+    problem: str | None
+
+
+@dataclass
+class EpochInfo:
+    epoch: int
+    nodes: dict[str, NodeInfo]
+
+    @property
+    def ok(self) -> bool:
+        return all(n.ok for n in self.nodes.values())
+
+
+def _manifest_loose(rdir: Path) -> dict[str, Any] | None:
+    """The manifest as written, unchecked (None when unreadable): for listing only."""
+    try:
+        m = json.loads((rdir / MANIFEST_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def _node_problems(
+    edir: Path, node: str, epoch: int, *, hashes: bool
+) -> tuple[list[int], int | None, list[str]]:
+    """(ranks found, world size, problems) of one node's epoch directory."""
+    ranks = ranks_in(edir)
+    if not ranks:
+        return [], None, [f"{edir}: no rank was saved"]
+    loose = [m for r in ranks if (m := _manifest_loose(edir / f"rank-{r}")) is not None]
+    sizes = {s for m in loose if type(s := m.get("world_size")) is int and s > 0}
+    problems = [f"ranks disagree on the world size ({sorted(sizes)})"] if len(sizes) > 1 else []
+    # No readable manifest: judge by the ranks present.
+    ws = max(sizes) if sizes else max(ranks) + 1
+    missing = sorted(set(range(ws)) - set(ranks))
+    if missing:
+        problems.append(f"{edir}: rank {', '.join(map(str, missing))} of {ws} missing")
+    extra = [r for r in ranks if r >= ws]
+    if extra:
+        problems.append(f"{edir}: rank {', '.join(map(str, extra))} beyond world size {ws}")
+    for r in ranks:
+        ids = {"node": node, "epoch": epoch, "rank": r}
+        problems += rank_problems(edir / f"rank-{r}", ids, hashes=hashes)
+    return ranks, (max(sizes) if sizes else None), problems
+
+
+def verify(
+    ckpt_dir: str | os.PathLike[str], node: str, epoch: int, rank: int | None = None
+) -> list[str]:
+    """Every problem of a saved epoch of one node ([] when valid), reading every byte.
+
+    ``rank=None`` checks all ranks, expecting as many as the manifests' world size.
+    """
+    edir = epoch_dir(ckpt_dir, node, epoch)
+    if not edir.is_dir():
+        return [f"no checkpoint of node {node!r} at epoch {epoch} in {ckpt_dir}"]
+    if rank is None:
+        return _node_problems(edir, node, epoch, hashes=True)[2]
+    rdir = edir / f"rank-{check_count('rank', rank)}"
+    if not rdir.is_dir():
+        return [missing_rank(edir, rank)]
+    return rank_problems(rdir, {"node": node, "epoch": epoch, "rank": rank}, hashes=True)
+
+
+def _epoch_dirs(ckpt_dir: Path) -> Iterator[tuple[str, int, Path]]:
+    try:
+        names = os.listdir(ckpt_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        problem(f"cannot list {ckpt_dir}: {e.strerror or e}", hint="check the directory")
+    for name in names:
+        m = _EPOCH_DIR_RE.fullmatch(name)
+        if m and ".." not in m["node"] and (ckpt_dir / name).is_dir():
+            yield m["node"], int(m["epoch"]), ckpt_dir / name
+
+
+def _node_info(node: str, epoch: int, edir: Path) -> NodeInfo:
+    ranks, ws, problems = _node_problems(edir, node, epoch, hashes=False)
+    total, created, seconds = 0, [], []
+    for r in ranks:
+        m = _manifest_loose(edir / f"rank-{r}") or {}
+        for name in (*DATA_FILES, MANIFEST_FILE, COMMIT_FILE):
+            with contextlib.suppress(OSError):
+                total += (edir / f"rank-{r}" / name).stat().st_size
+        if isinstance(m.get("created"), int | float):
+            created.append(float(m["created"]))
+        if isinstance(m.get("seconds"), int | float):
+            seconds.append(float(m["seconds"]))
+    return NodeInfo(
+        node, epoch, edir, ranks, ws, total, max(created, default=None),
+        max(seconds, default=None), not problems, "; ".join(problems) or None,
+    )
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[EpochInfo]:
+    """Every saved epoch, oldest first, with each node's ranks, size and validity.
+
+    Cheap: reads manifests and COMMIT markers and checks file sizes, but reads no data
+    file (``verify`` does).
+    """
+    epochs: dict[int, EpochInfo] = {}
+    for node, epoch, edir in _epoch_dirs(Path(ckpt_dir)):
+        info = epochs.setdefault(epoch, EpochInfo(epoch, {}))
+        info.nodes[node] = _node_info(node, epoch, edir)
+    for info in epochs.values():
+        info.nodes = dict(sorted(info.nodes.items()))
+    return [epochs[e] for e in sorted(epochs)]
+
+
+def _epoch_reason(
+    ckpt_dir: Path, info: EpochInfo, nodes: list[str], world_size: int, hashes: bool
+) -> str | None:
+    """Why an epoch cannot be resumed from (None when it can)."""
+    for node in nodes:
+        n = info.nodes.get(node)
+        if n is None:
+            return f"node {node!r} has no checkpoint"
+        if n.world_size is not None and n.world_size != world_size:
+            return f"node {node!r} was saved with world size {n.world_size}, not {world_size}"
+        if not n.ok:
+            return f"node {node!r}: {n.problem}"
+    if hashes:
+        for node in nodes:
+            problems = verify(ckpt_dir, node, info.epoch)
+            if problems:
+                return f"node {node!r}: {'; '.join(problems)}"
+    return None
+
+
+def latest_complete_epoch(
+    ckpt_dir: str | os.PathLike[str],
+    nodes: list[str],
+    world_size: int,
+    *,
+    verify_hashes: bool = True,
+    before: int | None = None,
+) -> tuple[int | None, list[tuple[int, str]]]:
+    """(the newest epoch where every node has every rank valid, [(newer epoch, why skipped)]).
+
+    Epochs where none of ``nodes`` saved anything are ignored silently, and so are
+    epochs ``before`` or later when it is given.
+    """
+    for node in nodes:
+        check_node(node)
+    if not nodes:
+        raise CheckpointError("latest_complete_epoch needs at least one node")
+    skipped: list[tuple[int, str]] = []
+    for info in reversed(list_checkpoints(ckpt_dir)):
+        if not any(n in info.nodes for n in nodes) or (before is not None and info.epoch >= before):
+            continue
+        reason = _epoch_reason(Path(ckpt_dir), info, nodes, world_size, verify_hashes)
+        if reason is None:
+            return info.epoch, skipped
+        skipped.append((info.epoch, reason))
+    return None, skipped
+
+
+def prune(ckpt_dir: str | os.PathLike[str], keep: int, nodes: list[str]) -> list[int]:
+    """Delete complete epochs older than the newest ``keep`` complete ones; their epochs.
+
+    "Complete" means every node of ``nodes`` has every rank valid (cheap check). The
+    newest complete epoch (normally the one just written) is always kept, and
+    incomplete epochs are never deleted.
+    """
+    for node in nodes:
+        check_node(node)
+    if type(keep) is not int or keep < 1:
+        raise CheckpointError(f"bad number of checkpoints to keep: {keep!r}", hint="keep >= 1")
+    complete = [
+        info.epoch
+        for info in list_checkpoints(ckpt_dir)
+        if nodes and all(n in info.nodes and info.nodes[n].ok for n in nodes)
+    ]
+    doomed = complete[:-keep]
+    for epoch in doomed:
+        for node in nodes:
+            path = epoch_dir(ckpt_dir, node, epoch)
+            try:
+                # Renamed away first, so a crash never leaves half of one visible.
+                gone = path.with_name(f".deleting-{path.name}-{secrets.token_hex(4)}")
+                os.replace(path, gone)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot delete old checkpoint {node}.{epoch}: {e.strerror or e}",
+                    hint=f"check the permissions of {ckpt_dir}",
+                ) from e
+            shutil.rmtree(gone, ignore_errors=True)
+    return doomed
+
+
+def upload(
+    ckpt_dir: str | os.PathLike[str], node: str, epoch: int, dest_dir: str | os.PathLike[str]
+) -> Path:
+    """Copy one node's verified save of ``epoch`` (all ranks) to ``<dest_dir>/<node>``.
+
+    The copy is atomic: written beside, then renamed over any previous one. The result
+    holds ``rank-<r>/`` directories that ``load_dir`` and ``verify_dir`` accept.
+    """
+    problems = verify(ckpt_dir, node, epoch)
+    if problems:
+        problem(f"cannot upload {node}.{epoch}: {'; '.join(problems)}")
+    src = epoch_dir(ckpt_dir, node, epoch)
+    dest = Path(dest_dir) / node
+
+    def copy(tmp: Path) -> None:
+        for r in ranks_in(src):
+            os.mkdir(tmp / f"rank-{r}")
+            for name in (*DATA_FILES, MANIFEST_FILE, COMMIT_FILE):
+                shutil.copyfile(src / f"rank-{r}" / name, tmp / f"rank-{r}" / name)
+                with open(tmp / f"rank-{r}" / name, "rb") as f:
+                    os.fsync(f.fileno())
+            fsync_dir(tmp / f"rank-{r}")
+
+    try:
+        place_dir(dest, copy, lambda _: None)
+    except OSError as e:
+        raise write_error(e, dest, Path(dest_dir)) from e
+    return dest

@@ -1,0 +1,342 @@
+"""One rank's checkpoint directory: its layout, and how it is written atomically.
+
+Layout::
+
+    <ckpt_dir>/<node>.<E>/rank-<r>/
+        tensors.safetensors   every tensor of the workspace (see codec), by the safetensors library
+        values.json           everything else, as JSON
+        MANIFEST.json         format, version, node, epoch, rank, world_size, created, meta,
+                              and per file its size and the CRC-32 of each 16 MiB chunk
+        COMMIT                {"manifest_sha256": ..., node, epoch, rank, world_size}
+
+A save writes everything into a temporary directory, renames it into place, and writes
+COMMIT last, so a crash at any point leaves either the previous state or something that
+is never reported valid (see read.py for what valid means).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from jobrun.errors import CheckpointError
+from jobrun.store import tensorfile
+from jobrun.store.codec import UnsupportedValue, encode
+
+FORMAT = "jobrun-checkpoint"
+FORMAT_VERSION = 3  # a CRC-32 per chunk of each file; 1 and 2 (SHA-256) are refused
+VALUES_VERSION = 1
+CHUNK_BYTES = 16 << 20  # a file's checksum is one CRC-32 per this many bytes
+TENSORS_FILE = "tensors.safetensors"
+VALUES_FILE = "values.json"
+MANIFEST_FILE = "MANIFEST.json"
+COMMIT_FILE = "COMMIT"
+DATA_FILES = (TENSORS_FILE, VALUES_FILE)
+
+_NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_RANK_DIR_RE = re.compile(r"rank-(0|[1-9][0-9]*)")
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------- names
+
+
+def check_node(node: Any) -> str:
+    if not isinstance(node, str) or not _NODE_RE.fullmatch(node) or ".." in node:
+        raise CheckpointError(
+            f"bad node name {node!r} for a checkpoint",
+            hint="node names are 1-64 letters, digits, '_', '.' or '-', start with a letter "
+            "or digit, and contain no '..'",
+        )
+    return node
+
+
+def check_count(what: str, n: Any) -> int:
+    if type(n) is not int or n < 0:
+        raise CheckpointError(f"bad checkpoint {what} {n!r}: a non-negative int is needed")
+    return n
+
+
+def epoch_dir(ckpt_dir: str | os.PathLike[str], node: str, epoch: int) -> Path:
+    """``<ckpt_dir>/<node>.<epoch>``, after checking that the names are safe."""
+    check_node(node)
+    check_count("epoch", epoch)
+    return Path(ckpt_dir) / f"{node}.{epoch}"
+
+
+def rank_dir(ckpt_dir: str | os.PathLike[str], node: str, epoch: int, rank: int = 0) -> Path:
+    """``<ckpt_dir>/<node>.<epoch>/rank-<rank>``, after checking that the names are safe."""
+    return epoch_dir(ckpt_dir, node, epoch) / f"rank-{check_count('rank', rank)}"
+
+
+def ranks_in(path: Path) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _RANK_DIR_RE.fullmatch(n)))
+
+
+def missing_rank(edir: Path, rank: int) -> str:
+    found = ", ".join(map(str, ranks_in(edir))) or "none"
+    return f"{edir}: rank {rank} is missing (ranks found: {found})"
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+@dataclass
+class Prepared:
+    """A workspace ready to be written: encoded, its tensors on the CPU."""
+
+    tensors: dict[str, Any]
+    values_json: bytes
+    meta: dict[str, Any]
+    tensor_bytes: int
+    skipped: list[str] = field(default_factory=list)  # blobs left out (UnsupportedValue)
+    private: bool = True  # the tensors are copies (prepare(copy=True)), not live memory
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: Path  # the rank directory
+    bytes: int  # all files written
+    seconds: float
+
+
+def prepare(
+    blobs: dict[str, Any],
+    meta: dict[str, Any] | None = None,
+    *,
+    copy: bool = True,
+    reuse: Prepared | None = None,
+    on_unsupported: Callable[[UnsupportedValue], None] | None = None,
+) -> Prepared:
+    """Encode a workspace for :func:`write`.
+
+    With ``copy=True`` (the default) every tensor is copied to private CPU memory, so
+    training may go on mutating the live tensors while another thread writes. ``reuse``,
+    an earlier Prepared whose ``write`` has finished, lends its copies' memory to this
+    one when the shapes and dtypes match; that one must not be written again. A blob
+    that cannot be stored raises UnsupportedValue, or is passed to ``on_unsupported``
+    and left out (its name is then in ``Prepared.skipped``). ``meta`` must be JSON-able.
+    """
+    skipped: list[str] = []
+
+    def skip(e: UnsupportedValue) -> None:
+        skipped.append(e.blob)
+        on_unsupported(e)  # type: ignore[misc]
+
+    lend = reuse.tensors if reuse is not None and reuse.private and copy else None
+    tree, tensors = encode(
+        blobs, copy=copy, reuse=lend, on_unsupported=skip if on_unsupported else None
+    )
+    values = {"format": "jobrun-values", "version": VALUES_VERSION, "blobs": tree}
+    meta = dict(meta or {})
+    try:
+        json.dumps(meta, allow_nan=False)
+        values_json = json.dumps(values, allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint data is not JSON-serializable: {e}") from e
+    total = sum(int(t.nbytes) for t in tensors.values())
+    return Prepared(tensors, values_json, meta, total, skipped, private=copy)
+
+
+def save(
+    blobs: dict[str, Any],
+    meta: dict[str, Any] | None,
+    ckpt_dir: str | os.PathLike[str],
+    node: str,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    on_unsupported: Callable[[UnsupportedValue], None] | None = None,
+) -> SaveResult:
+    """``prepare`` then ``write``, without the private copies (training waits anyway)."""
+    _check_ids(node, epoch, rank, world_size)
+    prepared = prepare(blobs, meta, copy=False, on_unsupported=on_unsupported)
+    return write(prepared, ckpt_dir, node, epoch, rank, world_size)
+
+
+def write(
+    prepared: Prepared,
+    ckpt_dir: str | os.PathLike[str],
+    node: str,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> SaveResult:
+    """Write a prepared workspace as ``<ckpt_dir>/<node>.<epoch>/rank-<rank>``, atomically.
+
+    Safe to call from another thread than the one training. A failure removes every
+    temporary and raises CheckpointError; a re-save of an existing epoch replaces it only
+    once the new one is complete. Other epochs are never touched.
+    """
+    _check_ids(node, epoch, rank, world_size)
+    start = time.perf_counter()
+    final = rank_dir(ckpt_dir, node, epoch, rank)
+    ids = {"node": node, "epoch": epoch, "rank": rank, "world_size": world_size}
+
+    def fill(tmp: Path) -> tuple[int, bytes]:
+        size, digests = tensorfile.write(tmp / TENSORS_FILE, prepared.tensors, CHUNK_BYTES)
+        values = prepared.values_json
+        files = {
+            TENSORS_FILE: _entry(size, digests),
+            VALUES_FILE: _entry(
+                _write_file(tmp / VALUES_FILE, values),
+                tensorfile.checksum_bytes(values, CHUNK_BYTES),
+            ),
+        }
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            **ids,
+            "created": time.time(),
+            "seconds": round(time.perf_counter() - start, 6),
+            "tensor_bytes": prepared.tensor_bytes,
+            "skipped": list(prepared.skipped),
+            "meta": prepared.meta,
+            "files": files,
+        }
+        raw = json.dumps(manifest, indent=1, allow_nan=False).encode()
+        return size + len(values) + _write_file(tmp / MANIFEST_FILE, raw), raw
+
+    def commit(written: tuple[int, bytes]) -> None:
+        marker = {"manifest_sha256": hashlib.sha256(written[1]).hexdigest(), **ids}
+        tmp = final / f".{COMMIT_FILE}.tmp-{secrets.token_hex(4)}"
+        try:
+            _write_file(tmp, json.dumps(marker).encode())
+            os.replace(tmp, final / COMMIT_FILE)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(final)
+
+    try:
+        size, _ = place_dir(final, fill, commit)
+    except OSError as e:
+        raise write_error(e, final, Path(ckpt_dir)) from e
+    size += (final / COMMIT_FILE).stat().st_size
+    return SaveResult(final, size, time.perf_counter() - start)
+
+
+def _check_ids(node: Any, epoch: Any, rank: Any = 0, world_size: Any = 1) -> None:
+    check_node(node)
+    check_count("epoch", epoch)
+    check_count("rank", rank)
+    if type(world_size) is not int or not 0 <= rank < world_size:
+        raise CheckpointError(f"bad rank {rank!r} for world size {world_size!r}")
+
+
+def _entry(size: int, digests: list[str]) -> dict[str, Any]:
+    """A data file's line in the manifest."""
+    return {"size": size, "chunk_bytes": CHUNK_BYTES, "crc32_chunks": digests}
+
+
+def _create(path: Path) -> Any:
+    """A new file for writing, unbuffered."""
+    return open(path, "xb", buffering=0)  # noqa: SIM115 - the caller closes it
+
+
+def _write_file(path: Path, data: bytes) -> int:
+    """Write and fsync a new file; its size."""
+    with _create(path) as f:
+        view = memoryview(data)
+        while view:
+            view = view[f.write(view) :]
+        os.fsync(f.fileno())
+    return len(data)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, fsyncing the parent of every directory created (so the entry lasts)."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:  # another rank made it meanwhile
+            continue
+        fsync_dir(d.parent)
+
+
+def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None]) -> T:
+    """Make the directory ``final`` atomically; what ``fill`` returned.
+
+    ``fill`` writes a new temporary directory beside ``final``, which is then renamed
+    over it (an existing one is moved aside first and deleted only at the very end),
+    and ``then`` runs (a COMMIT marker). On any error everything written is removed and
+    the old directory put back, and the error propagates.
+    """
+    parent = final.parent
+    tag = f"{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, aside = parent / f".tmp-{tag}", parent / f".old-{tag}"
+    made = placed = had_old = False
+    try:
+        make_dirs(parent)
+        os.mkdir(tmp)
+        made = True
+        result = fill(tmp)
+        fsync_dir(tmp)
+        if final.exists():
+            os.replace(final, aside)
+            had_old = True
+        os.replace(tmp, final)
+        placed = True
+        fsync_dir(parent)
+        then(result)
+    except BaseException:
+        _discard(tmp if made and not placed else None)
+        _discard(final if placed else None)
+        if had_old:  # on failure the old copy stays aside (hidden) rather than half-restored
+            with contextlib.suppress(OSError):
+                os.replace(aside, final)
+        raise
+    _discard(aside if had_old else None)
+    return result
+
+
+def _discard(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_error(e: OSError, target: Path, where: Path) -> CheckpointError:
+    """A CheckpointError telling what failed, where, and how to fix it."""
+    code = errno.errorcode.get(e.errno or 0, "")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device"
+        hint = f"free disk space where {where} is, or set checkpoint.dir to a larger disk"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        what, hint = "permission denied", f"make {where} writable, or set checkpoint.dir"
+    elif e.errno == errno.EROFS:
+        what, hint = "read-only file system", "set checkpoint.dir to a writable directory"
+    else:
+        what = f"{e.strerror or e}" + (f" ({code})" if code else "")
+        hint = f"check the disk holding {where}, or set checkpoint.dir"
+    at = f" ({e.filename})" if e.filename and str(e.filename) != str(target) else ""
+    return CheckpointError(f"{what} while writing {target}{at}", hint=hint)
