@@ -7,7 +7,6 @@ Listing is cheap (COMMIT markers, manifests and file sizes); ``verify`` reads ev
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -15,7 +14,6 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from jobrun.errors import CheckpointError
 from jobrun.store.files import (
@@ -31,7 +29,7 @@ from jobrun.store.files import (
     ranks_in,
     write_error,
 )
-from jobrun.store.read import problem, rank_problems
+from jobrun.store.read import manifest_of, problem, rank_problems
 
 _EPOCH_DIR_RE = re.compile(r"(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.(?P<epoch>0|[1-9][0-9]*)")
 
@@ -62,15 +60,6 @@ class EpochInfo:
         return all(n.ok for n in self.nodes.values())
 
 
-def _manifest_loose(rdir: Path) -> dict[str, Any] | None:
-    """The manifest as written, unchecked (None when unreadable): for listing only."""
-    try:
-        m = json.loads((rdir / MANIFEST_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return m if isinstance(m, dict) else None
-
-
 def _node_problems(
     edir: Path, node: str, epoch: int, *, hashes: bool
 ) -> tuple[list[int], int | None, list[str]]:
@@ -78,7 +67,7 @@ def _node_problems(
     ranks = ranks_in(edir)
     if not ranks:
         return [], None, [f"{edir}: no rank was saved"]
-    loose = [m for r in ranks if (m := _manifest_loose(edir / f"rank-{r}")) is not None]
+    loose = [m for r in ranks if (m := manifest_of(edir / f"rank-{r}")) is not None]
     sizes = {s for m in loose if type(s := m.get("world_size")) is int and s > 0}
     problems = [f"ranks disagree on the world size ({sorted(sizes)})"] if len(sizes) > 1 else []
     # No readable manifest: judge by the ranks present.
@@ -130,13 +119,13 @@ def _node_info(node: str, epoch: int, edir: Path) -> NodeInfo:
     ranks, ws, problems = _node_problems(edir, node, epoch, hashes=False)
     total, created, seconds = 0, [], []
     for r in ranks:
-        m = _manifest_loose(edir / f"rank-{r}") or {}
+        m = manifest_of(edir / f"rank-{r}") or {}
         for name in (*DATA_FILES, MANIFEST_FILE, COMMIT_FILE):
             with contextlib.suppress(OSError):
                 total += (edir / f"rank-{r}" / name).stat().st_size
-        if isinstance(m.get("created"), int | float):
+        if "created" in m:
             created.append(float(m["created"]))
-        if isinstance(m.get("seconds"), int | float):
+        if "seconds" in m:
             seconds.append(float(m["seconds"]))
     return NodeInfo(
         node, epoch, edir, ranks, ws, total, max(created, default=None),

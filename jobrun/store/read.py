@@ -15,9 +15,11 @@ import hashlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, NoReturn
 
+from jobrun import safefs
 from jobrun.errors import CheckpointError
 from jobrun.store import tensorfile
 from jobrun.store.codec import decode
@@ -43,13 +45,23 @@ def problem(what: str, hint: str = HINT_RESUME) -> NoReturn:
     raise CheckpointError(what, hint=hint)
 
 
+# COMMIT and MANIFEST.json are small: a bigger one is damaged (and never read whole).
+MAX_JSON_BYTES = 64 << 20
+# A save's time: a finite number of seconds since 1970, before the year 2100.
+_LATEST_TIME = 4.1e9
+
+
 def _read_json(path: Path, what: str) -> tuple[bytes, Any]:
     try:
-        raw = path.read_bytes()
+        raw = safefs.read_bounded(path, MAX_JSON_BYTES)
     except FileNotFoundError:
         problem(f"{path} is missing")
+    except safefs.UnsafeFile as e:
+        problem(f"{e.strerror} ({what} replaced)")
     except OSError as e:
         problem(f"cannot read {path}: {e.strerror or e}")
+    if len(raw) > MAX_JSON_BYTES:
+        problem(f"{path} is over {MAX_JSON_BYTES >> 20} MiB ({what} corrupt)")
     try:
         return raw, json.loads(raw)
     except (ValueError, RecursionError):
@@ -82,7 +94,23 @@ def _check_manifest(m: Any, path: Path) -> dict[str, Any]:
             problem(f"{path}: bad entry for {name}")
     if not isinstance(m.get("meta"), dict):
         problem(f"{path}: meta is not an object")
+    if not isinstance(m.get("node"), str) or type(m.get("epoch")) is not int or m["epoch"] < 0:
+        problem(f"{path}: bad node {m.get('node')!r} / epoch {m.get('epoch')!r}")
+    for key in ("created", "seconds"):
+        t = m.get(key)
+        if key in m and not (type(t) in (int, float) and 0 <= t < _LATEST_TIME):
+            problem(f"{path}: bad {key} {t!r} (seconds expected)")
     return m
+
+
+def manifest_of(rdir: Path) -> dict[str, Any] | None:
+    """The manifest of a rank directory, checked but not vouched for by COMMIT (a save
+    may be incomplete): for listing. None when it is missing or damaged."""
+    try:
+        _, m = _read_json(rdir / MANIFEST_FILE, "manifest")
+        return _check_manifest(m, rdir / MANIFEST_FILE)
+    except CheckpointError:
+        return None
 
 
 def _entry_ok(info: Any) -> bool:
@@ -122,12 +150,17 @@ def check_commit(
 
 
 def _size_problem(path: Path, size: int) -> str | None:
+    """What is wrong with a data file's size, or that it is not a regular file (a FIFO
+    would block its reader; a symlink leads out of the checkpoint)."""
     try:
-        actual = path.stat().st_size
+        st = os.lstat(path)
     except FileNotFoundError:
         return f"{path} is missing"
     except OSError as e:
         return f"cannot read {path}: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    actual = st.st_size
     if actual < size:
         return f"{path} is truncated: {actual} bytes, {size} expected"
     if actual > size:

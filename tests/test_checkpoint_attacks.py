@@ -1,0 +1,126 @@
+"""Crafted checkpoints: files that are not files, manifests with odd fields. Each is an
+invalid checkpoint (never a hang, never a traceback), and resume falls back past it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from runner_util import jobrun, jobrun_proc
+
+PLAN = """\
+job: small
+max_epochs: 3
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do: [{const: {out: total, value: 0}}, {randn: {out: w, shape: [4]}}]
+epoch:
+  - task: count
+    do: [{add: {in: [total, 1], out: total}}]
+    outputs: [total]
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attacks")
+    plan = root / "plan.yaml"
+    plan.write_text(PLAN)
+    run = root / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def _rank(run: Path, epoch: int) -> Path:
+    return run / "ckpt" / f"local.{epoch}" / "rank-0"
+
+
+def _reseal(rdir: Path, change) -> None:
+    """Change the manifest and write a COMMIT that vouches for it (as an attacker can)."""
+    m = json.loads((rdir / "MANIFEST.json").read_text())
+    change(m)
+    raw = json.dumps(m).encode()
+    (rdir / "MANIFEST.json").write_bytes(raw)
+    commit = json.loads((rdir / "COMMIT").read_text())
+    commit["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    (rdir / "COMMIT").write_text(json.dumps(commit))
+
+
+@pytest.mark.parametrize("name", ["values.json", "tensors.safetensors", "MANIFEST.json", "COMMIT"])
+def test_a_fifo_in_a_checkpoint_makes_it_invalid_and_never_hangs(run, name):
+    target = _rank(run, 3) / name
+    target.unlink()
+    os.mkfifo(target)
+    listed = jobrun_proc("ckpt", "list", run, "--verify", timeout=60)
+    assert listed.code == 0, listed.text
+    row = next(line for line in listed.out.splitlines() if line.split()[0] == "3")
+    assert "INVALID" in row and "regular file" in row
+    shown = jobrun_proc("ckpt", "show", run, "--epoch", "3", timeout=60)
+    assert shown.code == 1 and "regular file" in shown.err and "Traceback" not in shown.text
+    exported = jobrun_proc("export", run, "--epoch", "3", "--blob", "w", "-o", run / "w.json", timeout=60)
+    assert exported.code == 1 and "Traceback" not in exported.text
+    resumed = jobrun_proc("resume", "--run-dir", run, "--epoch", "3", timeout=60)
+    assert resumed.code == 1 and "cannot be used" in resumed.err
+
+
+def test_resume_skips_an_epoch_with_a_fifo_to_the_one_before(run):
+    info = json.loads((run / "run.json").read_text())
+    info["status"] = "interrupted"
+    (run / "run.json").write_text(json.dumps(info))
+    (_rank(run, 3) / "values.json").unlink()
+    os.mkfifo(_rank(run, 3) / "values.json")
+    r = jobrun_proc("resume", "--run-dir", run, timeout=120)
+    assert r.code == 0, r.text
+    assert "skipping checkpoint epoch 3" in r.text and "resumed from checkpoint epoch 2" in r.out
+
+
+def test_a_symlinked_data_file_is_not_followed(run, tmp_path):
+    rdir = _rank(run, 3)
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((rdir / "values.json").read_bytes())
+    (rdir / "values.json").unlink()
+    (rdir / "values.json").symlink_to(outside)
+    r = jobrun("ckpt", "list", run, "--verify")
+    row = next(line for line in r.out.splitlines() if line.split()[0] == "3")
+    assert "INVALID" in row and "regular file" in row
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("created", 1e300), ("created", -5), ("created", "yesterday"), ("seconds", float("inf")),
+    ("epoch", "3"), ("node", 7), ("world_size", 0), ("rank", -1),
+])
+def test_every_manifest_field_is_checked_in_list_and_verify(run, field, value):
+    _reseal(_rank(run, 3), lambda m: m.__setitem__(field, value))
+    for args in (("ckpt", "list", run), ("ckpt", "list", run, "--verify"), ("ckpt", "list", run, "--json")):
+        r = jobrun(*args)
+        assert r.code == 0, r.text
+        assert "Traceback" not in r.text
+        if "--json" in args:
+            rows = json.loads(r.out)["checkpoints"]
+            assert [row["valid"] for row in rows if row["epoch"] == 3] == [False]
+        else:
+            row = next(line for line in r.out.splitlines() if line.split()[0] == "3")
+            assert "INVALID" in row
+
+
+def test_a_huge_manifest_is_refused_without_reading_it_whole(run):
+    rdir = _rank(run, 3)
+    with open(rdir / "MANIFEST.json", "ab") as f:
+        f.truncate(65 << 20)  # sparse: no disk used
+    r = jobrun("ckpt", "list", run)
+    row = next(line for line in r.out.splitlines() if line.split()[0] == "3")
+    assert "INVALID" in row
