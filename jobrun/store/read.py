@@ -16,6 +16,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -227,8 +228,12 @@ def load(
     *,
     as_numpy: bool = False,
     verify_hashes: bool = True,
+    blobs: Collection[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(workspace, meta) of a saved rank, after verifying it; CheckpointError otherwise.
+
+    ``blobs``: only these (those missing are left out), their tensors read one by one,
+    without checksums (for a caller that verifies the rank or trusts it already).
 
     Tensors come back as CPU tensors (numpy arrays with ``as_numpy``, without importing
     torch); objects with a state as codec.SavedState. The checksums are computed on the
@@ -246,7 +251,8 @@ def load(
     rdir = edir / f"rank-{rank}"
     if not rdir.is_dir():
         problem(missing_rank(edir, rank))
-    return _load_rank(rdir, {"node": node, "epoch": epoch, "rank": rank}, as_numpy, verify_hashes)
+    return _load_rank(rdir, {"node": node, "epoch": epoch, "rank": rank}, as_numpy, verify_hashes,
+                      blobs)
 
 
 def load_dir(
@@ -257,18 +263,27 @@ def load_dir(
 
 
 def _load_rank(
-    rdir: Path, ids: dict[str, Any], as_numpy: bool, hashes: bool
+    rdir: Path, ids: dict[str, Any], as_numpy: bool, hashes: bool,
+    blobs: Collection[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     m = check_commit(rdir, **ids)
     files = m["files"]
     for name, info in files.items():
         if found := _size_problem(rdir / name, info["size"]):
             problem(found)
+    from safetensors import SafetensorError
+
     try:
-        tensors = _read_tensors(rdir / TENSORS_FILE, files[TENSORS_FILE], as_numpy, hashes)
-        tree = _read_values(rdir / VALUES_FILE, files[VALUES_FILE], hashes)
+        tree = _read_values(rdir / VALUES_FILE, files[VALUES_FILE], hashes and blobs is None)
+        if blobs is None:
+            tensors = _read_tensors(rdir / TENSORS_FILE, files[TENSORS_FILE], as_numpy, hashes)
+        else:
+            tree = {name: tree[name] for name in blobs if name in tree}
+            tensors = tensorfile.Lazy(rdir / TENSORS_FILE, as_numpy=as_numpy)
     except OSError as e:
         problem(f"cannot read {rdir}: {e.strerror or e}")
+    except SafetensorError as e:
+        problem(f"{rdir / TENSORS_FILE} cannot be read: {e}")
     try:
         return decode(tree, tensors), m["meta"]
     except CheckpointError as e:

@@ -171,3 +171,20 @@ def _numpy(name: str, info: dict[str, Any]) -> np.ndarray:
     if code not in _NUMPY:
         raise ValueError(f"tensor {name!r} has dtype {code}, which jobrun does not write")
     return np.frombuffer(info["data"], dtype=_NUMPY[code]).reshape(info["shape"])
+
+
+class Lazy:
+    """The tensors of a safetensors file, each read when asked for (a few blobs of a big
+    checkpoint, e.g. its random state). Unchecked: the caller verifies the file first."""
+
+    def __init__(self, path: Path, *, as_numpy: bool) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(path, framework="np" if as_numpy else "pt")
+        self._keys = set(self._file.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __getitem__(self, key: str) -> Any:
+        return self._file.get_tensor(key)
