@@ -40,8 +40,6 @@ def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
     A list item is addressed by its index (`epoch.0.do.1.loop=20`); missing mappings on
     the way are created (`vars.lr=0.05` works in a plan without `vars`).
     """
-    if sets and isinstance(tree, PMap):
-        tree.refs = True  # a value given here may hold `${...}`: look everywhere
     for item in sets:
         where = Pos(f"--set {item}")
         key, eq, raw = item.partition("=")
@@ -174,17 +172,10 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
             ctx = _Ctx(env, budget, later, name)
             resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None, 3)
             raw_vars[name] = env[name] = resolved
-    refs = getattr(tree, "refs", True)
-    if not refs:
-        return tree  # no `${` in the file and no --set: nothing to replace
     ctx = _Ctx(env, budget, [], None)
-    if refs is True:  # anywhere: every top-level value (the plan itself is depth 1)
-        refs = [(key, tree, key, 2) for key in tree]
-    # Else the fast loader listed where `${` was written, in order: the rest holds none.
-    for top, container, key, depth in refs:
-        if top != "vars":
-            value = container[key]
-            container[key] = _subst(value, ctx, _at(container, key) if value.__class__ is str else None, depth)
+    for key, value in tree.items():
+        if key != "vars":  # each top-level value is at depth 2 (the plan itself is 1)
+            tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None, 2)
     return tree
 
 
