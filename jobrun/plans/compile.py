@@ -296,8 +296,8 @@ class _Compiler:
         return tuple([step(s, value, i) for i, s in enumerate(value)])
 
     def step(self, value: Any, parent: PList, i: int) -> ir.Step:
-        # The step's own position is computed only for errors: an op call is placed at
-        # its name, a control step at its keyword.
+        # The step's item position serves only errors: an op call is placed at its name,
+        # a control step at its keyword.
         if isinstance(value, PMap) and len(value) == 1:
             (name,) = value
             if name not in CONTROL_KEYS and name not in _INNER_KEYS:

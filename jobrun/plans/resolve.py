@@ -170,12 +170,12 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
                     f"var {name!r} is built in and cannot be redefined", kpos, "rename your var"
                 )
             ctx = _Ctx(env, budget, later, name)
-            resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None, 3)
+            resolved = _subst(value, ctx, _at(raw_vars, name), 3)
             raw_vars[name] = env[name] = resolved
     ctx = _Ctx(env, budget, [], None)
     for key, value in tree.items():
         if key != "vars":  # each top-level value is at depth 2 (the plan itself is 1)
-            tree[key] = _subst(value, ctx, _at(tree, key) if value.__class__ is str else None, 2)
+            tree[key] = _subst(value, ctx, _at(tree, key), 2)
     return tree
 
 
@@ -197,29 +197,29 @@ def _at(container: Any, key: Any) -> Pos:
     return Pos("<plan>")
 
 
-def _subst(value: Any, ctx: _Ctx, pos: Pos | None = None, depth: int = 1) -> Any:
-    """`value` with its references replaced; containers are updated in place.
+def _subst(value: Any, ctx: _Ctx, pos: Pos, depth: int) -> Any:
+    """`value` (written at `pos`) with its references replaced; containers are updated in
+    place.
 
-    `depth` counts the containers around `value` (the plan itself is 1). Positions are
-    looked up only for strings that hold a reference: building one for every value of a
-    big plan would cost more than the walk itself.
+    `depth` counts the containers around `value` (the plan itself is 1). Strings are
+    looked at in the loops rather than by a call each: most values of a plan are strings.
     """
     if value.__class__ is str:
-        return _subst_str(value, ctx, pos or Pos("<plan>"), depth) if "${" in value else value
+        return _subst_str(value, ctx, pos, depth) if "${" in value else value
     if isinstance(value, dict):
         for k, v in value.items():
             if v.__class__ is str:
                 if "${" in v:
                     value[k] = _subst_str(v, ctx, _at(value, k), depth + 1)
             elif isinstance(v, list | dict):
-                _subst(v, ctx, None, depth + 1)
+                _subst(v, ctx, _at(value, k), depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             if v.__class__ is str:
                 if "${" in v:
                     value[i] = _subst_str(v, ctx, _at(value, i), depth + 1)
             elif isinstance(v, list | dict):
-                _subst(v, ctx, None, depth + 1)
+                _subst(v, ctx, _at(value, i), depth + 1)
     return value
 
 
