@@ -10,10 +10,8 @@ from __future__ import annotations
 class Pos:
     """A position in a source file (1-based line and column; 0 when unknown).
 
-    Treat it as immutable. A plain class rather than a frozen dataclass: a big plan
-    makes a few hundred thousand of these, and a frozen dataclass is slower to build.
-    Positions that the loader has not computed yet are a subclass that works them out
-    on first use (`jobrun.plans.tree.LazyPos`); they compare equal to plain ones.
+    Treat it as immutable. A plain class rather than a frozen dataclass: the loader makes
+    one for every key and value of a plan, and a frozen dataclass is slower to build.
     """
 
     __slots__ = ("file", "line", "col")

@@ -1053,6 +1053,7 @@ def _chain_plan(n: int) -> ir.Plan:
     )
 
 
+@pytest.mark.slow  # 4-5 s: a scale test, not for the fast tier
 def test_a_hundred_thousand_ops_chain_is_clean() -> None:
     # Its speed is measured in benchmarks/ (plan scale), not here.
     assert analyze(_chain_plan(100_000)) == []

@@ -13,18 +13,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from jobrun.errors import JobrunError
+from jobrun.errors import JobrunError, Pos
+from jobrun.plans.analyze import analyze
 from jobrun.plans.compile import CHECKPOINT_KEYS, TASK_KEYS, TOP_KEYS, compile_tree
-from jobrun.plans.load import load_text, to_plain
-
-try:  # written by another engineer; fuzz it too once it exists
-    from jobrun.plans.analyze import analyze
-except ImportError:  # pragma: no cover
-    analyze = None  # type: ignore[assignment]
-try:
-    from jobrun.plans.printer import render_json, render_text
-except ImportError:  # pragma: no cover
-    render_text = render_json = None  # type: ignore[assignment]
+from jobrun.plans.load import PList, PMap, load_text, to_plain
+from jobrun.plans.printer import render_json, render_text
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {p.name: p.read_text() for p in sorted((ROOT / "plans").glob("*.yaml"))}
@@ -40,19 +33,37 @@ def front_end(text: str, sets: list[str] | None = None) -> None:
     """Run everything `jobrun print`/`analyze` run; only JobrunError may escape."""
     try:
         tree = load_text(text, "fuzz.yaml")
+        _check_positions(tree, len(text.splitlines()) + 1)  # YAML breaks lines at \r, \x85... too
         plan = compile_tree(tree, "fuzz.yaml", sets or [])
     except JobrunError as e:
         event(f"refused: {type(e).__name__}")
         return
     event("compiled")
     json.dumps(to_plain(tree), default=str)
-    if analyze is not None:
-        for d in analyze(plan):
-            assert d.severity in ("error", "warning") and d.pos is not None and d.message
-    if render_text is not None:
-        assert isinstance(render_text(plan), str)
-        assert isinstance(render_text(plan, factor_prefixes=True), str)
-        json.dumps(render_json(plan))
+    for d in analyze(plan):
+        assert d.severity in ("error", "warning") and d.pos is not None and d.message
+    assert isinstance(render_text(plan), str)
+    assert isinstance(render_text(plan, factor_prefixes=True), str)
+    json.dumps(render_json(plan))
+
+
+def _check_positions(value: object, lines: int) -> None:
+    """Every container, key, value and item of a loaded tree has a place in the text."""
+    def inside(pos: Pos) -> bool:
+        return pos.file == "fuzz.yaml" and 1 <= pos.line <= lines and pos.col >= 1
+
+    if isinstance(value, PMap):
+        assert inside(value.pos) and list(value.key_pos) == list(value) == list(value.val_pos)
+        assert all(inside(value.key_at(k)) and inside(value.at(k)) for k in value)
+        for v in value.values():
+            _check_positions(v, lines)
+    elif isinstance(value, PList):
+        assert inside(value.pos) and len(value.item_pos) == len(value)
+        assert all(inside(p) for p in value.item_pos)
+        for v in value:
+            _check_positions(v, lines)
+    else:
+        assert not isinstance(value, dict | list), type(value)
 
 
 # -- (a) YAML-ish text -------------------------------------------------------------------
@@ -200,6 +211,5 @@ def test_examples_compile_cleanly() -> None:
     for name, text in EXAMPLES.items():
         tree = load_text(text, name)
         plan = compile_tree(tree, name)
-        if analyze is not None:
-            errors = [d.format() for d in analyze(plan) if d.severity == "error"]
-            assert not errors, f"{name}: {errors}"
+        errors = [d.format() for d in analyze(plan) if d.severity == "error"]
+        assert not errors, f"{name}: {errors}"

@@ -150,6 +150,89 @@ def test_byte_order_mark_is_ignored() -> None:
     assert load_text("\ufeffjob: x\n", F) == {"job": "x"}
 
 
+def typed(value: object) -> object:
+    """`value` with the type of every scalar beside it: True == 1 and 1.0 == 1 otherwise."""
+    if isinstance(value, dict):
+        return {k: typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    return (type(value).__name__, value)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        # YAML 1.1 words: booleans and null, but not y/n
+        ("a: [yes, No, on, OFF, true, False, null, Null, ~, y, n]",
+         {"a": [True, False, True, False, True, False, None, None, None, "y", "n"]}),
+        # YAML 1.1 numbers: a float needs a dot (1e5 is a string), 017 is octal, 1:30 is base 60
+        ("a: {b: 1e5, c: 1.5e+5, d: 1.0e5, e: 0x1f, f: 0o7, g: 017, h: 1_000, i: 1:30, j: .5, k: -0, l: +1}",
+         {"a": {"b": "1e5", "c": 150000.0, "d": "1.0e5", "e": 31, "f": "0o7", "g": 15, "h": 1000,
+                "i": 90, "j": 0.5, "k": 0, "l": 1}}),
+        ("a: [1., -1.5, 9223372036854775807, -9223372036854775807]",
+         {"a": [1.0, -1.5, 2**63 - 1, -(2**63 - 1)]}),
+        # words next to those rules stay strings
+        ("a: [b0_a/x.y-z, $x, a$b, _, __init__, yes_no, truex, nullable, -x]",
+         {"a": ["b0_a/x.y-z", "$x", "a$b", "_", "__init__", "yes_no", "truex", "nullable", "-x"]}),
+        ("a: [a b, c  d, 500ms, 2s, 3d, é, αβ, 'x y', \"z w\", '1', \"true\"]",
+         {"a": ["a b", "c  d", "500ms", "2s", "3d", "é", "αβ", "x y", "z w", "1", "true"]}),
+        ("a: ${x}\nb: \"${y}\"\nc: [\"${z}\", w]\n", {"a": "${x}", "b": "${y}", "c": ["${z}", "w"]}),
+        # a colon inside a word, quoted keys, escapes
+        ("a: x:y\nb: {c: d:e}\nf: {g:h}\n", {"a": "x:y", "b": {"c": "d:e"}, "f": {"g:h": None}}),
+        ("'a': 1\n\"b\": 2\nc d: 3\n", {"a": 1, "b": 2, "c d": 3}),
+        ("a: {\"b\":[1], \"c\" :2, 'd': 'it''s', e: \"x\\ty\"}",
+         {"a": {"b": [1], "c": 2, "d": "it's", "e": "x\ty"}}),
+        # flow collections: empty values, trailing commas, one-pair mappings, nesting, lines
+        ("a: {b: , c: d}\ne: [b, ]\nf: {b}\ng: [b: c]\nh: [\"b\":1]\n",
+         {"a": {"b": None, "c": "d"}, "e": ["b"], "f": {"b": None}, "g": [{"b": "c"}], "h": [{"b": 1}]}),
+        ("a: [[1, [2, [3]]], {}, []]", {"a": [[1, [2, [3]]], {}, []]}),
+        ("a: [b\n  , c]\n", {"a": ["b", "c"]}),
+        # comments, in and after flows
+        ("a: [b, c] # c\nd: [e]#f\ng: {in: [x, 1], out: y}  # h\n",
+         {"a": ["b", "c"], "d": ["e"], "g": {"in": ["x", 1], "out": "y"}}),
+        ("a: b #c\nd: b#c\ne: 'b' #c\n", {"a": "b", "d": "b#c", "e": "b"}),
+        # block structure
+        ("a:\n- b\n- c\nd: e", {"a": ["b", "c"], "d": "e"}),
+        ("a:\n  - b: 1\n    c: 2\n  - d\n  - - e\n  -\n", {"a": [{"b": 1, "c": 2}, "d", ["e"], None]}),
+        ("a:\n  b:\n  c:\n", {"a": {"b": None, "c": None}}),
+        ("a: b\n   c\n", {"a": "b c"}),
+        ("a: |\n  text\nb: >\n  more\n  text\n", {"a": "text\n", "b": "more text\n"}),
+        ("? a\n: b\n", {"a": "b"}),
+        ("a: [&x b, *x, !!str 1]", {"a": ["b", "b", "1"]}),
+        # documents, line ends, tabs, byte order mark
+        ("---\na: 1\n", {"a": 1}),
+        ("a: 1\n...\n", {"a": 1}),
+        ("%YAML 1.1\n---\na: 1\n", {"a": 1}),
+        ("a: 1\r\nb: 2\r\n", {"a": 1, "b": 2}),
+        ("a:\tb\n", {"a": "b"}),
+        ("\ufeffa: 1\n", {"a": 1}),
+    ],
+)
+def test_yaml_corner_cases(text: str, value: dict) -> None:
+    assert typed(load_text(text, F)) == typed(value)
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "pos"),
+    [
+        ("a: 1\r\nb: [x, y]\r\n", lambda t: t["b"].at(1), P(2, 8)),
+        ("\ufeffa: 1\nb: 2\n", lambda t: t.key_at("b"), P(2, 1)),
+        ("\ufeffa: 1\nb: 2\n", lambda t: t.at("a"), P(1, 4)),
+        ("a:\tb\nc: d\n", lambda t: t.at("a"), P(1, 4)),
+        ("a: [b\n  , c]  # x\nd: {e: f}  # y\n", lambda t: t["a"].at(1), P(2, 5)),
+        ("a: [b\n  , c]  # x\nd: {e: f}  # y\n", lambda t: t["d"].at("e"), P(3, 8)),
+        ("a: |\n  text\nb: >\n  more\nc: 1\n", lambda t: t.at("c"), P(5, 4)),
+        ("a: b\n   c\nd: 2\n", lambda t: t.key_at("d"), P(3, 1)),
+        ("  a: 1\n  b: [2]\n", lambda t: t["b"].at(0), P(2, 7)),
+        ("%YAML 1.1\n---\na: 1\n", lambda t: t.pos, P(3, 1)),
+        ("? a\n: b\n", lambda t: t.at("a"), P(2, 3)),
+        ("a:\n- b\n- c\n", lambda t: t["a"].at(1), P(3, 3)),
+    ],
+)
+def test_corner_case_positions(text: str, where, pos: Pos) -> None:
+    assert where(load_text(text, F)) == pos
+
+
 @pytest.mark.parametrize(
     ("text", "pos", "words"),
     [
@@ -175,6 +258,30 @@ def test_byte_order_mark_is_ignored() -> None:
         ("a: \ud800\n", P(1, 4), "U+D800"),
         ("a: " + "[" * 150 + "]" * 150 + "\n", P(1, 3 + MAX_DEPTH), f"more than {MAX_DEPTH}"),
         ("a: 'open\n", P(1, 4), "never closed"),
+        ("a: [1., 12345678901234567890]\n", P(1, 9), "too large"),
+        ("a: .inf\n", P(1, 4), "finite"),
+        ("a: [1, .nan]\n", P(1, 8), "finite"),
+        ("a: yes\nb: 2020-01-01\n", P(2, 4), "reads as a date"),
+        ("a: {b: c, b: d}", P(1, 11), "duplicate key 'b' (first at line 1, column 5)"),
+        ("a: {<<: {b: c}}", P(1, 5), "merge keys"),
+        ("<<: {a: 1}\n", P(1, 1), "merge keys"),
+        ("a: !b c\n", P(1, 4), "tag !b is not allowed"),
+        ("a", P(1, 1), "not the string 'a'"),
+        ("[a, b]", P(1, 1), "not a list"),
+        # YAML syntax errors: libyaml's message, placed where it stops
+        ("a: {b: c #d}", P(2, 1), "to close the '{' at line 1, column 4"),
+        ("a: {b: ${x}}\n", P(1, 9), "to close the '{' at line 1, column 4"),
+        ("a: {b: c, d:[e]}", P(1, 12), "found unexpected ':'"),
+        ("a: {b:{c: 1}}", P(1, 6), "found unexpected ':'"),
+        ("a: [b, c], [d]", P(1, 10), "did not find expected key"),
+        ("a: 1\n  b: 2\n", P(2, 4), "unexpected ':'"),
+        ("a: b: c\n", P(1, 5), "unexpected ':'"),
+        ("a:\n  b: 1\n c: 2\n", P(3, 2), "while parsing a block mapping at line 1, column 1"),
+        ("a: - b\n", P(1, 4), "block sequence entries are not allowed"),
+        ("a: \"b\" c\n", P(1, 8), "did not find expected key"),
+        ("a: @b\n", P(1, 4), "cannot start any token"),
+        ("a: `b`\n", P(1, 4), "cannot start any token"),
+        ("a:\n\tb: 1\n", P(2, 1), "tab"),
     ],
 )
 def test_refused(text: str, pos: Pos, words: str) -> None:
@@ -374,6 +481,17 @@ def test_bad_references(text: str, pos: Pos, message: str, hint: str) -> None:
     e = error_of(subst, text)
     assert e.pos == pos, e.format_message()
     assert message in e.message and hint in (e.hint or "")
+
+
+def test_errors_in_values_from_vars_and_sets_point_where_they_were_written() -> None:
+    plan = (
+        "job: j\nvars:\n  outs: [ok, 9bad]\nepoch:\n  - task: t\n    do:\n"
+        "      - add: {in: [a, 1], out: \"${outs}\"}\n"
+    )
+    e = error_of(compile_text, plan, F)
+    assert e.pos == P(3, 14) and "'9bad'" in e.message
+    e = error_of(compile_text, plan.replace("9bad", "ok2"), F, ["epoch.0.do.0.add.out=7"])
+    assert e.pos == Pos("--set epoch.0.do.0.add.out=7") and "not the number 7" in e.message
 
 
 def test_var_bombs_are_stopped() -> None:

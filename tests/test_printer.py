@@ -505,6 +505,7 @@ def big_plan() -> ir.Plan:
     return ir.Plan("big", 0, "auto", 1, {}, 1, (), None, *groups, source="big.yaml", pos=p)
 
 
+@pytest.mark.slow  # 4-5 s each: a scale test, not for the fast tier
 @pytest.mark.parametrize("factor", [False, True])
 def test_100k_ops_render(big_plan: ir.Plan, factor: bool) -> None:
     # Its speed is measured in benchmarks/ (plan scale), not here.

@@ -15,7 +15,7 @@ from typing import Any
 
 from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans import ir
-from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, no_gc, shorten, show
+from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, shorten, show
 from jobrun.plans.resolve import apply_sets, substitute
 
 BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
@@ -51,9 +51,7 @@ def compile_file(
     plan_dir: str | None = None,
 ) -> ir.Plan:
     """Load, override, substitute and compile a plan file."""
-    with no_gc():
-        tree = load_file(path)
-        return compile_tree(tree, str(path), sets, run_dir=run_dir, plan_dir=plan_dir)
+    return compile_tree(load_file(path), str(path), sets, run_dir=run_dir, plan_dir=plan_dir)
 
 
 def compile_text(
@@ -64,8 +62,7 @@ def compile_text(
     plan_dir: str | None = None,
 ) -> ir.Plan:
     """Like compile_file, for plan text that did not come from a file (tests, tools)."""
-    with no_gc():
-        return compile_tree(load_text(text, filename), filename, sets, run_dir=run_dir, plan_dir=plan_dir)
+    return compile_tree(load_text(text, filename), filename, sets, run_dir=run_dir, plan_dir=plan_dir)
 
 
 def compile_tree(
@@ -77,16 +74,15 @@ def compile_tree(
 ) -> ir.Plan:
     """Apply `sets`, substitute vars and compile. `tree` is updated in place, so that it
     holds the resolved plan afterwards (what a run stores)."""
-    with no_gc():
-        apply_sets(tree, sets)
-        comp = _Compiler(source)
-        comp.keys(tree, TOP_KEYS, "the plan")
-        job = _job_name(tree)
-        builtins = {
-            "plan_dir": plan_dir if plan_dir is not None else str(Path(source).parent),
-            "run_dir": run_dir if run_dir is not None else str(Path("runs") / job),
-        }
-        return comp.plan(substitute(tree, builtins))
+    apply_sets(tree, sets)
+    comp = _Compiler(source)
+    comp.keys(tree, TOP_KEYS, "the plan")
+    job = _job_name(tree)
+    builtins = {
+        "plan_dir": plan_dir if plan_dir is not None else str(Path(source).parent),
+        "run_dir": run_dir if run_dir is not None else str(Path("runs") / job),
+    }
+    return comp.plan(substitute(tree, builtins))
 
 
 def _job_name(tree: PMap) -> str:
@@ -208,7 +204,7 @@ class _Compiler:
             job=job, seed=seed, device=device, replicas=replicas, vars=dict(vars_),
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
-            exit=groups["exit"], source=self.source, pos=t.pos, tree=t,
+            exit=groups["exit"], source=self.source, pos=t.pos,
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:
@@ -300,8 +296,8 @@ class _Compiler:
         return tuple([step(s, value, i) for i, s in enumerate(value)])
 
     def step(self, value: Any, parent: PList, i: int) -> ir.Step:
-        # The step's own position is computed only for errors: an op call is placed at
-        # its name, a control step at its keyword.
+        # The step's item position serves only errors: an op call is placed at its name,
+        # a control step at its keyword.
         if isinstance(value, PMap) and len(value) == 1:
             (name,) = value
             if name not in CONTROL_KEYS and name not in _INNER_KEYS:

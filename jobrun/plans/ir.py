@@ -6,7 +6,7 @@ through :mod:`jobrun.plans.visit`. It never imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jobrun.errors import Pos
@@ -158,10 +158,6 @@ class Plan:
     exit: Group
     source: str
     pos: Pos
-    extras: dict[str, Any] = field(default_factory=dict)
-    # The positioned tree the plan was compiled from: positions of a fast-loaded plan
-    # are worked out from it on first use (see plans/tree.py), so it lives as long.
-    tree: Any = field(default=None, repr=False, compare=False)
 
     @property
     def groups(self) -> tuple[Group, ...]:

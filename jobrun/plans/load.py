@@ -8,17 +8,13 @@ The loader knows nothing of plans; :mod:`jobrun.plans.compile` gives the data it
 The tree is built straight from libyaml's parse events in one loop rather than through
 PyYAML's composer: the C composer recurses once per nesting level and crashes the process
 on input nested some ten thousand levels deep, and its node graph would be walked a second
-time anyway. Positions are kept as the parser's marks and turned into :class:`Pos` objects
-only when someone asks for them, because building a Pos per value costs more than parsing.
+time anyway.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +31,7 @@ from yaml.events import (
 )
 
 from jobrun.errors import PlanError, Pos
-from jobrun.plans import fastyaml
-from jobrun.plans.tree import CloneBudgetExceeded, PList, PMap, clone, mark_pos
+from jobrun.plans.tree import CloneBudgetExceeded, PList, PMap, clone
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_NODES = 5_000_000  # values in one plan, aliases expanded
@@ -116,36 +111,17 @@ def load_file(path: str | Path) -> PMap:
 
 
 def load_text(text: str, filename: str = "<plan>") -> PMap:
-    """Parse YAML text whose top level must be a mapping.
-
-    The fast loader reads the plain YAML that plans are written in; whatever it does
-    not take (and every error) goes through libyaml here, which knows every position.
-    """
-    builder = _Builder(filename)
-    if len(text) <= MAX_FILE_BYTES and _BAD_CHAR.search(text) is None:
-        tree = fastyaml.parse(
-            text, filename, builder.resolve_plain, _exact,
-            max_depth=MAX_DEPTH, max_nodes=MAX_NODES, bad=_Bad,
-        )
-        if tree is not None:
-            return tree
-    value, mark = builder.build(text)
+    """Parse YAML text whose top level must be a mapping."""
+    value, pos = _Builder(filename).build(text)
     if value is _EMPTY or value is None:
         raise PlanError("plan file is empty", Pos(filename, 1, 1), "start with `job: NAME`")
     if not isinstance(value, PMap):
         raise PlanError(
             f"a plan must be a mapping of keys (job, epoch, ...), not {kind_of(value)}",
-            mark_pos(filename, mark),
+            pos,
             "start the file with `job: NAME`",
         )
-    # Whether any `${` was written: a plan without one skips the substitution walk.
-    value.refs = "${" in text
     return value
-
-
-def _exact(text: str, filename: str) -> Any:
-    """The tree of text the fast loader took, with libyaml's positions."""
-    return _Builder(filename).build(text)[0]
 
 
 def parse_value(text: str, filename: str) -> Any:
@@ -154,34 +130,9 @@ def parse_value(text: str, filename: str) -> Any:
     return None if value is _EMPTY else value
 
 
-# A block that leaves more new objects than this behind (a plan of some 10,000 ops and
-# more) freezes them: see no_gc.
-FREEZE_AT = 200_000
-
-
-@contextmanager
-def no_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building a big tree, and keep it from
-    walking a big one afterwards.
-
-    Loading a plan allocates about a million objects that all stay alive; every
-    allocation threshold reached would make the collector walk them all again, which
-    made loading a large plan several times slower. When the block leaves a big plan
-    behind, its objects are moved to the collector's permanent generation
-    (`gc.freeze`) before it resumes: a plan lives as long as the process that runs it,
-    and each collection that walks 1.5 million objects (a 100,000-op plan and its IR)
-    costs 0.5-1 s, the first one right away. They are still freed by reference counting.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    before = gc.get_count()[0]
-    try:
-        yield
-    finally:
-        if was_enabled:
-            if gc.get_count()[0] - before > FREEZE_AT:
-                gc.freeze()
-            gc.enable()
+def mark_pos(file: str, mark: Any) -> Pos:
+    """The position of a libyaml mark (0-based) as a Pos (1-based)."""
+    return Pos(file, mark.line + 1, mark.column + 1)
 
 
 _EMPTY = object()  # no document at all
@@ -207,11 +158,8 @@ class _Builder:
         self.plain: dict[str, Any] = {}  # plain scalar text -> value (or _Bad)
         self.alias_budget = [MAX_ALIAS_NODES]
 
-    def error(self, message: str, mark: Any, hint: str | None = None) -> PlanError:
-        return PlanError(message, mark_pos(self.file, mark), hint)
-
-    def build(self, text: str) -> tuple[Any, Any]:
-        """(top value or _EMPTY, its mark)."""
+    def build(self, text: str) -> tuple[Any, Pos | None]:
+        """(top value or _EMPTY, its position)."""
         if len(text) > MAX_FILE_BYTES:
             raise PlanError("plan text is too large", Pos(self.file))
         bad = _BAD_CHAR.search(text)
@@ -219,8 +167,7 @@ class _Builder:
             raise self.bad_char(text, bad.start())
         loader = _Loader(text)
         try:
-            with no_gc():
-                return self.events(loader)
+            return self.events(loader)
         except yaml.MarkedYAMLError as e:
             raise self.yaml_error(e, text) from None
         except yaml.YAMLError as e:  # no position (should not happen after the checks above)
@@ -279,7 +226,7 @@ class _Builder:
             what = f"{what} ({e.context} at line {cm.line + 1}, column {cm.column + 1})"
         return PlanError(f"invalid YAML: {what}", pos, hint)
 
-    def events(self, loader: Any) -> tuple[Any, Any]:
+    def events(self, loader: Any) -> tuple[Any, Pos | None]:
         # One flat loop over the events, with the innermost open container and whether
         # it is a mapping kept in locals: this is the hot path of loading a big plan.
         get = loader.get_event
@@ -290,9 +237,9 @@ class _Builder:
         top: Any = None  # stack[-1]
         in_map = False  # top is a PMap
         key: Any = _NOKEY  # pending key of the innermost mapping
-        kmark: Any = None
+        kpos: Any = None  # and its position
         root: Any = _EMPTY
-        root_mark: Any = None
+        root_pos: Pos | None = None
         docs = 0
         nodes = 0
         while True:
@@ -300,16 +247,17 @@ class _Builder:
             cls = ev.__class__
             if cls is ScalarEvent:
                 mark = ev.start_mark
+                pos = Pos(file, mark.line + 1, mark.column + 1)
                 if in_map and key is _NOKEY:
                     # A key is taken as written (so `2020-01-01:` or `.nan:` are fine).
                     text = ev.value
                     if ev.tag is None and ev.anchor is None and text != "<<" and text not in top:
                         key = text
                     else:
-                        key = self.key(ev, top, mark)
+                        key = self.key(ev, top, pos)
                         if ev.anchor is not None:
                             anchors[ev.anchor] = text
-                    kmark = mark
+                    kpos = pos
                     continue
                 tag = ev.tag
                 if tag is None and ev.implicit[0]:
@@ -317,30 +265,31 @@ class _Builder:
                     if value is _MISS:
                         value = plain[ev.value] = self.resolve_plain(ev.value)
                     if value.__class__ is _Bad:
-                        raise self.error(value.message, mark, value.hint)
+                        raise PlanError(value.message, pos, value.hint)
                 elif tag is None or tag == "!" or tag == _STR:
                     value = ev.value
                 else:
                     value = self.tagged(tag, ev.value)
                     if value.__class__ is _Bad:
-                        raise self.error(value.message, mark, value.hint)
+                        raise PlanError(value.message, pos, value.hint)
                 if ev.anchor is not None:
                     anchors[ev.anchor] = value
             elif cls is MappingStartEvent or cls is SequenceStartEvent:
                 mark = ev.start_mark
+                pos = Pos(file, mark.line + 1, mark.column + 1)
                 if in_map and key is _NOKEY:
-                    raise self.key_error(cls, mark)
+                    raise self.key_error(cls, pos)
                 if cls is MappingStartEvent:
                     if ev.tag not in _MAP_TAGS:
-                        raise self.tag_error(ev.tag, mark)
-                    value = PMap._loaded(file, mark)
+                        raise self.tag_error(ev.tag, pos)
+                    value = PMap(pos)
                 else:
                     if ev.tag not in _SEQ_TAGS:
-                        raise self.tag_error(ev.tag, mark)
-                    value = PList._loaded(file, mark)
+                        raise self.tag_error(ev.tag, pos)
+                    value = PList(pos)
                 if len(stack) >= MAX_DEPTH:
-                    raise self.error(
-                        f"plan is nested more than {MAX_DEPTH} levels deep", mark,
+                    raise PlanError(
+                        f"plan is nested more than {MAX_DEPTH} levels deep", pos,
                         "flatten the plan (a loop body can be a list of steps, not a deeper nesting)",
                     )
                 if ev.anchor is not None:
@@ -352,15 +301,16 @@ class _Builder:
                 continue
             elif cls is AliasEvent:
                 mark = ev.start_mark
+                pos = Pos(file, mark.line + 1, mark.column + 1)
                 if in_map and key is _NOKEY:
-                    raise self.key_error(cls, mark)
-                value = self.alias(ev.anchor, anchors, stack, mark)
+                    raise self.key_error(cls, pos)
+                value = self.alias(ev.anchor, anchors, stack, pos)
             elif cls is DocumentStartEvent:
                 docs += 1
                 if docs > 1:
-                    raise self.error(
+                    raise PlanError(
                         "a plan file holds one YAML document, but a second one starts here",
-                        ev.start_mark, "remove the `---` line (and what follows, or merge it)",
+                        mark_pos(file, ev.start_mark), "remove the `---` line (and what follows, or merge it)",
                     )
                 continue
             elif cls is StreamEndEvent or ev is None:
@@ -370,65 +320,65 @@ class _Builder:
 
             nodes += 1
             if nodes > MAX_NODES:
-                raise self.error(
-                    f"plan has more than {MAX_NODES} values", mark,
+                raise PlanError(
+                    f"plan has more than {MAX_NODES} values", pos,
                     "move data out of the plan (load it with data.load)",
                 )
             if in_map:
                 top[key] = value
-                top._kmarks[key] = kmark
-                top._vmarks[key] = mark
+                top.key_pos[key] = kpos
+                top.val_pos[key] = pos
                 key = _NOKEY
             elif top is not None:
                 top.append(value)
-                top._marks.append(mark)
+                top.item_pos.append(pos)
             else:
-                root, root_mark = value, mark
+                root, root_pos = value, pos
             if cls is MappingStartEvent:
                 stack.append(value)
                 top, in_map = value, True
             elif cls is SequenceStartEvent:
                 stack.append(value)
                 top, in_map = value, False
-        return root, root_mark
+        return root, root_pos
 
-    def key_error(self, cls: Any, mark: Any) -> PlanError:
+    def key_error(self, cls: Any, pos: Pos) -> PlanError:
         what = "an alias" if cls is AliasEvent else "a list or mapping"
-        return self.error(f"a mapping key must be a plain word, not {what}", mark, "write `name: value`")
+        return PlanError(f"a mapping key must be a plain word, not {what}", pos, "write `name: value`")
 
-    def key(self, ev: Any, top: PMap, mark: Any) -> str:
+    def key(self, ev: Any, top: PMap, pos: Pos) -> str:
         """The text of a scalar key, checked (the loop's fast path takes plain new keys)."""
         if ev.tag not in (None, "!", _STR) and ev.tag not in _SCALAR_TYPES:
-            raise self.tag_error(ev.tag, mark)
+            raise self.tag_error(ev.tag, pos)
         # The key's text as written: `on:` stays "on", not True, and `1:` is "1".
         text = ev.value
         if text == "<<" and ev.implicit[0]:
-            raise self.error(
-                "YAML merge keys (<<) are not supported", mark, "write the keys out in full"
+            raise PlanError(
+                "YAML merge keys (<<) are not supported", pos, "write the keys out in full"
             )
         if text in top:
             first = top.key_at(text)
-            raise self.error(
+            raise PlanError(
                 f"duplicate key {show(text)} (first at line {first.line}, column {first.col})",
-                mark, "remove one of them",
+                pos, "remove one of them",
             )
         return text
 
-    def alias(self, name: str, anchors: dict[str, Any], stack: list[Any], mark: Any) -> Any:
+    def alias(self, name: str, anchors: dict[str, Any], stack: list[Any], pos: Pos) -> Any:
         if name not in anchors:
-            raise self.error(f"alias *{name} has no anchor &{name} before it", mark, "define the anchor first")
+            raise PlanError(f"alias *{name} has no anchor &{name} before it", pos, "define the anchor first")
         target = anchors[name]
         if any(c is target for c in stack):
-            raise self.error(
-                f"recursive YAML alias *{name}: it refers to a value that contains it", mark,
+            raise PlanError(
+                f"recursive YAML alias *{name}: it refers to a value that contains it", pos,
                 "remove the alias cycle",
             )
         try:
             return clone(target, self.alias_budget)
         except CloneBudgetExceeded:
-            raise self.error(
+            raise PlanError(
                 f"aliases expand to more than {MAX_ALIAS_NODES} values (a 'billion laughs' document?)",
-                mark, "write the plan without deeply repeated aliases",
+                pos, "write the plan without deeply repeated aliases",
             ) from None
 
     def resolve_plain(self, text: str) -> Any:
@@ -476,9 +426,9 @@ class _Builder:
             )
         return value
 
-    def tag_error(self, tag: str, mark: Any) -> PlanError:
+    def tag_error(self, tag: str, pos: Pos) -> PlanError:
         message, hint = _tag_message(tag)
-        return self.error(message, mark, hint)
+        return PlanError(message, pos, hint)
 
 
 def _tag_message(tag: str) -> tuple[str, str]:

@@ -40,8 +40,6 @@ def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
     A list item is addressed by its index (`epoch.0.do.1.loop=20`); missing mappings on
     the way are created (`vars.lr=0.05` works in a plan without `vars`).
     """
-    if sets and isinstance(tree, PMap):
-        tree.refs = True  # a value given here may hold `${...}`: look everywhere
     for item in sets:
         where = Pos(f"--set {item}")
         key, eq, raw = item.partition("=")
@@ -172,19 +170,12 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
                     f"var {name!r} is built in and cannot be redefined", kpos, "rename your var"
                 )
             ctx = _Ctx(env, budget, later, name)
-            resolved = _subst(value, ctx, _at(raw_vars, name) if value.__class__ is str else None, 3)
+            resolved = _subst(value, ctx, _at(raw_vars, name), 3)
             raw_vars[name] = env[name] = resolved
-    refs = getattr(tree, "refs", True)
-    if not refs:
-        return tree  # no `${` in the file and no --set: nothing to replace
     ctx = _Ctx(env, budget, [], None)
-    if refs is True:  # anywhere: every top-level value (the plan itself is depth 1)
-        refs = [(key, tree, key, 2) for key in tree]
-    # Else the fast loader listed where `${` was written, in order: the rest holds none.
-    for top, container, key, depth in refs:
-        if top != "vars":
-            value = container[key]
-            container[key] = _subst(value, ctx, _at(container, key) if value.__class__ is str else None, depth)
+    for key, value in tree.items():
+        if key != "vars":  # each top-level value is at depth 2 (the plan itself is 1)
+            tree[key] = _subst(value, ctx, _at(tree, key), 2)
     return tree
 
 
@@ -206,29 +197,29 @@ def _at(container: Any, key: Any) -> Pos:
     return Pos("<plan>")
 
 
-def _subst(value: Any, ctx: _Ctx, pos: Pos | None = None, depth: int = 1) -> Any:
-    """`value` with its references replaced; containers are updated in place.
+def _subst(value: Any, ctx: _Ctx, pos: Pos, depth: int) -> Any:
+    """`value` (written at `pos`) with its references replaced; containers are updated in
+    place.
 
-    `depth` counts the containers around `value` (the plan itself is 1). Positions are
-    looked up only for strings that hold a reference: building one for every value of a
-    big plan would cost more than the walk itself.
+    `depth` counts the containers around `value` (the plan itself is 1). Strings are
+    looked at in the loops rather than by a call each: most values of a plan are strings.
     """
     if value.__class__ is str:
-        return _subst_str(value, ctx, pos or Pos("<plan>"), depth) if "${" in value else value
+        return _subst_str(value, ctx, pos, depth) if "${" in value else value
     if isinstance(value, dict):
         for k, v in value.items():
             if v.__class__ is str:
                 if "${" in v:
                     value[k] = _subst_str(v, ctx, _at(value, k), depth + 1)
             elif isinstance(v, list | dict):
-                _subst(v, ctx, None, depth + 1)
+                _subst(v, ctx, _at(value, k), depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             if v.__class__ is str:
                 if "${" in v:
                     value[i] = _subst_str(v, ctx, _at(value, i), depth + 1)
             elif isinstance(v, list | dict):
-                _subst(v, ctx, None, depth + 1)
+                _subst(v, ctx, _at(value, i), depth + 1)
     return value
 
 

@@ -1,0 +1,159 @@
+"""The workspace model the analyzer (:mod:`jobrun.plans.analyze`) walks a plan with.
+
+Definedness is tracked per node as ``name -> DEF | MAYBE`` in one dict with an undo log
+(:class:`Flow`). A scope (an `if` arm, a parallel branch, a private workspace) is a mark
+in that log: leaving it undoes its entries and hands back what it changed; a scope that
+may not run to its end (a loop that may run 0 times, code after a stop_if) lowers its own
+entries to MAYBE in place. A step costs O(1) and no workspace is ever copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jobrun.errors import Pos
+from jobrun.plans import ir
+from jobrun.plans.visit import Visitor
+
+MAYBE, DEF = 1, 2  # ordered: a later definition can only make a blob more defined
+
+Changes = dict[str, tuple[int, Pos, bool]]  # name -> (status, first definition, newly created)
+
+
+class Flow:
+    """The blobs one node's tasks can see: a dict plus an undo log of its changes.
+
+    Statuses only grow (absent -> MAYBE -> DEF) through `define`; a scope that turns out
+    to be conditional lowers its own entries in place with `weaken`.
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, int] = {}
+        self.why: dict[str, str] = {}  # why a blob is only MAYBE defined
+        # The log is parallel lists, not a list of tuples: a tuple per definition would make
+        # the garbage collector rescan the whole plan every few thousand steps.
+        self.names: list[str] = []
+        self.olds: list[int | None] = []
+        self.where: list[Pos] = []
+
+    def mark(self) -> int:
+        return len(self.names)
+
+    def define(self, name: str, status: int, pos: Pos, why: str | None = None) -> int | None:
+        old = self.state.get(name)
+        if old is None or old < status:
+            self.names.append(name)
+            self.olds.append(old)
+            self.where.append(pos)
+            self.state[name] = status
+            if status == MAYBE and why is not None:
+                self.why[name] = why
+        return old
+
+    def weaken(self, mark: int, why: str, keep: set[str] | None = None) -> None:
+        """Only MAYBE for what was defined since `mark`, except the names in `keep`."""
+        state = self.state
+        for i in range(mark, len(self.names)):
+            name = self.names[i]
+            if state[name] == DEF and (keep is None or name not in keep):
+                state[name] = MAYBE
+                self.why[name] = why
+
+    def leave(self, mark: int, collect: bool = True) -> Changes:
+        """Undo the log back to `mark`; return what the scope changed (if `collect`)."""
+        names, olds, state = self.names, self.olds, self.state
+        changes: Changes = {}
+        for i in range(mark, len(names) if collect else mark):
+            if names[i] not in changes:
+                changes[names[i]] = (state[names[i]], self.where[i], olds[i] is None)
+        for i in range(len(names) - 1, mark - 1, -1):
+            old = olds[i]
+            if old is None:
+                del state[names[i]]
+            else:
+                state[names[i]] = old
+        for log in (names, olds, self.where):
+            del log[mark:]
+        return changes
+
+    def created(self) -> dict[str, None]:
+        """The names absent when the log was last committed (a dict: ordered, for determinism)."""
+        return {name: None for name, old in zip(self.names, self.olds) if old is None}
+
+    def commit(self) -> None:
+        """Keep the state as it is: it becomes the base that later scopes undo back to."""
+        for log in (self.names, self.olds, self.where):
+            log.clear()
+
+
+@dataclass
+class Frame:
+    """A block a stop_if can end early: a loop body or a task's init/do/exit."""
+
+    stop_mark: int | None = None
+    stop_pos: Pos | None = None
+
+
+@dataclass
+class Read:
+    """A read that found nothing; resolved once every group's effects are known."""
+
+    name: str
+    pos: Pos
+    task: ir.Task
+    call: ir.OpCall | None  # the op call reading it, if an op call does
+
+
+@dataclass
+class Effect:
+    """What a task does to its node's global workspace, merged when its group ends."""
+
+    task: ir.Task
+    changes: Changes  # to re-apply (empty when the task's changes were left in place)
+    created: dict[str, None]  # new global blobs, in order
+    writes: dict[str, Pos]  # every global blob it writes, with the first write
+
+
+@dataclass
+class TaskCtx:
+    """What the analyzer keeps of the task it is walking."""
+
+    task: ir.Task
+    private: bool
+    reads: set[str] = field(default_factory=set)
+    reported: set[str] = field(default_factory=set)  # the first failing read stops a run
+    # Private blobs the task creates, for `unused`: where, and by which op call (if any).
+    new_pos: dict[str, Pos] = field(default_factory=dict)
+    new_call: dict[str, ir.OpCall | None] = field(default_factory=dict)
+
+
+class Definitions(Visitor):
+    """Where each blob is first defined on each node (and whether inside a `report`)."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, tuple[Pos, ir.Task, bool]]] = {}
+        self.task: ir.Task | None = None
+        self.in_report = False
+
+    def visit_Task(self, task: ir.Task) -> None:
+        self.task = task
+        self.generic_visit(task)
+
+    def visit_OpCall(self, call: ir.OpCall) -> None:
+        for out in call.outs:
+            self._add(out)
+
+    def visit_Loop(self, loop: ir.Loop) -> None:
+        if loop.index is not None:
+            self._add(loop.index)
+        self.generic_visit(loop)
+
+    def visit_Report(self, rep: ir.Report) -> None:
+        outer, self.in_report = self.in_report, True
+        self.generic_visit(rep)
+        self.in_report = outer
+
+    def _add(self, ref: ir.BlobRef) -> None:
+        assert self.task is not None
+        names = self.found.setdefault(self.task.node, {})
+        names.setdefault(ref.name, (ref.pos, self.task, self.in_report))
