@@ -19,6 +19,8 @@ floats may differ in their last digits, and a `...` line stands for any lines.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import re
 import shlex
@@ -30,9 +32,6 @@ import yaml
 from runner_util import jobrun
 
 from jobrun.errors import JobrunError
-from jobrun.ops.registry import CORE_SPECS
-from jobrun.ops.train_specs import TRAIN_SPECS
-from jobrun.plans import compile as plan_compile
 from jobrun.plans.analyze import analyze
 from jobrun.plans.compile import compile_text
 
@@ -69,6 +68,14 @@ def _blocks(text: str) -> list[Block]:
     return blocks
 
 
+@functools.cache
+def _schema() -> dict:
+    """The plan format as `jobrun schema` gives it to users: the keys there are."""
+    r = jobrun("schema")
+    assert r.code == 0, r.text
+    return json.loads(r.out)
+
+
 BLOCKS = _blocks(DOC.read_text(encoding="utf-8"))
 YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]
 RUN_BLOCKS = [b for b in BLOCKS if b.lang == "text" and b.text.startswith("$ jobrun ")]
@@ -99,7 +106,7 @@ def _wrap(block: Block) -> str:
         return _at_line(block, head + "epoch:\n", _indent(block.text, 2))
     if isinstance(data, list):
         return _at_line(block, head + "epoch:\n  - task: snippet\n    do:\n", _indent(block.text, 6))
-    if isinstance(data, dict) and set(data) <= set(plan_compile.TOP_KEYS) - {"job", "max_epochs"}:
+    if isinstance(data, dict) and set(data) <= set(_schema()["properties"]) - {"job", "max_epochs"}:
         body = "" if "epoch" in data else "epoch:\n  - task: snippet\n    do: [{log: {}}]\n"
         return _at_line(block, head + body, block.text)
     pytest.fail(f"{block.where}: a yaml block must be a plan, a list of steps or tasks, or top-level keys")
@@ -237,13 +244,19 @@ def test_shown_output(run: Block, tmp_path, monkeypatch, one_thread) -> None:
 
 
 def test_every_op_and_key_is_documented() -> None:
+    """A new op (of jobrun's own) or a new plan key fails here until the page has it."""
     text = DOC.read_text(encoding="utf-8")
     table = text.split("### 7.1 The op table", 1)[1].split("### 7.2", 1)[0]
-    missing = [s.name for s in (*CORE_SPECS, *TRAIN_SPECS) if f"`{s.name}`" not in table]
+    r = jobrun("ops", "--json")
+    assert r.code == 0, r.text
+    ops = [op["name"] for op in json.loads(r.out) if op["category"] != "user"]
+    missing = [name for name in ops if f"`{name}`" not in table]
     assert not missing, f"{SHOWN}: the op table lacks {missing}"
-    keys = (*plan_compile.TOP_KEYS, *plan_compile.TASK_KEYS, *plan_compile.CHECKPOINT_KEYS,
-            *plan_compile.CONTROL_KEYS, "elif", "else", "as")
-    missing = [k for k in keys if f"`{k}`" not in text and f"{k}:" not in text]
+    defs = _schema()["$defs"]
+    keys = {*_schema()["properties"], *defs["task"]["properties"], *defs["checkpoint"]["properties"]}
+    for step in ("loop", "stop_if", "if", "parallel", "report"):
+        keys |= set(defs[step]["properties"])
+    missing = sorted(k for k in keys if f"`{k}`" not in text and f"{k}:" not in text)
     assert not missing, f"{SHOWN}: nothing documents the keys {missing}"
 
 
