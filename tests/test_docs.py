@@ -1,0 +1,270 @@
+"""The examples of docs/plan-language.md are true.
+
+Every ```yaml block of the page is checked, and a failure names the line of the block:
+
+- a whole plan (a mapping with `job:`) compiles and analyzes clean (no error, no warning);
+- a block whose first line is `# error: TEXT` must fail to compile or analyze with TEXT
+  in the message (the page shows what is refused);
+- a list of steps, a list of tasks or a few top-level keys is wrapped into a minimal
+  plan, which must compile; `analyze` may only miss blobs the snippet takes as given.
+
+Messages give the page's line numbers (a snippet's columns are shifted by the wrapper's
+indentation).
+
+A ```text block of `$ jobrun ...` commands runs them on the plan it shows (the plan its
+output names, else the nearest whole plan above it) in a temporary directory, and
+compares what they print with the page: durations and checkpoint sizes are masked,
+floats may differ in their last digits, and a `...` line stands for any lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from runner_util import jobrun
+
+from jobrun.errors import JobrunError
+from jobrun.plans.analyze import analyze
+from jobrun.plans.compile import compile_text
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "plan-language.md"
+SHOWN = "docs/plan-language.md"
+# What a snippet may leave undefined: the blobs and outputs it takes as given.
+SNIPPET_GAPS = {"undefined-blob", "undefined-output", "stop-when"}
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    line: int  # of the opening fence, 1-based
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{SHOWN}:{self.line}"
+
+
+def _blocks(text: str) -> list[Block]:
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        start, i = i, i + 1
+        while i < len(lines) and lines[i].rstrip() != "```":
+            i += 1
+        assert i < len(lines), f"{SHOWN}:{start + 1}: code block is never closed"
+        blocks.append(Block(m.group(1), start + 1, "\n".join(lines[start + 1 : i]) + "\n"))
+        i += 1
+    return blocks
+
+
+@functools.cache
+def _schema() -> dict:
+    """The plan format as `jobrun schema` gives it to users: the keys there are."""
+    r = jobrun("schema")
+    assert r.code == 0, r.text
+    return json.loads(r.out)
+
+
+BLOCKS = _blocks(DOC.read_text(encoding="utf-8"))
+YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]
+RUN_BLOCKS = [b for b in BLOCKS if b.lang == "text" and b.text.startswith("$ jobrun ")]
+
+
+def _data(block: Block):
+    try:
+        return yaml.safe_load(block.text)
+    except yaml.YAMLError:
+        return None  # an `# error:` block may be bad YAML on purpose
+
+
+def _is_plan(block: Block) -> bool:
+    data = _data(block)
+    return isinstance(data, dict) and "job" in data
+
+
+def _expected_error(block: Block) -> str | None:
+    m = re.match(r"# error: (.+)", block.text)
+    return m.group(1).strip() if m else None
+
+
+def _wrap(block: Block) -> str:
+    """A minimal plan around a snippet, whose lines stay where they are on the page."""
+    data = _data(block)
+    head = "job: doc-snippet\nmax_epochs: 1\n"
+    if isinstance(data, list) and all(isinstance(s, dict) and "task" in s for s in data):
+        return _at_line(block, head + "epoch:\n", _indent(block.text, 2))
+    if isinstance(data, list):
+        return _at_line(block, head + "epoch:\n  - task: snippet\n    do:\n", _indent(block.text, 6))
+    if isinstance(data, dict) and set(data) <= set(_schema()["properties"]) - {"job", "max_epochs"}:
+        body = "" if "epoch" in data else "epoch:\n  - task: snippet\n    do: [{log: {}}]\n"
+        return _at_line(block, head + body, block.text)
+    pytest.fail(f"{block.where}: a yaml block must be a plan, a list of steps or tasks, or top-level keys")
+
+
+def _at_line(block: Block, head: str, body: str) -> str:
+    """`head` then `body`, with `body` starting on the line after the block's fence:
+    messages then give the page's own line numbers (blank lines are nothing in YAML)."""
+    assert head.count("\n") <= block.line
+    return "\n" * (block.line - head.count("\n")) + head + body
+
+
+def _indent(text: str, n: int) -> str:
+    return "".join(" " * n + line if line.strip() else line for line in text.splitlines(True))
+
+
+def _diagnostics(block: Block, text: str):
+    try:
+        plan = compile_text(text, filename=SHOWN)
+    except JobrunError as e:
+        return e.format_message(), []
+    return None, analyze(plan)
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=[f"line{b.line}" for b in YAML_BLOCKS])
+def test_yaml_example(block: Block) -> None:
+    wanted = _expected_error(block)
+    if wanted is not None:
+        failure, diags = _diagnostics(block, _at_line(block, "", block.text))
+        messages = [failure] if failure else [d.format() for d in diags if d.severity == "error"]
+        assert any(wanted in m for m in messages), (
+            f"{block.where}: the page says this plan fails with {wanted!r}; got {messages or 'no error'}"
+        )
+        return
+    if _is_plan(block):
+        failure, diags = _diagnostics(block, _at_line(block, "", block.text))
+        assert failure is None, f"{block.where}: the plan does not compile:\n{failure}"
+        assert not diags, f"{block.where}: analyze is not clean:\n" + "\n".join(d.format() for d in diags)
+        return
+    failure, diags = _diagnostics(block, _wrap(block))
+    assert failure is None, f"{block.where}: the snippet does not compile in a minimal plan:\n{failure}"
+    bad = [d.format() for d in diags if d.severity == "error" and d.code not in SNIPPET_GAPS]
+    assert not bad, f"{block.where}: analyze finds errors in the snippet:\n" + "\n".join(bad)
+
+
+# -- commands and their output -------------------------------------------------------------
+
+
+def _plan_for(run: Block) -> Block:
+    named = re.search(r"^job: (\S+)$|^job '([^']+)' finished", run.text, re.M)
+    plans = [b for b in YAML_BLOCKS if _is_plan(b) and _expected_error(b) is None]
+    if named:
+        job = named.group(1) or named.group(2)
+        found = [b for b in plans if _data(b)["job"] == job]
+        assert found, f"{run.where}: the output names job {job!r}, which no plan on the page has"
+        return found[0]
+    above = [b for b in plans if b.line < run.line]
+    assert above, f"{run.where}: no plan above these commands"
+    return above[-1]
+
+
+def _commands(run: Block) -> list[tuple[list[str], list[str]]]:
+    """(argv after `jobrun`, expected output lines) for each `$ jobrun` line."""
+    out: list[tuple[list[str], list[str]]] = []
+    for line in run.text.splitlines():
+        if line.startswith("$ "):
+            argv = shlex.split(line[2:])
+            assert argv[0] == "jobrun" and argv[1] in ("train", "print", "analyze"), (
+                f"{run.where}: cannot run {line!r} here"
+            )
+            out.append((argv[1:], []))
+        else:
+            out[-1][1].append(line)
+    return out
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def _masked(line: str) -> str:
+    line = re.sub(r"\b\d+\.\d\ds\b", "<time>", line.rstrip())
+    return re.sub(r"\bckpt .*$", "ckpt <saved>", line)
+
+
+def _same_line(shown: str, got: str) -> bool:
+    shown, got = _masked(shown), _masked(got)
+    if _NUMBER.sub("#", shown) != _NUMBER.sub("#", got):
+        return False
+    for a, b in zip(_NUMBER.findall(shown), _NUMBER.findall(got), strict=True):
+        if "." not in a + b and "e" not in a + b:
+            if a != b:
+                return False
+        elif not math.isclose(float(a), float(b), rel_tol=0.02, abs_tol=0.005):
+            return False
+    return True
+
+
+def _matches(shown: list[str], got: list[str]) -> bool:
+    """`got` is `shown`, where a `...` line of `shown` stands for any lines."""
+    if not shown:
+        return not got
+    if shown[0] == "...":
+        return any(_matches(shown[1:], got[k:]) for k in range(len(got) + 1))
+    return bool(got) and _same_line(shown[0], got[0]) and _matches(shown[1:], got[1:])
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """Train with one torch thread: the machine is shared, and results do not depend on
+    it here; the process's own count is restored for the tests that follow."""
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("JOBRUN_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("run", RUN_BLOCKS, ids=[f"line{b.line}" for b in RUN_BLOCKS])
+def test_shown_output(run: Block, tmp_path, monkeypatch, one_thread) -> None:
+    plan = _plan_for(run)
+    (tmp_path / "plan.yaml").write_text(plan.text)
+    monkeypatch.chdir(tmp_path)
+    for argv, shown in _commands(run):
+        r = jobrun(*argv)
+        got = (r.out + r.err).splitlines()
+        assert r.code == 0, f"{run.where}: `jobrun {' '.join(argv)}` failed:\n{r.text}"
+        assert _matches([s.rstrip() for s in shown], [g.rstrip() for g in got]), (
+            f"{run.where}: `jobrun {' '.join(argv)}` on the plan at line {plan.line} prints\n"
+            + "\n".join(got) + "\n-- the page shows --\n" + "\n".join(shown)
+        )
+
+
+# -- coverage of the language --------------------------------------------------------------
+
+
+def test_every_op_and_key_is_documented() -> None:
+    """A new op (of jobrun's own) or a new plan key fails here until the page has it."""
+    text = DOC.read_text(encoding="utf-8")
+    table = text.split("### 7.1 The op table", 1)[1].split("### 7.2", 1)[0]
+    r = jobrun("ops", "--json")
+    assert r.code == 0, r.text
+    ops = [op["name"] for op in json.loads(r.out) if op["category"] != "user"]
+    missing = [name for name in ops if f"`{name}`" not in table]
+    assert not missing, f"{SHOWN}: the op table lacks {missing}"
+    defs = _schema()["$defs"]
+    keys = {*_schema()["properties"], *defs["task"]["properties"], *defs["checkpoint"]["properties"]}
+    for step in ("loop", "stop_if", "if", "parallel", "report"):
+        keys |= set(defs[step]["properties"])
+    missing = sorted(k for k in keys if f"`{k}`" not in text and f"{k}:" not in text)
+    assert not missing, f"{SHOWN}: nothing documents the keys {missing}"
+
+
+def test_every_example_kind_is_present() -> None:
+    """The checks above run on something: plans, errors, snippets and shown runs."""
+    plans = [b for b in YAML_BLOCKS if _is_plan(b) and _expected_error(b) is None]
+    errors = [b for b in YAML_BLOCKS if _expected_error(b) is not None]
+    snippets = [b for b in YAML_BLOCKS if not _is_plan(b) and _expected_error(b) is None]
+    trained = [r for r in RUN_BLOCKS if "$ jobrun train" in r.text]
+    assert len(plans) >= 6 and len(errors) >= 2 and len(snippets) >= 5 and len(trained) >= 5
+    assert "../shared" not in DOC.read_text(encoding="utf-8")
