@@ -8,7 +8,8 @@ Each corpus file starts with its expectation::
 
 `<line>:<col>` is where the message must point in that file (`-` when the error is about
 the command line, not the file); every word must appear in the message or its hint.
-Nothing may print a traceback. The subprocesses run concurrently, once per session.
+Nothing may print a traceback. The cases run in-process (the CLI's own entry point), and
+a few of them again as `python -m jobrun` processes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import os
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,26 +83,38 @@ class Result:
 
 
 def _run(case: Case, tmp: Path) -> Result:
+    from runner_util import jobrun
+
     path = case.path.replace("<tmp>", str(tmp))
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobrun", case.cmd, path, *case.args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-    return Result(path, proc.returncode, proc.stdout, proc.stderr)
+    r = jobrun(case.cmd, path, *case.args)  # an exception other than a clean exit fails here
+    return Result(path, r.code, r.out, r.err)
 
 
 @pytest.fixture(scope="session")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
     tmp = tmp_path_factory.mktemp("bad_plans")
     (tmp / "empty.yaml").write_bytes(b"")
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = {c.name: pool.submit(_run, c, tmp) for c in CASES}
-        return {name: f.result() for name, f in futures.items()}
+    here = os.getcwd()
+    os.chdir(ROOT)  # corpus paths are relative to the checkout, as a user types them
+    try:
+        return {c.name: _run(c, tmp) for c in CASES}
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("alias_bomb", "missing_file", "empty_file")],
+                         ids=lambda c: c.name)
+def test_bad_plan_in_a_new_process(case: Case, tmp_path: Path, monkeypatch) -> None:
+    """A few cases through `python -m jobrun` as well: the same exit and message."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "empty.yaml").write_bytes(b"")
+    path = case.path.replace("<tmp>", str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "jobrun", case.cmd, path, *case.args], cwd=ROOT,
+                          capture_output=True, text=True, errors="replace", timeout=120)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.returncode == case.exit
+    assert proc.stderr == _run(case, tmp_path).stderr
 
 
 def _message_block(text: str, head: str) -> str:

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("runner", "dispatch", "plans", "checkpoint", "memory", "startup")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory probes read /proc")
 def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

@@ -60,6 +60,7 @@ def _reseal(rdir: Path, change) -> None:
     (rdir / "COMMIT").write_text(json.dumps(commit))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["values.json", "tensors.safetensors", "MANIFEST.json", "COMMIT"])
 def test_a_fifo_in_a_checkpoint_makes_it_invalid_and_never_hangs(run, name):
     target = _rank(run, 3) / name
@@ -77,6 +78,7 @@ def test_a_fifo_in_a_checkpoint_makes_it_invalid_and_never_hangs(run, name):
     assert resumed.code == 1 and "cannot be used" in resumed.err
 
 
+@pytest.mark.slow
 def test_resume_skips_an_epoch_with_a_fifo_to_the_one_before(run):
     info = json.loads((run / "run.json").read_text())
     info["status"] = "interrupted"

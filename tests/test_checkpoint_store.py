@@ -625,6 +625,7 @@ KILL_POINTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 @pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_sigkill_during_save(tmp_path: Path, point: str) -> None:

@@ -54,6 +54,7 @@ def _run(tmp_path, text: str, **env: str) -> tuple[subprocess.CompletedProcess, 
     return p, (tmp_path / "run" / "console.log").read_text()
 
 
+@pytest.mark.slow
 def test_piped_output_is_one_plain_line_per_epoch(tmp_path):
     p, log = _run(tmp_path, COUNTER)
     assert p.returncode == 0, p.stderr
@@ -68,6 +69,7 @@ def test_piped_output_is_one_plain_line_per_epoch(tmp_path):
     assert log.splitlines() == lines  # console.log holds what was printed
 
 
+@pytest.mark.slow
 def test_a_long_epoch_shows_life_in_a_log(tmp_path):
     slow = COUNTER.replace("      - add: {in: [n, 1], out: n}\n", (
         "      - add: {in: [n, 1], out: n}\n"
@@ -80,6 +82,7 @@ def test_a_long_epoch_shows_life_in_a_log(tmp_path):
     assert all(line in log for line in beats)
 
 
+@pytest.mark.slow
 def test_a_failure_is_in_console_log_too(tmp_path):
     p, log = _run(tmp_path, COUNTER.replace("      - log: {in: [n], msg: counted}\n",
                                             "      - call: {fn: \"jobrun_test_helpers:fail\"}\n"))

@@ -114,6 +114,7 @@ def test_export_plan_is_clean() -> None:
 # -- train: the loss falls, the accuracy rises --------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_training_loss_falls(runs, name: str) -> None:
     records = _epoch_logs(runs[name])
@@ -168,6 +169,7 @@ def _fresh_model(name: str, run: Path) -> nn.Module:
     return CharLM(vocab, d_model=64, heads=4, layers=2, context=64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_saved_model_loads_and_equals_the_last_checkpoint(runs, name: str) -> None:
     run = runs[name]

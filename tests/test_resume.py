@@ -144,6 +144,7 @@ def test_kill_9_during_saves(tmp_path, reference):
         assert not leftovers or all(p.exists() for p in leftovers)  # never taken for a checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     plan = tmp_path / "plan.yaml"
@@ -423,6 +424,7 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     assert _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
 
 
+@pytest.mark.slow
 def test_two_runners_cannot_share_a_run_dir(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[1.0]"))
