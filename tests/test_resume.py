@@ -506,6 +506,25 @@ def test_upload_copies_last_checkpoint(tmp_path):
     assert any((run / "shipped" / "local").rglob("tensors.safetensors"))
 
 
+def test_a_run_killed_after_training_uploads_its_last_epoch_on_resume(tmp_path):
+    """The job fails in `exit` (after the upload): resume goes on from the last epoch and
+    uploads that epoch again, not checkpoint 0."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", "dir: ckpt, upload: shipped, keep: null}")
+        + "exit:\n  - task: bye\n    do: [{call: {fn: \"jobrun_test_helpers:fail_once\", "
+          "path: \"${run_dir}/../failed\"}}]\n"
+    )
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 1
+    shutil.rmtree(run / "shipped")
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert "resumed from checkpoint epoch 6" in r.out and "uploaded local epoch 6" in r.out
+    manifest = json.loads((run / "shipped" / "local" / "rank-0" / "MANIFEST.json").read_text())
+    assert manifest["epoch"] == 6
+
+
 def test_ckpt_list_show_export(reference, tmp_path):
     r = jobrun("ckpt", "list", reference)
     assert r.code == 0

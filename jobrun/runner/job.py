@@ -149,7 +149,7 @@ class JobRunner:
             self._resumable = True
             return False
         meta = self._restore(resume)
-        self.epoch = resume
+        self.epoch = self._last_saved = resume  # the checkpoint it resumed from is the newest
         self.display.line(f"resumed from checkpoint epoch {resume}")
         # The stop condition of this plan (a resume may have raised max_epochs), on the
         # outputs the epoch had; checkpoint 0 has none.
