@@ -126,3 +126,30 @@ def test_a_huge_manifest_is_refused_without_reading_it_whole(run):
     r = jobrun("ckpt", "list", run)
     row = next(line for line in r.out.splitlines() if line.split()[0] == "3")
     assert "INVALID" in row
+
+
+def test_resume_and_prune_clean_what_killed_saves_left(run):
+    """Leftovers of a save or prune killed mid-way (their writer's pid is gone) disappear;
+    those of a running process (pid 1) and a rank's old copy whose new one never arrived
+    are treated right."""
+    from jobrun import store
+
+    ckpt = run / "ckpt"
+    dead = 2**22 + 12345  # above any pid_max: no such process
+    (ckpt / "local.3" / f".tmp-rank-0-{dead}-deadbeef").mkdir()
+    (ckpt / "local.3" / f".tmp-rank-0-{dead}-deadbeef" / "tensors.safetensors").write_bytes(b"x")
+    (ckpt / ".deleting-local.1-0badf00d").mkdir()
+    (_rank(run, 1) / ".COMMIT.tmp-12345678").write_text("{")
+    (ckpt / "local.3" / ".tmp-rank-0-1-cafebabe").mkdir()  # pid 1 is alive: not ours to take
+    # a rank moved aside for a rewrite that was then killed: the old copy comes back
+    (_rank(run, 2)).rename(ckpt / "local.2" / f".old-rank-0-{dead}-feedface")
+    removed = store.clean(ckpt)
+    assert sorted(removed) == sorted([f"local.3/.tmp-rank-0-{dead}-deadbeef", ".deleting-local.1-0badf00d",
+                                      "local.1/rank-0/.COMMIT.tmp-12345678"])
+    assert (ckpt / "local.3" / ".tmp-rank-0-1-cafebabe").is_dir()
+    assert (_rank(run, 2) / "COMMIT").is_file()
+    assert jobrun("ckpt", "list", run, "--verify").out.count(" ok") == 4
+    (ckpt / ".deleting-local.0-0badf00d").mkdir()
+    r = jobrun("resume", "--run-dir", run, "--epoch", "2")
+    assert r.code == 0, r.text
+    assert not (ckpt / ".deleting-local.0-0badf00d").exists()

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from jobrun import __version__, safefs
+from jobrun import __version__, safefs, store
 from jobrun.errors import CheckpointError, JobrunError, PlanError, RunError, UsageError
 from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
@@ -117,6 +117,8 @@ def resume(run_dir: str | None, epoch: int | None, sets: tuple[str, ...] = ()) -
                   "nothing to do (use --epoch E to train again from E)")
             return 0
         device = str(info.get("device") or plan.device)
+        if leader:
+            store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         if torchrun:
             # Every process checksums its own rank only; they agree on the epoch together.
             _init_process_group(_device(device, n))
@@ -187,8 +189,6 @@ def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
     found, so that all skip, pick or refuse the same epoch: each byte is read once, by the
     rank it belongs to. The cheap checks (COMMIT, manifests, sizes) agree by themselves.
     """
-    from jobrun import store
-
     nodes = list(plan.nodes)
     say = rank in (None, 0)
 

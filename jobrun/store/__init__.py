@@ -13,6 +13,7 @@ another (see runner/job.py): the same write as a synchronous ``save``.
 from jobrun.store.catalog import (
     EpochInfo,
     NodeInfo,
+    clean,
     latest_complete_epoch,
     list_checkpoints,
     prune,
@@ -42,6 +43,7 @@ __all__ = [
     "SaveResult",
     "SavedState",
     "UnsupportedValue",
+    "clean",
     "epoch_dir",
     "latest_complete_epoch",
     "list_checkpoints",

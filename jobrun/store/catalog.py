@@ -228,7 +228,58 @@ def prune(ckpt_dir: str | os.PathLike[str], keep: int, nodes: list[str]) -> list
                     hint=f"check the permissions of {ckpt_dir}",
                 ) from e
             shutil.rmtree(gone, ignore_errors=True)
+    clean(ckpt_dir)
     return doomed
+
+
+# What a save or a prune leaves behind when it is killed (see files.place_dir and prune):
+# a temporary directory or marker named with the writer's pid, an old copy moved aside,
+# an epoch renamed away for deletion.
+_LEFTOVER = re.compile(r"\.(?:tmp|old)-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}|\.deleting-.+"
+                       r"|\.COMMIT\.tmp-[0-9a-f]{8}")
+
+
+def clean(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove the leftovers of killed saves and prunes (never those of a process that is
+    still running); a rank whose rename was cut short gets its old copy back. Returns
+    what it removed, relative to ``ckpt_dir``."""
+    root = Path(ckpt_dir)
+    places = [root]
+    for _node, _epoch, edir in _epoch_dirs(root):
+        places.append(edir)
+        places += [edir / f"rank-{r}" for r in ranks_in(edir)]
+    removed: list[str] = []
+    for d in places:
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for entry in entries:
+            m = _LEFTOVER.fullmatch(entry.name)
+            if m is None or (m["pid"] and int(m["pid"]) != os.getpid() and _alive(int(m["pid"]))):
+                continue
+            path = Path(entry.path)
+            if entry.name.startswith(".old-") and not (d / m["name"]).exists():
+                with contextlib.suppress(OSError):
+                    os.replace(path, d / m["name"])  # the new copy never arrived: keep the old
+                    continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            removed.append(str(path.relative_to(root)))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def upload(
