@@ -29,7 +29,7 @@ from jobrun.plans import ir
 from jobrun.runner import checkpoint as store
 from jobrun.runner.codec import SavedState, UnsupportedValue
 from jobrun.runner.display import Display, human_size
-from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
+from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.rundir import METRICS_FILE, Metrics, TensorBoard, update_run_info
 
 RNG_KEY = "jobrun:rng"
@@ -189,7 +189,7 @@ class JobRunner:
         def runner(t: CompiledTask):
             return lambda: results.__setitem__(t.task.name, t.run())
 
-        _run_concurrently([runner(t) for t in tasks], f"group {name}")
+        run_concurrently([runner(t) for t in tasks], f"group {name}")
         return {t.task.name: results[t.task.name] for t in tasks}
 
     # -- checkpoints ----------------------------------------------------------------
