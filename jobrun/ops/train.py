@@ -77,6 +77,7 @@ def _loss_fn(name: str, op: str) -> Callable[[torch.Tensor, torch.Tensor], torch
 _Optimizer = torch.optim.Optimizer
 _Tensor = torch.Tensor
 _FLOAT32 = torch.float32
+_FLOAT16 = torch.float16
 
 
 def train_step(
@@ -105,14 +106,14 @@ def train_step(
     """
     # Every line runs once per training step, between torch's kernels, where Python work
     # costs several times what a micro-benchmark shows (cold caches): the common case
-    # reads attributes and skips conversions.
+    # reads attributes, calls nothing it can do without, and skips conversions.
     if not isinstance(opt, _Optimizer):
         require_optimizer("train.step", opt)
     if accumulate.__class__ is not int or accumulate < 1:
         require_int("train.step", "accumulate", accumulate, 1)
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise RunError(f"train.step: clip_grad_norm must be > 0, got {clip_grad_norm}")
-    loss_fn = _LOSSES.get(loss) or _loss_fn(loss, "train.step")
+    loss_fn = _LOSSES[loss] if loss in _LOSSES else _loss_fn(loss, "train.step")
     dtype = None if amp is None else _amp_dtype(ctx, amp)
     device = ctx.device
     if not (
@@ -124,13 +125,12 @@ def train_step(
     shape = y.shape
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
-    total = GlobalCount(ctx, local) if replicas else None  # overlaps with the first forward
-    scaler = _scaler(opt) if dtype is torch.float16 else None
+    count = GlobalCount(ctx, local) if replicas else None  # overlaps with the first forward
+    scaler = _scaler(opt) if dtype is _FLOAT16 else None
     opt.zero_grad(set_to_none=True)
-    batches = ((x, y),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
-    value = None  # the weighted loss sum of this rank
-    for xb, yb in batches:
-        n = yb.shape[0] if shape else 1
+    batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
+    value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
+    for xb, yb, n in batches:
         if not n:
             continue  # an empty slice of a short global batch contributes nothing
         if dtype is None:
@@ -138,16 +138,19 @@ def train_step(
         else:
             with torch.autocast("cuda", dtype=dtype):
                 part = loss_fn(model(xb), yb)
-        n_all = local if total is None else total.value
+        n_all = local if count is None else count.value
         if n != n_all:
             part = part * (n / n_all)
         (part if scaler is None else scaler.scale(part)).backward()
         value = part if value is None else value.detach() + part.detach()
-    # After the backward, so that every rank raises or none does.
-    _check_total(local if total is None else total.value)
+    if not (local if count is None else count.value):  # after the backward: all ranks raise
+        raise RunError(
+            "train.step got an empty batch",
+            hint="check `done` from `read` before training on its fields",
+        )
     if value is None:
         value = torch.zeros((), device=device)
-    params = _trained_params(opt) if replicas or clip_grad_norm is not None else []
+    params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
     mean = allreduce_grads(ctx, params, value.detach()) if replicas else None
     if scaler is not None:
         scaler.unscale_(opt)
@@ -161,17 +164,16 @@ def train_step(
     if replicas and isinstance(model, nn.Module):
         with torch.no_grad():  # e.g. BatchNorm running statistics follow rank 0
             broadcast_tensors(ctx, list(model.buffers()), src=0)
+    # Keep the loss (with its autograd nodes) until the next step, as a hand-written
+    # loop's variable does: freed while the next forward allocates, it measured 1.5-2.5
+    # us a step cheaper than freed on return.
+    _last_loss[0] = value
     if mean is None:
         mean = value.item() if value.dtype is _FLOAT32 else value.detach().float().item()
     return mean
 
 
-def _check_total(n: int) -> None:
-    if n == 0:
-        raise RunError(
-            "train.step got an empty batch",
-            hint="check `done` from `read` before training on its fields",
-        )
+_last_loss: list[Any] = [None]
 
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -200,14 +202,14 @@ def _scaler(opt: Any) -> Any:
     return scaler
 
 
-def _micro_batches(x: torch.Tensor, y: torch.Tensor, accumulate: int):
-    """`accumulate` (> 1) slices of a batch of records, for one optimizer step."""
+def _micro_batches(x: torch.Tensor, y: torch.Tensor, accumulate: int) -> list[tuple]:
+    """`accumulate` (> 1) slices of a batch of records: (x, y, records) each."""
     if x.shape[0] != y.shape[0]:
         raise RunError(
             f"train.step: x has {x.shape[0]} records, y has {y.shape[0]}",
             hint="accumulate splits the first dimension of x and y; they must agree",
         )
-    return list(zip(x.tensor_split(accumulate), y.tensor_split(accumulate)))
+    return [(xb, yb, yb.shape[0]) for xb, yb in zip(x.tensor_split(accumulate), y.tensor_split(accumulate))]
 
 
 def _trained_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
