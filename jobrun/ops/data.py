@@ -150,9 +150,14 @@ def _pick(mapping: dict[str, Any], keys: list[str] | None, file: Path) -> list[A
 
 
 def _load_safetensors(file: Path) -> dict[str, Any]:
-    from jobrun.runner.safetensors_io import read_safetensors
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
-    return read_safetensors(file)  # bad files raise CheckpointError naming the file
+    try:
+        return load_file(file)
+    except SafetensorError as e:
+        raise RunError(f"data.load: cannot read {file.name!r}: {e}",
+                       hint="the file is damaged or is not a safetensors file") from e
 
 
 def _load_pt(file: Path, keys: list[str] | None) -> list[Any]:
