@@ -84,9 +84,9 @@ class HandLoop:
         import torch.nn.functional as F
 
         from jobrun.ops.context import OpContext
-        from jobrun.ops.reader import reader_op
         from jobrun.ops.data import data_synthetic
         from jobrun.ops.models import model_mlp, optimizer
+        from jobrun.ops.reader import reader_op
         from jobrun.ops.train import train_step
 
         self.torch, self.F = torch, F

@@ -26,7 +26,8 @@ training step over a hand-written loop, the generated code about 4 us. Op functi
 literal inputs and arguments are globals of the generated module, never written as text;
 blob names appear in it only as repr() literals. Each line ends with a ``# file:line op``
 comment, linecache holds the source (tracebacks show it), and the line a failure comes
-from finds the step it belongs to, which turns it into an error with the plan position.
+from finds the step it belongs to, which turns it into an error with the plan position
+(the source writer: :mod:`jobrun.runner.codegen`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class NodeRuntime:
 
 
 class CompiledTask:
+    """A task generated once for its node; `run` runs it (every epoch, for an epoch task)."""
+
     def __init__(self, task: ir.Task, node: NodeRuntime):
         self.task = task
         self.node = node
