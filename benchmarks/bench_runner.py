@@ -75,9 +75,8 @@ class HandLoop:
     `model.mlp` builds it, from the node's seeded generator), same batches (the reader's
     shuffle of each pass), so both trajectories are the same numbers: a tiny model's
     speed depends on its values (denormals), and this keeps that out of the ratio.
-    With ``ops=True`` the loop calls jobrun's op functions instead (read, train.step as
-    the executor binds it for the plan's call site, evaluate): the difference to jobrun is
-    then the executor's and runner's own cost.
+    With ``ops=True`` the loop calls jobrun's op functions instead (read, train.step,
+    evaluate): the difference to jobrun is then the executor's and runner's own cost.
     """
 
     def __init__(self, sizes: list[int], batch: int, log_path: Path, ops: bool = False):
@@ -85,8 +84,10 @@ class HandLoop:
         import torch.nn.functional as F
 
         from jobrun.ops.context import OpContext
+        from jobrun.ops.data import data_synthetic
+        from jobrun.ops.models import model_mlp, optimizer
         from jobrun.ops.reader import reader_op
-        from jobrun.ops.train import data_synthetic, model_mlp, optimizer, train_step
+        from jobrun.ops.train import train_step
 
         self.torch, self.F = torch, F
         ctx = self.ctx = OpContext(node="local", seed=0, device="cpu")
@@ -101,8 +102,7 @@ class HandLoop:
         self.model = model_mlp(ctx, sizes=sizes)
         if ops:
             self.opt = optimizer(ctx, self.model, lr=0.1, momentum=0.9)
-            # What the executor calls for `train.step` without arguments (see _bound there).
-            self.train_step = train_step.bind(ctx) or train_step
+            self.train_step = train_step
         else:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.batch = batch

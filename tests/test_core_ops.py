@@ -155,12 +155,17 @@ def test_call_passes_positional_inputs_and_keyword_args(plan_file, tmp_path):
 
 
 @pytest.mark.parametrize("fn,words", [
-    ("nosuchmodule_xyz:f", "cannot import module 'nosuchmodule_xyz'"),
-    ("json:nosuchfunction", "has no attribute 'nosuchfunction'"),
+    ("nosuchmodule_xyz:f", ["fn 'nosuchmodule_xyz:f' cannot be imported",
+                            "No module named 'nosuchmodule_xyz'", "hint: check the spelling"]),
+    ("json:nosuchfunction", ["'json' has no attribute 'nosuchfunction'"]),
+    ("json:dumpz", ["'json' has no attribute 'dumpz'", "hint: did you mean 'dump'?"]),
+    ("json.decoder.NaN", ["fn 'json.decoder.NaN' is a float, not something callable"]),
 ])
 def test_call_bad_function(plan_file, tmp_path, fn, words):
     r, _ = run(plan_file, tmp_path, f'      - call: {{fn: "{fn}", out: x}}\n')
-    assert r.code == 1 and words in r.err and "Traceback" not in r.text
+    assert r.code == 1 and "Traceback" not in r.text
+    assert "plan.yaml:15:9: error: op `call` in task 't' on node 'local': fn" in r.err
+    assert all(w in r.err for w in words), r.err
 
 
 def test_reader_and_read_in_a_plan(plan_file, tmp_path):

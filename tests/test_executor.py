@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 import traceback
 
@@ -14,7 +15,6 @@ from jobrun.runner.executor import (
     CompiledTask,
     NodeRuntime,
     OpFailed,
-    _bound,
     _private_workspace,
 )
 
@@ -79,13 +79,12 @@ epoch:
 
 
 @pytest.mark.parametrize("workspace", ["private", "global"])
-def test_loops_of_ops_run_inline_with_the_same_semantics(workspace):
-    import linecache
-
+def test_loops_and_stop_if_in_every_kind_of_block(workspace):
     g, out = run(HEADER + f"""
   - task: counts
     do:
       - const: {{out: three, value: 3}}
+      - const: {{out: inner, value: 0}}
 epoch:
   - task: work
     workspace: {workspace}
@@ -109,17 +108,87 @@ epoch:
           - add: {{in: [q, 100], out: q}}
       - loop: 3
         do:
-          - if: enough         # not a loop of ops only: run as a closure
+          - if: enough
             then: [{{add: {{in: [q, 10], out: q}}}}]
+      - loop: 2                # a stop_if in a nested loop ends the inner loop only
+        do:
+          - loop: 5
+            do:
+              - add: {{in: [inner, 1], out: inner}}
+              - if: enough     # inside an if: still the innermost loop
+                then: [{{stop_if: enough}}]
       - stop_if: enough        # ends the task's do
       - const: {{out: after, value: 1}}
-    outputs: [k, n]
+    exit:
+      - const: {{out: exited, value: 1}}  # runs after a stop_if
+    outputs: [k, n, exited]
 """)
-    assert g["total"] == 0 + 1 + 2 and g["i"] == 1 and g["q"] == 3 + 30
-    assert "after" not in g and out["work"] == {"k": 2, "n": 4}
-    sources = [v[2] for k, v in linecache.cache.items() if "task 'work'" in k]
-    inline = [src for src in sources if any("for i in range(n):" in line for line in src)]
-    assert inline and any("break" in "".join(src) for src in inline)
+    assert g["total"] == 0 + 1 + 2 and g["i"] == 1 and g["q"] == 3 + 30 and g["inner"] == 2
+    assert "after" not in g and out["work"] == {"k": 2, "n": 4, "exited": 1}
+
+
+def test_the_generated_source_names_its_ops_and_plan_lines():
+    import linecache
+
+    run(HEADER + """
+epoch:
+  - task: shown
+    do:
+      - loop: null
+        do:
+          - add: {in: [total, 1], out: total}
+          - ge: {in: [total, 3], out: enough}
+          - stop_if: enough
+      - stop_if: enough
+""")
+    (source,) = [v[2] for k, v in linecache.cache.items() if "task 'shown'" in k][-1:]
+    body = [line.rstrip("\n") for line in source if "# plan.yaml:" in line]
+    assert any(line.strip().startswith("while True:  # plan.yaml:14 loop") for line in body)
+    assert any(re.search(r"= op\d+_add\(ctx, L\['total'\], lit\d+\)  # plan.yaml:16 add$", line) for line in body)
+    assert [line.strip() for line in body if "stop_if" in line and ":" not in line.split("#")[0]] == [
+        "break  # plan.yaml:18 stop_if enough",  # in a loop: leaves it
+        "return True  # plan.yaml:19 stop_if enough",  # outside any loop: ends the `do`
+    ]
+    # Every line of a step says where in the plan it comes from (the rest is the
+    # function's frame: def, try, the handler and an empty section's `pass`).
+    frame = {"pass", "raise", "failed(e)"}
+    steps = [line for line in source if line.startswith("        ") and line.strip() not in frame]
+    assert len(steps) > 10 and all(re.search(r"  # plan.yaml:\d+ \S", line) for line in steps)
+
+
+def test_a_stop_if_in_a_parallel_branch_acts_at_the_parallel():
+    g, out = run(HEADER + """
+epoch:
+  - task: work
+    do:
+      - const: {out: stop, value: true}
+      - loop: 3
+        do:
+          - add: {in: [total, 1], out: total}
+          - parallel:
+              - {do: [{stop_if: stop}]}            # leaves the loop around the parallel
+              - {do: [{add: {in: [q, 1], out: q}}]}
+      - add: {in: [i, 1], out: i}
+""")
+    assert g["total"] == 1 and g["q"] == 1 and g["i"] == 1
+
+
+def test_a_report_runs_once_more_when_its_block_is_left_by_stop_if():
+    _, out = run(HEADER + """
+epoch:
+  - task: work
+    do:
+      - call: {fn: "jobrun_test_helpers:new_list", out: seen}
+      - const: {out: stop, value: true}
+      - loop: 2
+        do:
+          - report: 3600s                        # never by its period here
+            do:
+              - call: {fn: "jobrun_test_helpers:append", in: [seen, 1]}
+          - stop_if: stop
+    outputs: [seen]
+""")
+    assert out["work"] == {"seen": [1]}  # the loop ended in its first iteration
 
 
 @pytest.mark.parametrize("body", ["- add: {in: [total, 1], out: total}",
@@ -192,6 +261,32 @@ epoch:
     assert isinstance(e, OpFailed) and message in str(e) and e.pos.line == line
 
 
+def test_an_undefined_elif_condition_is_reported_at_its_branch():
+    step = "        elif: [{if: nothing, then: []}]"
+    e, line = _failure("""
+epoch:
+  - task: work
+    do:
+      - const: {out: nope, value: false}
+      - if: nope
+        then: []
+""" + step + "\n", step)
+    assert not isinstance(e, OpFailed) and e.pos.line == line
+    assert "if: blob 'nothing' is not defined on node 'local'" in str(e)
+
+
+def test_a_key_error_inside_an_op_is_the_op_failing_not_an_undefined_blob():
+    step = '      - call: {fn: "operator:getitem", in: [d, 1]}'
+    e, line = _failure("""
+epoch:
+  - task: work
+    do:
+      - call: {fn: "builtins:dict", out: d}
+""" + step + "\n", step)
+    assert isinstance(e, OpFailed) and e.pos.line == line
+    assert "op `call` in task 'work' on node 'local' failed: KeyError: 1" in str(e)
+
+
 def test_stop_if_over_an_undefined_blob_is_a_run_error_of_its_own():
     e, _ = _failure("""
 epoch:
@@ -216,23 +311,3 @@ def test_private_workspace_reads_its_own_names_first_then_the_global_ones():
     assert local["model"] == 4 and "late" not in local
     with pytest.raises(KeyError, match="nothing"):
         local["nothing"]
-
-
-def test_bound_ops_check_their_arguments_once_or_fall_back_to_the_op():
-    ctx = OpContext()
-
-    def op(ctx, x, *, k=1):
-        return x * k
-
-    def fast(ctx, x):
-        return x * 10
-
-    op.bind = lambda ctx, k=1: fast if k == 10 else None
-    assert _bound(op, ctx, {"k": 10}) == (fast, {})
-    assert _bound(op, ctx, {"k": 2}) == (op, {"k": 2})
-    assert _bound(op, ctx, {"j": 2}) == (op, {"j": 2})  # bind raised: the op raises later
-
-    def plain(ctx, x):
-        return x
-
-    assert _bound(plain, ctx, {}) == (plain, {})

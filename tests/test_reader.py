@@ -123,6 +123,20 @@ def test_shuffle_is_a_seeded_permutation_per_pass():
     assert a != first_two_passes(OpContext(seed=1), ordinal_skip=1)
 
 
+def test_a_resumed_node_numbers_its_next_reader_as_the_first_run_did():
+    """Readers made by epoch tasks are numbered per node; the number is part of the
+    context's state, which checkpoints carry, so a resumed run shuffles the same way."""
+    ctx = OpContext(seed=1)
+    reader_op(ctx, torch.arange(8))  # the node's first reader
+    saved = ctx.state()
+    second = reader_op(ctx, torch.arange(20), batch_size=20, shuffle=True)
+    resumed = OpContext(seed=1)
+    resumed.load_state(saved)
+    again = reader_op(resumed, torch.arange(20), batch_size=20, shuffle=True)
+    assert _epoch_batches(resumed, again) == _epoch_batches(ctx, second)
+    assert ctx.state() == resumed.state() != saved  # both counted the second reader
+
+
 def test_state_dict_round_trip_resumes_the_same_sequence():
     data = torch.arange(11)
     ctx = OpContext(seed=5)

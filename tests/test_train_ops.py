@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from jobrun.errors import RunError
-from jobrun.ops import train
+from jobrun.ops import data, dist, models, train
 from jobrun.ops.context import OpContext
 from jobrun.ops.reader import read_op, reader_op
 
@@ -50,11 +51,12 @@ def test_specs_import_without_torch_and_match_the_implementations():
 
     from jobrun.ops.train_specs import TRAIN_SPECS
 
+    modules = {m.__name__: m for m in (data, dist, models, train)}
     for spec in TRAIN_SPECS:
         module, _, name = spec.impl.partition(":")
-        assert module == "jobrun.ops.train" and spec.category == "training"
+        assert module in modules and spec.category == "training"
         assert spec.example.startswith(f"- {spec.name}: {{") and "\n" not in spec.example
-        params = inspect.signature(getattr(train, name)).parameters
+        params = inspect.signature(getattr(modules[module], name)).parameters
         for a in spec.args:
             assert a.doc, (spec.name, a.name)
             assert params[a.name].kind is inspect.Parameter.KEYWORD_ONLY, (spec.name, a.name)
@@ -68,19 +70,19 @@ def test_specs_import_without_torch_and_match_the_implementations():
 def test_synthetic_data_is_a_function_of_its_seed():
     ctx = OpContext()
     args = dict(task="classification", n=50, features=4, classes=3)
-    x, y = train.data_synthetic(ctx, **args)
-    x2, y2 = train.data_synthetic(OpContext(seed=7, node="other"), **args)
+    x, y = data.data_synthetic(ctx, **args)
+    x2, y2 = data.data_synthetic(OpContext(seed=7, node="other"), **args)
     assert x.dtype == torch.float32 and x.shape == (50, 4)
     assert y.dtype == torch.int64 and y.shape == (50,) and set(y.tolist()) <= {0, 1, 2}
     assert torch.equal(x, x2) and torch.equal(y, y2)
-    x3, _ = train.data_synthetic(ctx, **args, seed=1)
+    x3, _ = data.data_synthetic(ctx, **args, seed=1)
     assert not torch.equal(x, x3)
-    xr, yr = train.data_synthetic(ctx, task="regression", n=20, features=3)
+    xr, yr = data.data_synthetic(ctx, task="regression", n=20, features=3)
     assert yr.dtype == torch.float32 and yr.shape == (20, 1) and xr.shape == (20, 3)
     with pytest.raises(RunError, match="needs `classes`"):
-        train.data_synthetic(ctx, task="classification", n=5, features=2)
+        data.data_synthetic(ctx, task="classification", n=5, features=2)
     with pytest.raises(RunError, match="unknown task"):
-        train.data_synthetic(ctx, task="ranking", n=5, features=2)
+        data.data_synthetic(ctx, task="ranking", n=5, features=2)
 
 
 def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
@@ -88,38 +90,38 @@ def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
     x = np.arange(12, dtype=np.float64).reshape(4, 3)
     y = np.array([0, 1, 1, 0])
     np.savez(tmp_path / "d.npz", x=x, y=y)
-    lx, ly = train.data_load(ctx, path="d.npz")
+    lx, ly = data.data_load(ctx, path="d.npz")
     assert lx.dtype == torch.float32 and ly.dtype == torch.int64
     assert lx.tolist() == x.tolist() and ly.tolist() == y.tolist()
-    ly2, lx2 = train.data_load(ctx, path="d.npz", keys=["y", "x"], float_dtype=None)
+    ly2, lx2 = data.data_load(ctx, path="d.npz", keys=["y", "x"], float_dtype=None)
     assert lx2.dtype == torch.float64 and torch.equal(ly2, ly)
     with pytest.raises(RunError, match="no array 'z'"):
-        train.data_load(ctx, path="d.npz", keys=["z"])
+        data.data_load(ctx, path="d.npz", keys=["z"])
 
     np.save(tmp_path / "a.npy", x)
-    assert train.data_load(ctx, path=str(tmp_path / "a.npy")).shape == (4, 3)
+    assert data.data_load(ctx, path=str(tmp_path / "a.npy")).shape == (4, 3)
     np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(RunError, match="pickled objects are refused"):
-        train.data_load(ctx, path="obj.npy")
+        data.data_load(ctx, path="obj.npy")
 
     (tmp_path / "t.csv").write_text("f1,f2,label\n1,2,0\n3,4,1\n5,6,2\n")
-    feats, label = train.data_load(ctx, path="t.csv", columns=[["f1", "f2"], "label"])
+    feats, label = data.data_load(ctx, path="t.csv", columns=[["f1", "f2"], "label"])
     assert feats.tolist() == [[1, 2], [3, 4], [5, 6]] and label.tolist() == [0, 1, 2]
     (tmp_path / "n.csv").write_text("1;2\n3;4\n")
-    assert train.data_load(ctx, path="n.csv", delimiter=";").tolist() == [[1, 2], [3, 4]]
+    assert data.data_load(ctx, path="n.csv", delimiter=";").tolist() == [[1, 2], [3, 4]]
     with pytest.raises(RunError, match="(?s)no column 'lable'.*did you mean 'label'"):
-        train.data_load(ctx, path="t.csv", columns=["lable"])
+        data.data_load(ctx, path="t.csv", columns=["lable"])
 
     torch.save({"w": torch.ones(2), "b": torch.zeros(1)}, tmp_path / "s.pt")
-    w, b = train.data_load(ctx, path="s.pt")
+    w, b = data.data_load(ctx, path="s.pt")
     assert w.tolist() == [1.0, 1.0] and b.tolist() == [0.0]
     from safetensors.torch import save_file
 
     save_file({"a": torch.ones(3), "b": torch.arange(2)}, tmp_path / "t.safetensors")
-    b2 = train.data_load(ctx, path="t.safetensors", keys=["b"])
+    b2 = data.data_load(ctx, path="t.safetensors", keys=["b"])
     assert b2.tolist() == [0, 1]
     with pytest.raises(RunError, match="no such file"):
-        train.data_load(ctx, path="missing.npz")
+        data.data_load(ctx, path="missing.npz")
 
 
 # ------------------------------------------------------------------------- models
@@ -128,30 +130,30 @@ def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
 def test_model_construction_depends_on_seed_and_node_only():
     def build(ctx: OpContext) -> list[torch.Tensor]:
         torch.manual_seed(1234 + len(ctx.node))  # the global stream must not matter
-        return _params(train.model_mlp(ctx, sizes=[3, 5, 2]))
+        return _params(models.model_mlp(ctx, sizes=[3, 5, 2]))
 
     a, b = build(OpContext(seed=1)), build(OpContext(seed=1))
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     c = build(OpContext(seed=1, node="worker1"))
     assert not all(torch.equal(p, q) for p, q in zip(a, c))
     before = torch.random.get_rng_state()
-    train.model_mlp(OpContext(), sizes=[2, 2])
+    models.model_mlp(OpContext(), sizes=[2, 2])
     assert torch.equal(before, torch.random.get_rng_state())  # the global RNG is untouched
 
 
 def test_mlp_layers_and_argument_errors():
-    model = train.model_mlp(OpContext(), sizes=[4, 8, 8, 2], activation="tanh", dropout=0.1)
+    model = models.model_mlp(OpContext(), sizes=[4, 8, 8, 2], activation="tanh", dropout=0.1)
     kinds = [type(m).__name__ for m in model]
     assert kinds == ["Linear", "Tanh", "Dropout", "Linear", "Tanh", "Dropout", "Linear"]
     with pytest.raises(RunError, match="did you mean 'relu'"):
-        train.model_mlp(OpContext(), sizes=[2, 2], activation="relux")
+        models.model_mlp(OpContext(), sizes=[2, 2], activation="relux")
     with pytest.raises(RunError, match="sizes"):
-        train.model_mlp(OpContext(), sizes=[2])
+        models.model_mlp(OpContext(), sizes=[2])
 
 
 def test_build_instantiates_nested_targets():
     ctx = OpContext()
-    model = train.build(
+    model = models.build(
         ctx,
         target="torch.nn:Sequential",
         args=[
@@ -162,33 +164,33 @@ def test_build_instantiates_nested_targets():
     )
     assert isinstance(model, nn.Sequential) and model[2].bias is None
     assert model(torch.zeros(3, 4)).shape == (3, 2)
-    again = train.build(OpContext(), target="torch.nn.Linear", args=[4, 6])
+    again = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6])
     assert torch.equal(again.weight, model[0].weight)  # same seed stream, same init
-    layer = train.build(ctx, 3, target="torch.nn.Linear", out_features=2)  # input first
+    layer = models.build(ctx, 3, target="torch.nn.Linear", out_features=2)  # input first
     assert layer.in_features == 3
-    with pytest.raises(RunError, match="cannot import 'nosuchpkg.Thing'"):
-        train.build(ctx, target="nosuchpkg.Thing")
+    with pytest.raises(RunError, match="build: target 'nosuchpkg.Thing' cannot be imported"):
+        models.build(ctx, target="nosuchpkg.Thing")
     with pytest.raises(RunError, match="did you mean 'Linear'"):
-        train.build(ctx, target="torch.nn.Linearr")
+        models.build(ctx, target="torch.nn.Linearr")
     with pytest.raises(RunError, match=r"torch.nn.Linear\(\.\.\.\) failed"):
-        train.build(ctx, target="torch.nn.Linear", args=["x"])
+        models.build(ctx, target="torch.nn.Linear", args=["x"])
 
 
 def test_optimizer_and_scheduler():
     ctx = OpContext()
-    model = train.model_mlp(ctx, sizes=[2, 2])
-    opt = train.optimizer(ctx, model, target="torch.optim.SGD", lr=1.0, momentum=0.5)
+    model = models.model_mlp(ctx, sizes=[2, 2])
+    opt = models.optimizer(ctx, model, target="torch.optim.SGD", lr=1.0, momentum=0.5)
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.5
-    sched = train.scheduler(
+    sched = models.scheduler(
         ctx, opt, target="torch.optim.lr_scheduler.StepLR", step_size=1, gamma=0.5
     )
     opt.step()  # schedulers expect an optimizer step first
-    train.scheduler_step(ctx, sched)
+    models.scheduler_step(ctx, sched)
     assert opt.param_groups[0]["lr"] == 0.5
-    plateau = train.scheduler(ctx, opt, target="torch.optim.lr_scheduler.ReduceLROnPlateau")
-    train.scheduler_step(ctx, plateau, torch.tensor(1.0))
+    plateau = models.scheduler(ctx, opt, target="torch.optim.lr_scheduler.ReduceLROnPlateau")
+    models.scheduler_step(ctx, plateau, torch.tensor(1.0))
     with pytest.raises(RunError, match="expects an optimizer"):
-        train.scheduler(ctx, model, target="torch.optim.lr_scheduler.StepLR", step_size=1)
+        models.scheduler(ctx, model, target="torch.optim.lr_scheduler.StepLR", step_size=1)
 
 
 # ------------------------------------------------------------------------ training
@@ -196,9 +198,9 @@ def test_optimizer_and_scheduler():
 
 def test_classification_training_learns():
     ctx = OpContext(seed=0)
-    x, y = train.data_synthetic(ctx, task="classification", n=256, features=4, classes=3, noise=0.6)
-    model = train.model_mlp(ctx, sizes=[4, 16, 3])
-    opt = train.optimizer(ctx, model, lr=0.1, momentum=0.9)
+    x, y = data.data_synthetic(ctx, task="classification", n=256, features=4, classes=3, noise=0.6)
+    model = models.model_mlp(ctx, sizes=[4, 16, 3])
+    opt = models.optimizer(ctx, model, lr=0.1, momentum=0.9)
     test = reader_op(ctx, x, y, batch_size=64)
     loss0, acc0 = train.evaluate(ctx, model, test)
     losses = _fit(ctx, model, opt, x, y, epochs=8, batch_size=32)
@@ -211,9 +213,9 @@ def test_classification_training_learns():
 
 def test_regression_training_with_mse():
     ctx = OpContext(seed=0)
-    x, y = train.data_synthetic(ctx, task="regression", n=200, features=3, noise=0.05)
-    model = train.model_mlp(ctx, sizes=[3, 16, 1], activation="gelu")
-    opt = train.optimizer(ctx, model, target="torch.optim.Adam", lr=0.02)
+    x, y = data.data_synthetic(ctx, task="regression", n=200, features=3, noise=0.05)
+    model = models.model_mlp(ctx, sizes=[3, 16, 1], activation="gelu")
+    opt = models.optimizer(ctx, model, target="torch.optim.Adam", lr=0.02)
     test = reader_op(ctx, x, y, batch_size=50)
     loss0, acc = train.evaluate(ctx, model, test, loss="mse")
     _fit(ctx, model, opt, x, y, epochs=10, batch_size=20, loss="mse")
@@ -223,11 +225,11 @@ def test_regression_training_with_mse():
 
 def test_accumulate_gives_the_same_step():
     ctx = OpContext(seed=4)
-    x, y = train.data_synthetic(ctx, task="classification", n=10, features=4, classes=3)
-    model = train.model_mlp(ctx, sizes=[4, 6, 3])
+    x, y = data.data_synthetic(ctx, task="classification", n=10, features=4, classes=3)
+    model = models.model_mlp(ctx, sizes=[4, 6, 3])
     twin = copy.deepcopy(model)
-    opt = train.optimizer(ctx, model, lr=0.5)
-    opt2 = train.optimizer(ctx, twin, lr=0.5)
+    opt = models.optimizer(ctx, model, lr=0.5)
+    opt2 = models.optimizer(ctx, twin, lr=0.5)
     loss1 = train.train_step(ctx, model, opt, x, y)
     loss3 = train.train_step(ctx, twin, opt2, x, y, accumulate=3)  # uneven: 4, 3, 3
     assert loss3 == pytest.approx(loss1, abs=1e-6)
@@ -237,9 +239,9 @@ def test_accumulate_gives_the_same_step():
 
 def test_clip_grad_norm_bounds_the_update():
     ctx = OpContext(seed=2)
-    x, y = train.data_synthetic(ctx, task="regression", n=16, features=3)
-    model = train.model_mlp(ctx, sizes=[3, 4, 1])
-    opt = train.optimizer(ctx, model, lr=1.0)  # plain SGD: update == -grad
+    x, y = data.data_synthetic(ctx, task="regression", n=16, features=3)
+    model = models.model_mlp(ctx, sizes=[3, 4, 1])
+    opt = models.optimizer(ctx, model, lr=1.0)  # plain SGD: update == -grad
     before = _params(model)
     train.train_step(ctx, model, opt, x, y * 100, loss="mse", clip_grad_norm=0.01)
     update = torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), before)])
@@ -248,8 +250,8 @@ def test_clip_grad_norm_bounds_the_update():
 
 def test_custom_loss_and_float_class_labels():
     ctx = OpContext()
-    model = train.model_mlp(ctx, sizes=[2, 3])
-    opt = train.optimizer(ctx, model, lr=0.1)
+    model = models.model_mlp(ctx, sizes=[2, 3])
+    opt = models.optimizer(ctx, model, lr=0.1)
     x, y = torch.randn(4, 2), torch.tensor([0.0, 1.0, 2.0, 1.0])  # labels read from a CSV
     assert train.train_step(ctx, model, opt, x, y) > 0
     loss = train.train_step(ctx, model, opt, x, y.long(), loss="torch.nn.functional.nll_loss")
@@ -278,44 +280,69 @@ def _labels(kind: str, n: int) -> tuple[torch.Tensor, int]:
         ("torch.nn.functional.cross_entropy", "classes", None),  # a dotted path
     ],
 )
-def test_bound_train_step_trains_bit_for_bit_like_the_op(loss, kind, clip):
-    """The executor binds `train.step` once per call site (its arguments checked once):
-    the bound step must give the op's losses and parameters exactly."""
+def test_train_step_is_the_hand_written_step_bit_for_bit(loss, kind, clip):
+    """One process, one micro-batch, full precision: zero_grad, forward, backward,
+    [clip], step, as a hand-written loop does: the same losses and parameters exactly."""
     ctx = OpContext(seed=6)
     x = torch.randn(24, 4, generator=torch.Generator().manual_seed(2))
     y, out = _labels(kind, 24)
-    model = train.model_mlp(ctx, sizes=[4, 5, out])
+    model = models.model_mlp(ctx, sizes=[4, 5, out])
     twin = copy.deepcopy(model)
-    opt = train.optimizer(ctx, model, lr=0.3, momentum=0.9)
-    opt2 = train.optimizer(ctx, twin, lr=0.3, momentum=0.9)
-    bound = train.train_step.bind(ctx, loss=loss, clip_grad_norm=clip)
-    assert bound is not None
+    opt = models.optimizer(ctx, model, lr=0.3, momentum=0.9)
+    opt2 = torch.optim.SGD(twin.parameters(), lr=0.3, momentum=0.9)
+    hand_loss = {
+        "cross_entropy": lambda p, t: F.cross_entropy(p, t.long()),
+        "mse": lambda p, t: F.mse_loss(p, t),
+    }.get(loss, F.cross_entropy)
     for i in range(0, 24, 6):
         xb, yb = x[i : i + 6], y[i : i + 6]
-        expected = train.train_step(ctx, model, opt, xb, yb, loss=loss, clip_grad_norm=clip)
-        assert bound(ctx, twin, opt2, xb, yb) == expected
+        got = train.train_step(ctx, model, opt, xb, yb, loss=loss, clip_grad_norm=clip)
+        opt2.zero_grad(set_to_none=True)
+        expected = hand_loss(twin(xb), yb)
+        expected.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(twin.parameters()), clip)
+        opt2.step()
+        assert type(got) is float and got == expected.item()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
-def test_bind_leaves_other_cases_and_wrong_arguments_to_the_op():
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_the_loss_is_the_float32_value_of_the_global_batch_mean(accumulate):
+    """Also for a float64 model: one process and replicas (which sum float32 values)
+    report the same numbers, with or without micro-batches."""
+    ctx = OpContext(seed=3)
+    model = models.model_mlp(ctx, sizes=[4, 6, 3]).double()
+    opt = models.optimizer(ctx, model, lr=0.1)
+    x = torch.randn(10, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    with torch.no_grad():
+        mean = F.cross_entropy(model(x), y).item()  # float64, before the step
+    got = train.train_step(ctx, model, opt, x, y, accumulate=accumulate)
+    assert type(got) is float and got == float(np.float32(got))
+    assert got == pytest.approx(float(np.float32(mean)), rel=1e-6)
+    if accumulate == 1:
+        assert got == float(np.float32(mean))
+
+
+def test_train_step_argument_and_input_errors():
     ctx = OpContext()
-    bind = train.train_step.bind
-    assert bind(ctx, accumulate=2) is None  # micro-batches: the general path
-    assert bind(ctx, accumulate=True) is None  # not an int: the op raises its error
-    assert bind(ctx, amp="bf16") is None  # amp warns (or runs) in the op itself
-    assert bind(ctx, clip_grad_norm=0) is None
-    assert bind(OpContext(world_size=2), loss="mse") is None
-    # The bound step raises what the op raises, in the op's order.
-    model = train.model_mlp(ctx, sizes=[2, 2])
-    opt = train.optimizer(ctx, model, lr=0.1)
+    model = models.model_mlp(ctx, sizes=[2, 2])
+    opt = models.optimizer(ctx, model, lr=0.1)
     x, y = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
-    for loss in ("cross_entropy", "msee"):
-        for args in [(model, "not an optimizer", x, y), (model, opt, None, y), (model, opt, x, y[:0])]:
-            with pytest.raises(RunError) as op_error:
-                train.train_step(ctx, *args, loss=loss)
-            with pytest.raises(RunError) as bound_error:
-                bind(ctx, loss=loss)(ctx, *args)
-            assert str(bound_error.value) == str(op_error.value)
+    cases = [
+        ((model, "not an optimizer", x, y), {}, "train.step expects an optimizer, got a str"),
+        ((model, opt, None, y), {}, "train.step input x is null"),
+        ((model, opt, x, y[:0]), {}, "train.step got an empty batch"),
+        ((model, opt, x, y), {"loss": "msee"}, "did you mean 'mse'"),
+        ((model, opt, x, y), {"accumulate": True}, "accumulate must be an integer >= 1"),
+        ((model, opt, x, y), {"clip_grad_norm": 0}, "clip_grad_norm must be > 0"),
+        ((model, opt, x, y), {"loss": "nosuchpkg.loss"}, "train.step: loss 'nosuchpkg.loss' cannot be imported"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(RunError) as caught:
+            train.train_step(ctx, *args, **kwargs)
+        assert message in str(caught.value)
 
 
 @pytest.mark.parametrize("kind", ["classes", "float labels", "regression", "sequences"])
@@ -330,11 +357,11 @@ def test_evaluate_sums_on_the_host_equal_the_device_tensor_sums(kind):
     else:
         y, out = _labels(kind, 37)
         x = torch.randn(37, 4, generator=gen)
-        model, loss = train.model_mlp(ctx, sizes=[4, 6, out]), "mse" if kind == "regression" else "cross_entropy"
+        model, loss = models.model_mlp(ctx, sizes=[4, 6, out]), "mse" if kind == "regression" else "cross_entropy"
     reader = reader_op(ctx, x, y, batch_size=8)  # a short last batch
     with torch.no_grad():
         sums = [
-            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss), loss, reader, host))
+            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss, "evaluate"), loss, reader, host))
             for host in (True, False)
         ]
     assert sums[0] == sums[1]
@@ -349,8 +376,8 @@ def test_evaluate_sums_on_the_host_equal_the_device_tensor_sums(kind):
 def test_amp_on_cpu_is_ignored_with_one_warning(monkeypatch):
     monkeypatch.setattr(train, "_warned_amp_on_cpu", False)
     ctx = OpContext()
-    model = train.model_mlp(ctx, sizes=[2, 2])
-    opt = train.optimizer(ctx, model, lr=0.1)
+    model = models.model_mlp(ctx, sizes=[2, 2])
+    opt = models.optimizer(ctx, model, lr=0.1)
     x, y = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -362,9 +389,9 @@ def test_amp_on_cpu_is_ignored_with_one_warning(monkeypatch):
 
 def test_export_round_trip(tmp_path: Path):
     ctx = OpContext(run_dir=tmp_path)
-    model = train.model_mlp(ctx, sizes=[4, 8, 2], dropout=0.5)
+    model = models.model_mlp(ctx, sizes=[4, 8, 2], dropout=0.5)
     example = torch.randn(3, 4)
-    path = train.export(ctx, model, example, path="out/m.pt2")
+    path = models.export(ctx, model, example, path="out/m.pt2")
     assert Path(path) == tmp_path / "out" / "m.pt2" and model.training
     loaded = torch.export.load(path).module()
     model.eval()
@@ -375,11 +402,11 @@ def test_export_round_trip(tmp_path: Path):
 def test_single_process_dist_ops_are_identities():
     ctx = OpContext()
     t = torch.tensor([1.0, 2.0])
-    assert torch.equal(train.dist_allreduce(ctx, t), t)
-    assert train.dist_allreduce(ctx, 3, op="max") == 3
-    assert train.dist_allreduce(ctx, 3, op="mean") == 3.0
-    assert train.dist_broadcast(ctx, 5) == 5
-    state = train.model_gather(ctx, train.model_mlp(ctx, sizes=[2, 2]))
+    assert torch.equal(dist.dist_allreduce(ctx, t), t)
+    assert dist.dist_allreduce(ctx, 3, op="max") == 3
+    assert dist.dist_allreduce(ctx, 3, op="mean") == 3.0
+    assert dist.dist_broadcast(ctx, 5) == 5
+    state = dist.model_gather(ctx, models.model_mlp(ctx, sizes=[2, 2]))
     assert set(state) == {"0.weight", "0.bias"} and state["0.weight"].device.type == "cpu"
 
 
@@ -391,9 +418,9 @@ _DP_CONFIGS = [(16, 4, 1, None), (17, 8, 1, None), (17, 5, 2, 0.5)]
 
 
 def _dp_run(ctx: OpContext, n: int, batch: int, accumulate: int, clip) -> dict:
-    x, y = train.data_synthetic(ctx, task="classification", n=n, features=4, classes=3, seed=3)
-    model = train.model_mlp(ctx, sizes=[4, 8, 3])
-    opt = train.optimizer(ctx, model, lr=0.2, momentum=0.9)
+    x, y = data.data_synthetic(ctx, task="classification", n=n, features=4, classes=3, seed=3)
+    model = models.model_mlp(ctx, sizes=[4, 8, 3])
+    opt = models.optimizer(ctx, model, lr=0.2, momentum=0.9)
     losses = _fit(
         ctx,
         model,
@@ -410,10 +437,10 @@ def _dp_run(ctx: OpContext, n: int, batch: int, accumulate: int, clip) -> dict:
 
 def _dp_extras(ctx: OpContext) -> dict:
     """Everything else that must agree across ranks: evaluate, collectives, buffers."""
-    x, y = train.data_synthetic(ctx, task="classification", n=13, features=4, classes=3, seed=5)
-    model = train.model_mlp(ctx, sizes=[4, 8, 3])
+    x, y = data.data_synthetic(ctx, task="classification", n=13, features=4, classes=3, seed=5)
+    model = models.model_mlp(ctx, sizes=[4, 8, 3])
     loss, acc = train.evaluate(ctx, model, reader_op(ctx, x, y, batch_size=4))
-    bn = train.build(
+    bn = models.build(
         ctx,
         target="torch.nn.Sequential",
         args=[
@@ -421,20 +448,20 @@ def _dp_extras(ctx: OpContext) -> dict:
             {"target": "torch.nn.BatchNorm1d", "args": [4]},
         ],
     )
-    bn_opt = train.optimizer(ctx, bn, lr=0.1)
+    bn_opt = models.optimizer(ctx, bn, lr=0.1)
     xb = x[:8][ctx.rank * 4 : ctx.rank * 4 + 4] if ctx.distributed else x[:8]
     train.train_step(ctx, bn, bn_opt, xb, torch.zeros(len(xb), 4), loss="mse")
     r, world = ctx.rank, ctx.world_size
     return {
         "eval": [loss, acc],
-        "sum": train.dist_allreduce(ctx, torch.tensor([r + 1.0, 10.0 * r])),
-        "mean": train.dist_allreduce(ctx, torch.tensor([r + 1.0]), op="mean"),
-        "max": train.dist_allreduce(ctx, r + 1, op="max"),
-        "min_f": train.dist_allreduce(ctx, r + 0.5, op="min"),
-        "bcast": train.dist_broadcast(ctx, torch.arange(6.0).reshape(2, 3) if r == 0 else None),
-        "bcast_num": train.dist_broadcast(ctx, 42 if r == 1 else None, src=world - 1),
+        "sum": dist.dist_allreduce(ctx, torch.tensor([r + 1.0, 10.0 * r])),
+        "mean": dist.dist_allreduce(ctx, torch.tensor([r + 1.0]), op="mean"),
+        "max": dist.dist_allreduce(ctx, r + 1, op="max"),
+        "min_f": dist.dist_allreduce(ctx, r + 0.5, op="min"),
+        "bcast": dist.dist_broadcast(ctx, torch.arange(6.0).reshape(2, 3) if r == 0 else None),
+        "bcast_num": dist.dist_broadcast(ctx, 42 if r == 1 else None, src=world - 1),
         "buffers": [b.clone() for b in bn.buffers()],
-        "gathered": train.model_gather(ctx, model) is not None,
+        "gathered": dist.model_gather(ctx, model) is not None,
     }
 
 

@@ -32,7 +32,8 @@ class OpContext:
     # Shared with the live display: the innermost running loop's iteration (set by the runner).
     progress: dict[str, Any] | None = None
     _generator: Any = None
-    _state: dict[str, Any] = field(default_factory=dict)
+    # Per node: the task contexts copied from the node's share this dict (and the generator).
+    _counters: dict[str, int] = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
@@ -51,8 +52,21 @@ class OpContext:
             self._generator = torch.Generator().manual_seed(node_seed(self.seed, self.node))
         return self._generator
 
-    def set_generator_state(self, state) -> None:
-        self.generator.set_state(state)
+    def next_number(self, counter: str) -> int:
+        """0, 1, 2, ... on successive calls: a per-node counter (e.g. readers number
+        themselves in creation order). Counters are part of `state`, so a resumed job
+        goes on counting where the checkpoint left off."""
+        n = self._counters.get(counter, 0)
+        self._counters[counter] = n + 1
+        return n
+
+    def state(self) -> dict[str, int]:
+        """The node's counters, for a checkpoint (the generator is saved on its own)."""
+        return dict(self._counters)
+
+    def load_state(self, state: dict[str, int]) -> None:
+        """Restore counters saved by `state`."""
+        self._counters.update(state)
 
     def resolve_read(self, path: str) -> Path:
         """A path an op reads: relative ones are relative to the plan's directory."""

@@ -270,9 +270,6 @@ def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def call(ctx: OpContext, *args: Any, fn: str, **kwargs: Any) -> Any:
-    from jobrun.ops.registry import import_callable
+    from jobrun.ops.imports import resolve
 
-    func = import_callable(fn, what="call")
-    if not callable(func):
-        raise RunError(f"call: {fn!r} is not callable")
-    return func(*args, **kwargs)
+    return resolve(fn, "call", "fn")(*args, **kwargs)

@@ -290,8 +290,7 @@ def reader_op(
     drop_last: bool = False,
 ) -> Reader:
     """`reader`: fields... -> r. The shuffle seed depends on (seed, node, creation order)."""
-    ordinal = ctx._state.get(_ORDINAL_KEY, 0)
-    ctx._state[_ORDINAL_KEY] = ordinal + 1
+    ordinal = ctx.next_number(_ORDINAL_KEY)
     return Reader(
         fields,
         batch_size=batch_size,

@@ -7,12 +7,10 @@ entry point names an OpSpec, a sequence of them, or a function returning either.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Any
 
-from jobrun.errors import RunError
 from jobrun.ops.spec import OpSpec, arg
 
 _C = "jobrun.ops.core:"
@@ -145,27 +143,6 @@ def _as_user(spec: OpSpec) -> OpSpec:
 
 def resolve_impl(spec: OpSpec) -> Callable[..., Any]:
     """Import an op's implementation (torch is imported here, at run time only)."""
-    return import_callable(spec.impl, what=f"op {spec.name!r}")
+    from jobrun.ops.imports import resolve
 
-
-def import_callable(path: str, what: str = "function") -> Callable[..., Any]:
-    """Import "pkg.mod:attr" (or "pkg.mod.attr") and return the attribute."""
-    mod_name, sep, attr = path.partition(":")
-    if not sep:
-        mod_name, _, attr = path.rpartition(".")
-    if not mod_name or not attr:
-        raise RunError(f"{what}: {path!r} is not an import path", hint='write "package.module:name"')
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise RunError(
-            f"{what}: cannot import module {mod_name!r}: {e}",
-            hint="is the package installed, and its directory on PYTHONPATH?",
-        ) from e
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RunError(f"{what}: module {mod_name!r} has no attribute {attr!r}") from None
-    return obj
+    return resolve(spec.impl, spec.name, "implementation")

@@ -1,4 +1,7 @@
-"""Signatures of the training ops: data only, no torch (implementations: jobrun.ops.train).
+"""Signatures of the training ops: data only, no torch.
+
+Implementations: :mod:`jobrun.ops.data`, :mod:`jobrun.ops.models`, :mod:`jobrun.ops.train`
+and :mod:`jobrun.ops.dist`.
 
 `reader`/`read` are core ops and are declared in :mod:`jobrun.ops.registry`.
 """
@@ -7,21 +10,21 @@ from __future__ import annotations
 
 from jobrun.ops.spec import OpSpec, arg
 
-_T = "jobrun.ops.train:"
 _LOSS_DOC = "cross_entropy, mse, or a dotted path to a callable(pred, y) giving the batch mean"
 _STR_OR_NULL = ("or", "str", "null")
 _LIST_OR_NULL = ("or", "list", "null")
 
 
 def _training(name: str, doc: str, impl: str, example: str, **fields) -> OpSpec:
-    return OpSpec(name, doc, _T + impl, category="training", example=example, **fields)
+    """A training op; `impl` is "module:function" within jobrun.ops."""
+    return OpSpec(name, doc, f"jobrun.ops.{impl}", category="training", example=example, **fields)
 
 
 TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "data.synthetic",
         "A seeded toy data set: class clusters or a noisy linear teacher (float32 x).",
-        "data_synthetic",
+        "data:data_synthetic",
         "- data.synthetic: {out: [x, y], task: classification, n: 512, features: 8, classes: 3}",
         outputs=("x", "y"),
         args=(
@@ -38,7 +41,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "data.load",
         "Arrays from .npz, .npy, .csv, .safetensors or .pt, as CPU tensors, one per output.",
-        "data_load",
+        "data:data_load",
         "- data.load: {out: [x, y], path: data/train.npz, keys: [x, y]}",
         outputs=("arrays",),
         min_outputs=1,
@@ -62,7 +65,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "build",
         "Instantiate any `target` with `args` and keyword arguments (nested targets too).",
-        "build",
+        "models:build",
         "- build: {out: model, target: torch.nn.Linear, args: [8, 2], bias: true}",
         inputs=("inputs",),
         outputs=("obj",),
@@ -77,7 +80,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "model.mlp",
         "A multi-layer perceptron: Linear layers with an activation (and dropout) between.",
-        "model_mlp",
+        "models:model_mlp",
         "- model.mlp: {out: model, sizes: [8, 32, 3], activation: relu}",
         outputs=("model",),
         args=(
@@ -89,7 +92,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "optimizer",
         "An optimizer over the model's parameters; other keys go to its constructor.",
-        "optimizer",
+        "models:optimizer",
         "- optimizer: {in: model, out: opt, target: torch.optim.SGD, lr: 0.1, momentum: 0.9}",
         inputs=("model",),
         outputs=("opt",),
@@ -99,7 +102,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "scheduler",
         "A learning-rate scheduler over an optimizer; other keys go to its constructor.",
-        "scheduler",
+        "models:scheduler",
         "- scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 5}",
         inputs=("opt",),
         outputs=("sched",),
@@ -109,15 +112,15 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "scheduler.step",
         "Advance a scheduler; a second input is the metric for ReduceLROnPlateau.",
-        "scheduler_step",
+        "models:scheduler_step",
         "- scheduler.step: {in: sched}",
         inputs=("sched", "metric"),
         min_inputs=1,
     ),
     _training(
         "train.step",
-        "One optimizer step on a batch; loss is the global-batch mean, equal on all ranks.",
-        "train_step",
+        "One optimizer step on a batch; loss is the global-batch mean (its float32 value), equal on all ranks.",
+        "train:train_step",
         "- train.step: {in: [model, opt, xb, yb], out: loss, loss: cross_entropy}",
         inputs=("model", "opt", "x", "y"),
         outputs=("loss",),
@@ -136,7 +139,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "evaluate",
         "Mean loss and accuracy over one full pass of a reader, no gradients, all ranks.",
-        "evaluate",
+        "train:evaluate",
         "- evaluate: {in: [model, test], out: [test_loss, test_acc]}",
         inputs=("model", "reader"),
         outputs=("loss", "accuracy"),
@@ -145,7 +148,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "export",
         "Write an inference-only program of the model with torch.export; outputs its path.",
-        "export",
+        "models:export",
         "- export: {in: [model, xb], out: exported, path: model.pt2}",
         inputs=("model", "example_input"),
         outputs=("path",),
@@ -157,7 +160,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "dist.allreduce",
         "Reduce a tensor or number over data-parallel ranks (identity with one rank).",
-        "dist_allreduce",
+        "dist:dist_allreduce",
         "- dist.allreduce: {in: correct, out: total, op: sum}",
         inputs=("x",),
         outputs=("y",),
@@ -166,7 +169,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "dist.broadcast",
         "Rank `src`'s tensor or number, on every rank.",
-        "dist_broadcast",
+        "dist:dist_broadcast",
         "- dist.broadcast: {in: x, out: y, src: 0}",
         inputs=("x",),
         outputs=("y",),
@@ -175,7 +178,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     _training(
         "model.gather",
         "A CPU copy of the model's full state dict on rank 0 (null on other ranks).",
-        "model_gather",
+        "dist:model_gather",
         "- model.gather: {in: model, out: params}",
         inputs=("model",),
         outputs=("state",),

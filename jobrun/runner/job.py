@@ -28,7 +28,7 @@ from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir
 from jobrun.runner.display import Display, human_size
-from jobrun.runner.executor import CompiledTask, NodeRuntime, _run_concurrently
+from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
 from jobrun.store import SavedState, UnsupportedValue
 
@@ -214,7 +214,7 @@ class JobRunner:
         def runner(t: CompiledTask):
             return lambda: results.__setitem__(t.task.name, t.run())
 
-        _run_concurrently([runner(t) for t in tasks], f"group {name}")
+        run_concurrently([runner(t) for t in tasks], f"group {name}")
         return {t.task.name: results[t.task.name] for t in tasks}
 
     # -- checkpoints ----------------------------------------------------------------
@@ -403,7 +403,7 @@ def _rng_state(ctx: OpContext) -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "node": ctx.generator.get_state(),
         # readers made inside epoch tasks number themselves from this counter
-        "ctx_state": {k: v for k, v in ctx._state.items() if isinstance(v, int | float | str)},
+        "ctx_state": ctx.state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -420,7 +420,7 @@ def _set_rng_state(ctx: OpContext, state: dict[str, Any]) -> None:
     np.random.set_state(tuple(np_state))
     torch.set_rng_state(_as_byte_tensor(state["torch"]))
     ctx.generator.set_state(_as_byte_tensor(state["node"]))
-    ctx._state.update(state.get("ctx_state", {}))
+    ctx.load_state(state.get("ctx_state", {}))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_as_byte_tensor(s) for s in state["cuda"]])
 

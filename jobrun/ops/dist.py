@@ -1,0 +1,205 @@
+"""Data parallelism: the collectives the training ops share, and the `dist.*` ops.
+
+With ``ctx.world_size = R > 1`` the runner has initialised torch.distributed (gloo on
+CPU, nccl on CUDA) and every rank runs the same ops on its own slice of each global batch
+(see :mod:`jobrun.ops.reader`). The ops keep ranks identical: models are built from the
+node's seeded generator and broadcast from rank 0 (:mod:`jobrun.ops.models`),
+``train.step`` sums gradients weighted by each rank's share of the global batch, and
+``evaluate`` reduces its sums over ranks (:mod:`jobrun.ops.train`). Every collective is
+issued by every rank in the same order, also by a rank whose slice is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from jobrun.errors import RunError
+from jobrun.ops.context import OpContext
+
+
+def comm_device(ctx: OpContext) -> torch.device:
+    # nccl only moves CUDA tensors; gloo is used with CPU tensors.
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device(ctx.device)
+    return torch.device("cpu")
+
+
+def _flat_buckets(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+def broadcast_tensors(ctx: OpContext, tensors: Sequence[torch.Tensor], src: int) -> None:
+    """Overwrite `tensors` in place with rank `src`'s values, one collective per dtype."""
+    if not tensors:
+        return
+    dev = comm_device(ctx)
+    for idxs in _flat_buckets(tensors).values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(dev) for i in idxs])
+        torch.distributed.broadcast(flat, src=src)
+        for i, chunk in zip(idxs, flat.split([tensors[i].numel() for i in idxs])):
+            tensors[i].data.copy_(chunk.view_as(tensors[i]))
+
+
+class GlobalCount:
+    """The global batch size, all-reduced in the background while the forward runs."""
+
+    def __init__(self, ctx: OpContext, local: int) -> None:
+        self._value: int | None = None if ctx.distributed else local
+        if ctx.distributed:
+            self._tensor = torch.tensor([local], dtype=torch.int64, device=comm_device(ctx))
+            self._work = torch.distributed.all_reduce(self._tensor, async_op=True)
+
+    @property
+    def value(self) -> int:
+        if self._value is None:
+            self._work.wait()
+            self._value = int(self._tensor.item())
+        return self._value
+
+
+def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tensor) -> float:
+    """Sum gradients (one flat bucket per dtype) and the loss over ranks.
+
+    A rank whose slice was empty has no gradients; a per-parameter "has a gradient" flag
+    rides in the float32 bucket with the loss, so that a parameter no rank touched keeps
+    grad=None as in a single process (optimizers skip those), at no extra collective.
+    """
+    dev = comm_device(ctx)
+    has = [p.grad is not None for p in params]
+    meta = torch.cat(
+        [torch.tensor(has, dtype=torch.float32, device=dev), loss.float().reshape(1).to(dev)]
+    )
+    reduced_meta = meta
+    groups = _flat_buckets(params)
+    groups.setdefault(torch.float32, [])
+    for dtype, idxs in groups.items():
+        parts = [(params[i].grad if has[i] else torch.zeros_like(params[i])) for i in idxs]
+        parts = [g.reshape(-1).to(dev) for g in parts]
+        if dtype == torch.float32:
+            parts.append(meta)
+        flat = torch.cat(parts)
+        torch.distributed.all_reduce(flat)
+        _scatter_grads(params, idxs, flat)
+        if dtype == torch.float32:
+            reduced_meta = flat[flat.numel() - meta.numel() :]
+    flags = reduced_meta[: len(params)].tolist()
+    for p, flag in zip(params, flags):
+        if flag == 0:
+            p.grad = None
+    return float(reduced_meta[-1].item())
+
+
+def _scatter_grads(params: list[torch.Tensor], idxs: list[int], flat: torch.Tensor) -> None:
+    sizes = [params[i].numel() for i in idxs]
+    for i, chunk in zip(idxs, flat[: sum(sizes)].split(sizes)):
+        p = params[i]
+        chunk = chunk.view_as(p).to(p.device)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+
+
+
+_REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def dist_allreduce(ctx: OpContext, x: Any, *, op: str = "sum") -> Any:
+    """`dist.allreduce`: x -> y over ranks (identity, up to `mean`, in one process)."""
+    if op not in _REDUCE_OPS:
+        raise RunError(f"dist.allreduce: unknown op {op!r}", hint=f"one of {_REDUCE_OPS}")
+    if isinstance(x, torch.Tensor):
+        y = x.detach().clone()
+        if ctx.distributed:
+            t = y.to(comm_device(ctx))
+            torch.distributed.all_reduce(t, op=_reduce_op("sum" if op == "mean" else op))
+            y = t.to(x.device)
+        return y / ctx.world_size if op == "mean" else y
+    if isinstance(x, bool | int | float | np.number):
+        value: Any = int(x) if isinstance(x, bool | np.integer) else x
+        if ctx.distributed:
+            kind = torch.int64 if isinstance(value, int) else torch.float64
+            t = torch.tensor([value], dtype=kind, device=comm_device(ctx))
+            torch.distributed.all_reduce(t, op=_reduce_op("sum" if op == "mean" else op))
+            value = t.item()
+        return value / ctx.world_size if op == "mean" else value
+    raise RunError(f"dist.allreduce: cannot reduce a {type(x).__name__}; use tensors or numbers")
+
+
+def _reduce_op(op: str) -> Any:
+    ops = torch.distributed.ReduceOp
+    return {"sum": ops.SUM, "max": ops.MAX, "min": ops.MIN}[op]
+
+
+# Broadcast header: [kind, dtype code, ndim, dims...]; receivers need not know the shape.
+_KINDS = {"unsupported": 0, "tensor": 1, "int": 2, "float": 3, "bool": 4}
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_MAX_DIMS = 8
+
+
+def dist_broadcast(ctx: OpContext, x: Any, *, src: int = 0) -> Any:
+    """`dist.broadcast`: x -> y, rank `src`'s value on every rank."""
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
+        raise RunError(f"dist.broadcast: src must be a rank in [0, {ctx.world_size}), got {src}")
+    if not ctx.distributed:
+        return x.detach().clone() if isinstance(x, torch.Tensor) else x
+    dev = comm_device(ctx)
+    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=dev)
+    if ctx.rank == src:
+        header.copy_(_broadcast_header(x))
+    torch.distributed.broadcast(header, src=src)
+    kind, code, ndim, *dims = header.tolist()
+    if kind == _KINDS["unsupported"]:
+        raise RunError(
+            f"dist.broadcast: rank {src} holds a value that cannot be broadcast",
+            hint="broadcast tensors (up to 8 dimensions, plain dtypes) or numbers",
+        )
+    if kind == _KINDS["tensor"]:
+        payload = x.detach().to(dev).clone() if ctx.rank == src else None
+        if payload is None:
+            payload = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=dev)
+        torch.distributed.broadcast(payload, src=src)
+        return payload.to(ctx.device)
+    dtype = torch.float64 if kind == _KINDS["float"] else torch.int64
+    payload = torch.tensor([x if ctx.rank == src else 0], dtype=dtype, device=dev)
+    torch.distributed.broadcast(payload, src=src)
+    value = payload.item()
+    return bool(value) if kind == _KINDS["bool"] else value
+
+
+def _broadcast_header(x: Any) -> torch.Tensor:
+    header = [0] * (3 + _MAX_DIMS)
+    if isinstance(x, torch.Tensor) and x.dtype in _DTYPES and x.dim() <= _MAX_DIMS:
+        header[:3] = [_KINDS["tensor"], _DTYPES.index(x.dtype), x.dim()]
+        header[3 : 3 + x.dim()] = list(x.shape)
+    elif isinstance(x, bool):
+        header[0] = _KINDS["bool"]
+    elif isinstance(x, int):
+        header[0] = _KINDS["int"]
+    elif isinstance(x, float):
+        header[0] = _KINDS["float"]
+    return torch.tensor(header, dtype=torch.int64)
+
+
+def model_gather(ctx: OpContext, model: Any) -> dict[str, torch.Tensor] | None:
+    """`model.gather`: a CPU copy of the full state dict on rank 0, None elsewhere.
+
+    Data-parallel replicas hold identical full parameters, so no communication is
+    needed; the op marks where a sharded strategy would gather.
+    """
+    if not isinstance(model, nn.Module):
+        raise RunError(f"model.gather expects an nn.Module, got a {type(model).__name__}")
+    if ctx.rank != 0:
+        return None
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -1,0 +1,187 @@
+"""Models and optimizers: `build`, `model.mlp`, `optimizer`, `scheduler`,
+`scheduler.step`, and `export`.
+
+Everything built from a plan is seeded from the node's generator, so every rank of a
+data-parallel job builds the same parameters (and rank 0's are broadcast anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobrun.errors import RunError, did_you_mean
+from jobrun.ops.context import OpContext
+from jobrun.ops.data import as_tensor, require_int
+from jobrun.ops.dist import broadcast_tensors
+from jobrun.ops.imports import resolve
+
+
+@contextlib.contextmanager
+def _seeded(ctx: OpContext) -> Iterator[None]:
+    """Construct under a seed drawn from the node's generator: same on every rank.
+
+    Only the CPU generator is reseeded (and restored after): module initialisation
+    draws from it, and the global CUDA streams stay as the job left them.
+    """
+    seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator))
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
+def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
+    module = module.to(ctx.device)
+    if ctx.distributed:  # cheap insurance: parameters start identical on every rank
+        with torch.no_grad():
+            broadcast_tensors(ctx, [*module.parameters(), *module.buffers()], src=0)
+    return module
+
+
+def _materialize(op: str, value: Any) -> Any:
+    """Instantiate nested `{target: ..., args: [...], **kwargs}` mappings, depth first."""
+    if isinstance(value, dict):
+        if "target" in value:
+            rest = {k: v for k, v in value.items() if k not in ("target", "args")}
+            return _instantiate(op, value["target"], value.get("args") or [], rest)
+        return {k: _materialize(op, v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_materialize(op, v) for v in value]
+    return value
+
+
+def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leading: tuple = ()) -> Any:
+    """`target` called with `leading`, then `args`, and `kwargs` (nested targets built)."""
+    if not isinstance(args, list | tuple):
+        raise RunError(f"{op}: `args` of {target!r} must be a list, got {args!r}")
+    fn = resolve(target, op, "target")
+    args, kwargs = [*leading, *_materialize(op, list(args))], _materialize(op, kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except RunError:
+        raise
+    except Exception as e:  # user-named code: its failure becomes one clear message
+        raise RunError(
+            f"{op}: {target}(...) failed: {type(e).__name__}: {e}",
+            hint="check the arguments given in the plan against its signature",
+        ) from e
+
+
+def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None, **kwargs: Any):
+    """`build`: inputs... -> obj. Seeded like model.mlp, so identical on every rank."""
+    with _seeded(ctx):
+        obj = _instantiate("build", target, args or [], kwargs, leading=inputs)
+    return _place_module(ctx, obj) if isinstance(obj, nn.Module) else obj
+
+
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "tanh": nn.Tanh,
+}
+
+
+def model_mlp(
+    ctx: OpContext, *, sizes: list[int], activation: str = "relu", dropout: float = 0.0
+) -> nn.Module:
+    """`model.mlp`: an nn.Sequential of Linear layers, activation (+ dropout) between."""
+    if not isinstance(sizes, list | tuple) or len(sizes) < 2:
+        raise RunError(f"model.mlp: sizes must list [in, hidden..., out], got {sizes!r}")
+    for s in sizes:
+        require_int("model.mlp", "every size", s, 1)
+    if activation not in _ACTIVATIONS:
+        raise RunError(
+            f"model.mlp: unknown activation {activation!r}",
+            hint=did_you_mean(activation, _ACTIVATIONS) or f"one of {sorted(_ACTIVATIONS)}",
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise RunError(f"model.mlp: dropout must be in [0, 1), got {dropout}")
+    with _seeded(ctx):
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+            layers.append(nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(_ACTIVATIONS[activation]())
+                if dropout > 0:
+                    layers.append(nn.Dropout(dropout))
+        model = nn.Sequential(*layers)
+    return _place_module(ctx, model)
+
+
+def optimizer(ctx: OpContext, model: Any, *, target: str = "torch.optim.SGD", **kwargs: Any):
+    """`optimizer`: model -> opt; every other key goes to the optimizer's constructor."""
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    return _instantiate("optimizer", target, [], kwargs, leading=(params,))
+
+
+def scheduler(ctx: OpContext, opt: Any, *, target: str, **kwargs: Any):
+    """`scheduler`: opt -> sched, e.g. target: torch.optim.lr_scheduler.StepLR."""
+    require_optimizer("scheduler", opt)
+    return _instantiate("scheduler", target, [], kwargs, leading=(opt,))
+
+
+def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:
+    """`scheduler.step`: sched[, metric] ->. The metric feeds ReduceLROnPlateau."""
+    if not hasattr(sched, "step"):
+        raise RunError(f"scheduler.step expects a scheduler, got a {type(sched).__name__}")
+    if metric is None:
+        sched.step()
+    else:
+        sched.step(float(metric))
+
+
+def require_optimizer(op: str, opt: Any) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise RunError(
+            f"{op} expects an optimizer, got a {type(opt).__name__}",
+            hint="create one with `optimizer: {in: model, out: opt, lr: 0.1}`",
+        )
+
+
+def export(
+    ctx: OpContext,
+    model: nn.Module,
+    example_input: Any,
+    *,
+    path: str = "model.pt2",
+    dynamic_batch: bool = True,
+) -> str:
+    """`export`: model, example_input -> path of a torch.export program (eval mode).
+
+    Rank 0 writes; the others wait for it, so the file exists when every rank goes on.
+    """
+    if not isinstance(model, nn.Module):
+        raise RunError(f"export expects an nn.Module, got a {type(model).__name__}")
+    out = ctx.resolve_write(path)
+    if ctx.rank == 0:
+        program = _export_program(ctx, model, example_input, dynamic_batch)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.export.save(program, out)
+    if ctx.distributed:
+        torch.distributed.barrier()
+    return str(out)
+
+
+def _export_program(ctx: OpContext, model: nn.Module, example: Any, dynamic_batch: bool):
+    items = example if isinstance(example, list | tuple) else [example]
+    args = tuple(as_tensor(v, ctx.device, "export example_input") for v in items)
+    # AUTO lets dim 0 vary, or specialises it silently (e.g. a batch of one).
+    dims = tuple({0: torch.export.Dim.AUTO} if a.dim() > 0 else None for a in args)
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.export.export(model, args, dynamic_shapes=dims if dynamic_batch else None)
+    except Exception as e:
+        raise RunError(
+            f"export: torch.export failed: {type(e).__name__}: {e}",
+            hint="the model's forward must be traceable; try dynamic_batch: false",
+        ) from e
+    finally:
+        model.train(was_training)
+
+
