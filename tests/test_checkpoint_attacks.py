@@ -153,3 +153,71 @@ def test_resume_and_prune_clean_what_killed_saves_left(run):
     r = jobrun("resume", "--run-dir", run, "--epoch", "2")
     assert r.code == 0, r.text
     assert not (ckpt / ".deleting-local.0-0badf00d").exists()
+
+
+# -- a damaged random state, re-sealed so that the checksums pass -------------------------
+
+
+def _reseal_file(rdir: Path, name: str) -> None:
+    """Make MANIFEST.json and COMMIT vouch for the file as it is now."""
+    from jobrun.store import tensorfile
+
+    def change(m):
+        info = m["files"][name]
+        info["size"] = (rdir / name).stat().st_size
+        info["crc32_chunks"] = tensorfile.checksum_file(rdir / name, info["chunk_bytes"])
+
+    _reseal(rdir, change)
+
+
+def _damage_python_state(rdir: Path) -> None:
+    values = json.loads((rdir / "values.json").read_text())
+    state = values["blobs"]["jobrun:rng"]
+    python = next(v for k, v in _pairs(state) if k == "python")
+    python["items"][1]["items"][-1] = 700  # the position in the state: 0..624
+    (rdir / "values.json").write_text(json.dumps(values))
+    _reseal_file(rdir, "values.json")
+
+
+def _pairs(encoded: dict) -> list:
+    if "__jobrun__" in encoded:  # a tagged dict: [key, value] pairs
+        return [(k, v) for k, v in encoded["items"]]
+    return list(encoded.items())
+
+
+def _damage_generator_state(rdir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(rdir / "tensors.safetensors")
+    values = json.loads((rdir / "values.json").read_text())
+    node = next(v for k, v in _pairs(values["blobs"]["jobrun:rng"]) if k == "node")
+    tensors[node["key"]] = tensors[node["key"]].clone().zero_()  # an all-zero mt19937 state
+    save_file(tensors, rdir / "tensors.safetensors")
+    _reseal_file(rdir, "tensors.safetensors")
+
+
+@pytest.mark.parametrize("damage", [_damage_python_state, _damage_generator_state],
+                         ids=["python", "node generator"])
+def test_a_damaged_random_state_is_an_invalid_checkpoint(run, damage):
+    damage(_rank(run, 3))
+    listed = jobrun("ckpt", "list", run)  # the cheap listing reads no data
+    assert all(line.endswith("ok") for line in listed.out.splitlines()[1:])
+    verified = jobrun("ckpt", "list", run, "--verify")
+    row = next(line for line in verified.out.splitlines() if line.split()[0] == "3")
+    assert "INVALID" in row and "random state" in row and "damaged" in row
+    assert "Traceback" not in verified.text
+    named = jobrun("resume", "--run-dir", run, "--epoch", "3")
+    assert named.code == 1 and "cannot be used" in named.err and "random state" in named.err
+    info = json.loads((run / "run.json").read_text())
+    info["status"] = "interrupted"
+    (run / "run.json").write_text(json.dumps(info))
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert "skipping checkpoint epoch 3" in r.text and "resumed from checkpoint epoch 2" in r.out
+
+
+def test_ckpt_list_verify_in_its_own_process_finds_a_damaged_generator_state(run):
+    _damage_generator_state(_rank(run, 3))
+    r = jobrun_proc("ckpt", "list", run, "--verify")
+    row = next(line for line in r.out.splitlines() if line.split()[0] == "3")
+    assert "INVALID" in row and "Invalid mt19937 state" in row

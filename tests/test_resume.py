@@ -222,11 +222,12 @@ def _data_bytes(run: Path, epoch: int) -> int:
 
 
 def _watch_reads(monkeypatch) -> dict[str, list]:
-    """Count the bytes the store checksums, and record the epochs it loads (its public load)."""
+    """Count the bytes the store checksums, and record the epochs it loads whole (its public
+    load; the launcher's look at a checkpoint's random state reads a few blobs: "peeked")."""
     from jobrun import store
     from jobrun.store import tensorfile
 
-    seen: dict[str, list] = {"checksummed": [], "loaded": []}
+    seen: dict[str, list] = {"checksummed": [], "loaded": [], "peeked": []}
     update, load = tensorfile.Checksums.update, store.load
 
     def counting(self, data):
@@ -234,7 +235,7 @@ def _watch_reads(monkeypatch) -> dict[str, list]:
         update(self, data)
 
     def loading(ckpt_dir, node, epoch, rank=0, **kw):
-        seen["loaded"].append((node, epoch))
+        seen["peeked" if kw.get("blobs") else "loaded"].append((node, epoch))
         return load(ckpt_dir, node, epoch, rank, **kw)
 
     monkeypatch.setattr(tensorfile.Checksums, "update", counting)
@@ -382,10 +383,16 @@ def two_ranks(tmp_path):
 
     plan = compile_text("job: j\nmax_epochs: 9\ncheckpoint: {dir: c}\n"
                         "epoch: [{task: t, do: [{const: {out: x, value: 1}}]}]\n")
+    import random
+
+    import numpy as np
+
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "node": torch.Generator().get_state(), "ctx_state": {}}
     for epoch in range(4):
         for rank in range(2):
-            store.save({"w": torch.full((1000,), float(epoch * 10 + rank))}, {}, tmp_path, "local",
-                       epoch, rank=rank, world_size=2)
+            store.save({"w": torch.full((1000,), float(epoch * 10 + rank)), "jobrun:rng": rng}, {},
+                       tmp_path, "local", epoch, rank=rank, world_size=2)
     return plan, tmp_path
 
 
@@ -402,9 +409,9 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     verified: list[tuple] = []
     verify = store.verify
 
-    def record(ckpt_dir, node, epoch, rank=None):
+    def record(ckpt_dir, node, epoch, rank=None, **kw):
         verified.append((threading.current_thread().name, epoch, rank))
-        return verify(ckpt_dir, node, epoch, rank)
+        return verify(ckpt_dir, node, epoch, rank, **kw)
 
     monkeypatch.setattr(store, "verify", record)
     got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, None, rank, gather))

@@ -13,6 +13,7 @@ from typing import Any
 
 from jobrun import store
 from jobrun.errors import CheckpointError, UsageError
+from jobrun.runner import rng
 from jobrun.runner.display import human_size
 from jobrun.runner.rundir import RunDir
 from jobrun.store import SavedState
@@ -34,7 +35,8 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
         for node, n in sorted(info.nodes.items()):
             problem = n.problem
             if verify and n.ok:
-                problems = store.verify(ckpt_dir, node, info.epoch)
+                problems = (store.verify(ckpt_dir, node, info.epoch)
+                            or rng.saved_problems(ckpt_dir, node, info.epoch, n.ranks))
                 problem = problems[0] if problems else None
             rows.append({
                 "epoch": info.epoch, "node": node, "ranks": len(n.ranks), "world_size": n.world_size,

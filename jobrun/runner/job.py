@@ -27,12 +27,11 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir
+from jobrun.runner import rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
 from jobrun.store import SavedState, UnsupportedValue
-
-RNG_KEY = "jobrun:rng"
 
 
 @dataclass
@@ -256,10 +255,10 @@ class JobRunner:
 
     def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
         blobs = {k: v for k, v in node.globals.items() if k not in self.unsaved}
-        blobs[RNG_KEY] = _rng_state(node.ctx)
+        blobs[rng.KEY] = rng.capture(node.ctx)
 
         def unsupported(e: UnsupportedValue) -> None:
-            if e.blob == RNG_KEY:
+            if e.blob == rng.KEY:
                 raise e
             self.unsaved.add(e.blob)
             self.display.warn(f"blob {e.blob!r} on node {node.name!r} cannot be checkpointed "
@@ -304,7 +303,9 @@ class JobRunner:
             raise CheckpointError("this plan has no `checkpoint` block, so there is nothing to resume")
         meta: dict[str, Any] = {}
         hashes = not (self.cfg.resume_verified and epoch == self.cfg.resume_epoch)
-        for name, node in self.nodes.items():
+        loaded: dict[str, tuple[dict[str, Any], float]] = {}
+        # Every node's checkpoint is read and checked before anything is restored.
+        for name in self.nodes:
             t0 = time.perf_counter()
             blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=self.rank, verify_hashes=hashes)
             saved_world = meta.get("world_size") if isinstance(meta, dict) else None
@@ -312,14 +313,19 @@ class JobRunner:
                 raise CheckpointError(
                     f"checkpoint epoch {epoch} was written by {saved_world} replicas; this run has "
                     f"{self.cfg.world_size}", hint=f"resume with {saved_world} replicas")
-            rng = blobs.pop(RNG_KEY, None)
+            if found := rng.problems(blobs.get(rng.KEY)):
+                raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
+                                      hint="resume from another epoch (see `jobrun ckpt list`)")
+            loaded[name] = blobs, time.perf_counter() - t0
+        for name, (blobs, seconds) in loaded.items():
+            node = self.nodes[name]
+            state = blobs.pop(rng.KEY)
             for blob, saved in blobs.items():
                 self._restore_blob(node, blob, saved, epoch)
-            if rng is not None:
-                _set_rng_state(node.ctx, rng)
+            rng.restore(node.ctx, state)
             if self.main_rank:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
-                                    "rank": self.rank, "seconds": round(time.perf_counter() - t0, 6)})
+                                    "rank": self.rank, "seconds": round(seconds, 6)})
         return meta
 
     def _restore_blob(self, node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
@@ -391,45 +397,6 @@ class _Writer:
     def wait(self) -> BaseException | None:
         self.thread.join()
         return self.error
-
-
-def _rng_state(ctx: OpContext) -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "node": ctx.generator.get_state(),
-        # readers made inside epoch tasks number themselves from this counter
-        "ctx_state": ctx.state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(ctx: OpContext, state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np_state = state["numpy"]
-    np.random.set_state(tuple(np_state))
-    torch.set_rng_state(_as_byte_tensor(state["torch"]))
-    ctx.generator.set_state(_as_byte_tensor(state["node"]))
-    ctx.load_state(state.get("ctx_state", {}))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_as_byte_tensor(s) for s in state["cuda"]])
-
-
-def _as_byte_tensor(x: Any):
-    import torch
-
-    # A private, aligned copy: a tensor read from a checkpoint may view an unaligned buffer.
-    return x.clone() if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.uint8)
 
 
 def _to_device(value: Any, device: str) -> Any:

@@ -29,6 +29,7 @@ from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.resolve import apply_sets
+from jobrun.runner import rng
 from jobrun.runner.rundir import CONSOLE_FILE, RunDir
 
 
@@ -194,7 +195,9 @@ def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
 
     def problems(e: int) -> tuple[str, list[str]] | None:
         """The first node with problems at epoch ``e`` and its problems (of every rank)."""
-        mine = {node: store.verify(ckpt_dir, node, e, rank=rank) for node in nodes}
+        mine = {node: store.verify(ckpt_dir, node, e, rank=rank, decode=False)
+                or rng.saved_problems(ckpt_dir, node, e, _ranks(ckpt_dir, node, e, rank))
+                for node in nodes}
         every = gather(mine) if gather else [mine]
         for node in nodes:
             found = [p for theirs in every for p in theirs[node]]
@@ -224,6 +227,13 @@ def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
         if say:
             print(f"warning: skipping checkpoint epoch {latest}: node {bad[0]!r}: {'; '.join(bad[1])}")
         before = latest
+
+
+def _ranks(ckpt_dir: Path, node: str, epoch: int, rank: int | None) -> list[int]:
+    """The ranks of a verified epoch this process checks: its own, or all it was saved by."""
+    if rank is not None:
+        return [rank]
+    return list(range(store.read_manifest(ckpt_dir, node, epoch)["world_size"]))
 
 
 def _all_gather(obj: Any) -> list[Any]:

@@ -61,7 +61,7 @@ class EpochInfo:
 
 
 def _node_problems(
-    edir: Path, node: str, epoch: int, *, hashes: bool
+    edir: Path, node: str, epoch: int, *, hashes: bool, decode: bool = False
 ) -> tuple[list[int], int | None, list[str]]:
     """(ranks found, world size, problems) of one node's epoch directory."""
     ranks = ranks_in(edir)
@@ -80,26 +80,28 @@ def _node_problems(
         problems.append(f"{edir}: rank {', '.join(map(str, extra))} beyond world size {ws}")
     for r in ranks:
         ids = {"node": node, "epoch": epoch, "rank": r}
-        problems += rank_problems(edir / f"rank-{r}", ids, hashes=hashes)
+        problems += rank_problems(edir / f"rank-{r}", ids, hashes=hashes, decode=decode)
     return ranks, (max(sizes) if sizes else None), problems
 
 
 def verify(
-    ckpt_dir: str | os.PathLike[str], node: str, epoch: int, rank: int | None = None
+    ckpt_dir: str | os.PathLike[str], node: str, epoch: int, rank: int | None = None,
+    *, decode: bool = True,
 ) -> list[str]:
     """Every problem of a saved epoch of one node ([] when valid), reading every byte.
 
     ``rank=None`` checks all ranks, expecting as many as the manifests' world size.
+    ``decode``: also decode every value, as a load would (reads the data a second time).
     """
     edir = epoch_dir(ckpt_dir, node, epoch)
     if not edir.is_dir():
         return [f"no checkpoint of node {node!r} at epoch {epoch} in {ckpt_dir}"]
     if rank is None:
-        return _node_problems(edir, node, epoch, hashes=True)[2]
+        return _node_problems(edir, node, epoch, hashes=True, decode=decode)[2]
     rdir = edir / f"rank-{check_count('rank', rank)}"
     if not rdir.is_dir():
         return [missing_rank(edir, rank)]
-    return rank_problems(rdir, {"node": node, "epoch": epoch, "rank": rank}, hashes=True)
+    return rank_problems(rdir, {"node": node, "epoch": epoch, "rank": rank}, hashes=True, decode=decode)
 
 
 def _epoch_dirs(ckpt_dir: Path) -> Iterator[tuple[str, int, Path]]:

@@ -182,8 +182,9 @@ def _checksum_problem(path: Path, info: dict[str, Any], got: list[str]) -> str |
     return f"{path}: checksum mismatch{where} (crc32 {have}, {want} expected): the file is corrupt"
 
 
-def rank_problems(rdir: Path, ids: dict[str, Any], *, hashes: bool) -> list[str]:
-    """What is wrong with one rank directory ([] when valid); ``hashes``: read every byte."""
+def rank_problems(rdir: Path, ids: dict[str, Any], *, hashes: bool, decode: bool = False) -> list[str]:
+    """What is wrong with one rank directory ([] when valid); ``hashes``: read every byte;
+    ``decode``: also decode every value (without torch), as a load would."""
     try:
         m = check_commit(rdir, **ids)
     except CheckpointError as e:
@@ -201,12 +202,18 @@ def rank_problems(rdir: Path, ids: dict[str, Any], *, hashes: bool) -> list[str]
                 found = f"cannot read {path}: {e.strerror or e}"
         if found:
             problems.append(found)
+    if decode and not problems:
+        # Intact bytes that do not decode (a damaged file re-sealed) are no checkpoint either.
+        try:
+            _load_rank(rdir, ids, as_numpy=True, hashes=False)
+        except CheckpointError as e:
+            problems.append(e.message)
     return problems
 
 
 def verify_dir(rdir: str | os.PathLike[str]) -> list[str]:
     """Every problem of one rank directory (e.g. one copied by ``upload``), reading every byte."""
-    return rank_problems(Path(rdir), {}, hashes=True)
+    return rank_problems(Path(rdir), {}, hashes=True, decode=True)
 
 
 def read_manifest(
