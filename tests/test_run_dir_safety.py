@@ -458,3 +458,24 @@ def test_positional_overrides_mean_set(tmp_path):
     assert "epoch 1/1" in r.out
     r = jobrun("train", plan, "--run-dir", tmp_path / "run2", "oops")
     assert r.code == 2 and "overrides are KEY=VALUE" in r.err
+
+
+# -- plan files that are not files ---------------------------------------------------------
+
+
+def test_a_plan_from_dev_zero_is_refused_without_reading_it_all():
+    r = jobrun("analyze", "/dev/zero")
+    assert r.code == 2 and "more than the 67108864 bytes allowed" in r.err
+
+
+def test_a_plan_from_a_pipe_is_read(tmp_path):
+    import subprocess
+    import sys
+
+    text = (Path(__file__).resolve().parent.parent / "plans" / "counter.yaml").read_text()
+    p = subprocess.run([sys.executable, "-m", "jobrun", "analyze", "/dev/stdin"], input=text,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "ok" in p.stderr
+    big = subprocess.run([sys.executable, "-m", "jobrun", "analyze", "/dev/stdin"],
+                         input="#" * (65 << 20), capture_output=True, text=True, timeout=60)
+    assert big.returncode == 2 and "bytes allowed" in big.stderr

@@ -80,14 +80,16 @@ def load_file(path: str | Path) -> PMap:
     """Read and parse a plan file; every failure is a PlanError (exit code 2)."""
     p = Path(path)
     try:
-        size = p.stat().st_size
-        if size > MAX_FILE_BYTES:
+        # At most one byte past the limit, whatever the file is (a pipe, /dev/zero): its
+        # size on disk says nothing then.
+        with open(p, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
             raise PlanError(
-                f"plan file is {size} bytes, more than the {MAX_FILE_BYTES} allowed",
+                f"plan file is more than the {MAX_FILE_BYTES} bytes allowed",
                 Pos(str(path)),
                 "split the data out of the plan (load it with data.load)",
             )
-        data = p.read_bytes()
     except PlanError:
         raise
     except FileNotFoundError:
