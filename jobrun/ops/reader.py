@@ -15,6 +15,7 @@ tiny and a shuffled pass is recomputed from its seed on load, identical on every
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -99,6 +100,7 @@ class Reader:
         self.world_size = world_size
         self.device = torch.device(device)
         self.seed = seed
+        self._lock = threading.Lock()
         self.pass_index = 0
         self.position = 0  # records of the current pass already read
         self._order: torch.Tensor | None = None  # the current pass's permutation
@@ -156,22 +158,24 @@ class Reader:
 
         Every training step runs this: a shuffled plain reader (see `_plain_fields`) of
         two fields calls no other Python function (`finished` and `_pass_order` inlined).
+        Instances of a task may read one reader at once: each gets a batch of its own.
         """
-        start, end = self.position, self._pass_end
-        if start >= end or (self.passes and self.pass_index >= self.passes):
-            return self._end_of_pass()
-        stop = start + self.batch_size
-        if stop > end:
-            stop = end
-        self.position = stop
-        if self._plain and self.shuffle:
-            order = self._order if self._order_pass == self.pass_index else self._pass_order()
-            idx = order[start:stop]  # type: ignore[index]
-            fields = self.fields
-            if len(fields) == 2:
-                return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
-            return (*self._select(idx), False)
-        return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
+        with self._lock:
+            start, end = self.position, self._pass_end
+            if start >= end or (self.passes and self.pass_index >= self.passes):
+                return self._end_of_pass()
+            stop = start + self.batch_size
+            if stop > end:
+                stop = end
+            self.position = stop
+            if self._plain and self.shuffle:
+                order = self._order if self._order_pass == self.pass_index else self._pass_order()
+                idx = order[start:stop]  # type: ignore[index]
+                fields = self.fields
+                if len(fields) == 2:
+                    return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
+                return (*self._select(idx), False)
+            return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
 
     def _end_of_pass(self) -> tuple[Any, ...]:
         if not self.finished:

@@ -131,7 +131,10 @@ class _Analyzer(Visitor):
         self.ctx = TaskCtx(task, task.workspace == "private")
         self.writes = [{}]
         for block in (task.init, task.do, task.exit):
+            if block is task.do and task.instances > 1:
+                self.ctx.shared = set(self.flow.state)
             self._frame_block(block)
+            self.ctx.shared = None
         self._check_outputs(task)
         writes = self.writes.pop()
         if self.ctx.private:
@@ -218,6 +221,15 @@ class _Analyzer(Visitor):
         ctx = self.ctx
         assert ctx is not None
         name, pos = ref.name, ref.pos
+        if ctx.shared is not None and name in ctx.shared and name not in ctx.shared_warned:
+            ctx.shared_warned.add(name)
+            self._emit(
+                "warning", "instance-race", pos,
+                f"the {ctx.task.instances} instances of task {ctx.task.name!r} all write {name!r}, "
+                "which they share: updates can be lost",
+                "give each instance its own name (new names stay in the instance), or update it "
+                "once in the task's `exit`",
+            )
         old = self.flow.define(name, DEF, pos)
         self.writes[-1].setdefault(name, pos)
         if old is None and ctx.private and name not in ctx.new_pos:

@@ -125,6 +125,10 @@ class TaskCtx:
     # Private blobs the task creates, for `unused`: where, and by which op call (if any).
     new_pos: dict[str, Pos] = field(default_factory=dict)
     new_call: dict[str, ir.OpCall | None] = field(default_factory=dict)
+    # With `instances` > 1, while walking `do`: the names its instances share (the global
+    # ones and the task's own from `init`), and those already warned about.
+    shared: set[str] | None = None
+    shared_warned: set[str] = field(default_factory=set)
 
 
 class Definitions(Visitor):

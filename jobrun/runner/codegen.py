@@ -93,12 +93,12 @@ class Source:
             self.comment, self.handler = saved
 
     @contextlib.contextmanager
-    def function(self, name: str) -> Iterator[None]:
+    def function(self, name: str, params: str = "") -> Iterator[None]:
         """A new function `name`: a `try` whose failures go through the line's handler."""
         saved = self.fn, self.comment, self.handler
         self.fn, self.comment, self.handler = _Function(), "", None
         self.functions.append(self.fn)
-        with self.block(f"def {name}():"):
+        with self.block(f"def {name}({params}):"):
             with self.block("try:"):
                 yield
             self.line("except PASS_THROUGH:")

@@ -1,15 +1,18 @@
 """Executes tasks: each task compiled into generated Python functions over workspaces.
 
 A task is compiled once per node, bound to that node's global workspace ``G`` (a dict
-living the whole job) and to the task's own workspace ``L`` (cleared when the task
-ends). A private task's ``L`` reads through to ``G``; a write to a name that exists in
-``G`` updates it, and new names stay in ``L``. A global task's ``L`` is ``G``.
+living the whole job) and to the task's own workspace ``T`` (cleared when the task
+ends). A private task's ``T`` reads through to ``G``; a write to a name that exists in
+``G`` updates it, and new names stay in ``T``. A global task's ``T`` is ``G``. Each
+generated function runs in a workspace ``L`` it is given: ``T``, or with `instances: N`
+each instance's own child workspace for `do`, which reads through to ``T`` (and so to
+``G``); a write to a name that exists there updates it, new names stay in the instance.
 
 One code generator, a :class:`~jobrun.plans.visit.Visitor` over the task's steps (the
 analyzer and the printer are the others), writes each section (init, do, exit) as one
 Python function; control flow becomes Python's own::
 
-    op call            r = op3_add(ctx, L['total'], L['i'])
+    op call            r = op3_add(ctx, L['total'], L['i'])     (every function is f(L))
     loop: N / a blob   for i4 in range(n4): ...    (`as i`: the index is stored each time)
     loop: null         while True: ...
     stop_if: c         if <c is truthy>: break      (outside any loop: return True, which
@@ -77,14 +80,17 @@ class CompiledTask:
         self._init, self._do, self._exit = _Generator(self.ctx, g, self.local, task, node.name).visit(task)
 
     def run(self) -> dict[str, Any]:
-        """Run init, do (all instances), exit; return the declared outputs."""
+        """Run init, do (all instances, each in its own workspace), exit; return the
+        declared outputs."""
+        local = self.local
         try:
-            self._init()
+            self._init(local)
             if self.task.instances == 1:
-                self._do()
+                self._do(local)
             else:
-                run_concurrently([self._do] * self.task.instances, f"task {self.task.name!r}")
-            self._exit()
+                run_concurrently([functools.partial(self._do, _child_workspace(local))
+                                  for _ in range(self.task.instances)], f"task {self.task.name!r}")
+            self._exit(local)
             return {ref.name: self._output(ref) for ref in self.task.outputs}
         finally:
             if self.local is not self.node.globals:
@@ -105,8 +111,8 @@ def _private_workspace(g: dict[str, Any]) -> dict[str, Any]:
     """A private task's own workspace: a dict whose missing names are read from `g`.
 
     Its ``__missing__`` is `g`'s own ``__getitem__`` (a C function, hence a class per
-    task), so that ``L[name]`` reads a global blob (model, optimizer, reader: most reads
-    of a training loop) without running Python code; a name in neither raises
+    workspace), so that ``L[name]`` reads a global blob (model, optimizer, reader: most
+    reads of a training loop) without running Python code; a name in neither raises
     KeyError(name).
     """
 
@@ -115,6 +121,10 @@ def _private_workspace(g: dict[str, Any]) -> dict[str, Any]:
         __missing__ = staticmethod(g.__getitem__)
 
     return PrivateWorkspace()
+
+
+# An instance's workspace reads through to its task's the same way.
+_child_workspace = _private_workspace
 
 
 def run_concurrently(thunks: list[Thunk], what: str) -> bool:
@@ -204,22 +214,26 @@ class _Generator(Visitor):
     def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str):
         self.ctx = ctx
         self.private = local is not g
+        self.instance = False  # writing `do` of a task with instances: stores reach T too
         self.task = task
         self.node = node
         self.ops = registry()
         self.reports = ""  # the `with reports()` variable of the block being written
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
-            "ctx": ctx, "G": g, "L": local, "results": _results,
+            "ctx": ctx, "G": g, "T": local, "results": _results,
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": _Reports,
+            "partial": functools.partial,
             "PROGRESS": progress, "TASK": task.name,
         }, pass_through=_PASS_THROUGH)
 
     def visit_Task(self, t: ir.Task) -> tuple[Thunk, Thunk, Thunk]:
         """The task's init, do and exit, as functions."""
         for section, steps in (("init", t.init), ("do", t.do), ("exit", t.exit)):
-            with self.code.function(section):
+            self.instance = section == "do" and t.instances > 1
+            with self.code.function(section, "L"):
                 self.visit_block(steps)
+        self.instance = False
         self.code.compile(f"<jobrun task {t.name!r} on node {self.node!r} #{next(_module_numbers)}>")
         return self.code.env["init"], self.code.env["do"], self.code.env["exit"]
 
@@ -276,8 +290,12 @@ class _Generator(Visitor):
         with code.block(f"if type(r) is not tuple or len(r) != {n}:"):
             code.line(f"r = results(r, {n})")
         targets = ", ".join(f"L[{name!r}]" for name in outs)
-        if not self.private:
+        if not self.private and not self.instance:
             code.line(f"{targets} = r")
+            return
+        if self.instance:
+            for k, name in enumerate(outs):
+                self._store(name, f"r[{k}]")
             return
         # Usually none of them is global (a `read`'s batch): one check, then unpacked.
         with code.block(f"if G.keys().isdisjoint({code.value('outs', tuple(outs))}):"):
@@ -287,12 +305,17 @@ class _Generator(Visitor):
                 self._store(name, f"r[{k}]")
 
     def _store(self, name: str, value: str) -> None:
+        """A write goes to the nearest workspace that has the name: G, T (an instance's
+        task), else the workspace of the running function, L."""
         code = self.code
-        if not self.private:
+        if not self.private and not self.instance:
             code.line(f"G[{name!r}] = {value}")
             return
         with code.block(f"if {name!r} in G:"):
             code.line(f"G[{name!r}] = {value}")
+        if self.instance and self.private:
+            with code.block(f"elif {name!r} in T:"):
+                code.line(f"T[{name!r}] = {value}")
         with code.block("else:"):
             code.line(f"L[{name!r}] = {value}")
 
@@ -392,19 +415,20 @@ class _Generator(Visitor):
         branches = []
         for b in s.branches:
             branches.append(code.fresh("branch", b.name or ""))
-            with code.function(branches[-1]):
+            with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
-        call = f"run_concurrently(({', '.join(branches)},), 'parallel')"
+        thunks = "".join(f"partial({b}, L), " for b in branches)
+        call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
             code.line(code.stop())
 
     def visit_Report(self, s: ir.Report) -> None:
         code = self.code
         body = code.fresh("report")
-        with code.function(body):
+        with code.function(body, "L"):
             self.visit_block(s.body)
         with code.step(s.pos, f"report every {s.period_text}"):
-            code.line(f"{self.reports}.start({code.value('period', s.period)}, {body})")
+            code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
 
 
 def _results(result: Any, n: int) -> tuple[Any, ...]:
