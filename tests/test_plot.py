@@ -107,3 +107,49 @@ def test_without_matplotlib_the_message_names_the_extra(two_runs, monkeypatch):
 def test_not_a_run_is_one_message(tmp_path):
     r = jobrun("plot", tmp_path)
     assert r.code == 2 and "not a jobrun run directory" in r.err
+
+
+def test_log_every_k_logs_each_kth_call_across_epochs_and_resumes(tmp_path):
+    text = """\
+job: every
+max_epochs: 3
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do: [{const: {out: x, value: 0}}]
+epoch:
+  - task: t
+    do:
+      - loop: 5
+        do:
+          - add: {in: [x, 1], out: x}
+          - log: {in: [x], every: 2}
+"""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logs = [(r["epoch"], r["step"], r["values"]["x"]) for r in records if "values" in r]
+    # the 2nd, 4th, ... call of the step, counted across epochs (5 calls an epoch)
+    assert logs == [(1, 2, 2), (1, 4, 4), (2, 6, 6), (2, 8, 8), (2, 10, 10), (3, 12, 12), (3, 14, 14)]
+    xs, ys = zip(*series(RunDir(run))["x"])
+    assert xs == pytest.approx([0.5, 1.0, 4 / 3, 5 / 3, 2.0, 2.5, 3.0])
+    assert ys == (2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0)
+    # TensorBoard gets the same points, at the same steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("t/x")] == [(s, float(x)) for _, s, x in logs]
+    # a resume from epoch 1 counts on from the checkpoint: the same points
+    assert jobrun("resume", "--run-dir", run, "--epoch", "1").code == 0
+    again = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"], r["values"]["x"]) for r in again if "values" in r] == logs
+
+
+def test_log_every_must_be_a_count(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("job: j\nmax_epochs: 1\nepoch:\n  - task: t\n    do: [{log: {every: 0}}]\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 1 and "every is 0, not a count" in r.err

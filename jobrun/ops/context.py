@@ -28,7 +28,7 @@ class OpContext:
     epoch: int = 0
     task: str = ""
     # log(values, msg): print and append one line to metrics.jsonl (set by the runner).
-    log: Callable[[dict[str, Any], str | None], None] | None = None
+    log: Callable[[dict[str, Any], str | None, int], None] | None = None  # values, msg, step
     # Shared with the live display: the innermost running loop's iteration (set by the runner).
     progress: dict[str, Any] | None = None
     _generator: Any = None

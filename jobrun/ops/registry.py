@@ -81,9 +81,12 @@ CORE_SPECS: tuple[OpSpec, ...] = (
         max_outputs=None, example="- read: {in: data, out: [xb, yb, done]}",
     ),
     OpSpec(
-        "log", "Print values and append them to the run's metrics.jsonl.", _C + "log",
-        inputs=("values",), min_inputs=0, max_inputs=None, args=(arg("msg", ("or", "str", "null"), None),),
-        example="- log: {in: [loss, acc], msg: epoch done}",
+        "log", "Record values: the epoch's summary line (a line of their own outside epochs), "
+        "metrics.jsonl, TensorBoard. every: K logs each K-th call only (inside a training loop).",
+        _C + "log", inputs=("values",), min_inputs=0, max_inputs=None,
+        args=(arg("msg", ("or", "str", "null"), None),
+              arg("every", "int", 1, "log each K-th call of this step (counted across epochs)")),
+        example="- log: {in: [loss], every: 50}",
     ),
     OpSpec(
         "save", "Write blobs to a file (.json, .safetensors or .pt), relative to the run directory.",

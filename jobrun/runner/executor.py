@@ -266,6 +266,8 @@ class _Generator(Visitor):
             kwargs["_names"] = tuple(i.name if isinstance(i, ir.BlobRef) else repr(i.value) for i in s.ins)
         if getattr(impl, "wants_out_names", False):
             kwargs["_out_names"] = tuple(o.name for o in s.outs)
+        if getattr(impl, "wants_site", False):  # a per-step counter's key: the step's place
+            kwargs["_site"] = f"{s.pos.file}:{s.pos.line}:{s.pos.col}"
         code = self.code
         with code.step(s.pos, s.op, self._op_failure(s)):
             args = ["ctx"]

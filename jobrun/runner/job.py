@@ -94,14 +94,14 @@ class JobRunner:
         return NodeRuntime(name, ctx)
 
     def _logger(self, tctx: OpContext):
-        def log(values: dict[str, Any], msg: str | None) -> None:
+        def log(values: dict[str, Any], msg: str | None, step: int) -> None:
             if not self.main_rank:
                 return
             self.metrics.write({
                 "epoch": self.epoch, "group": self.group, "task": tctx.task, "node": tctx.node,
-                "msg": msg, "values": values,
+                "msg": msg, "step": step, "values": values,
             })
-            self.tensorboard.write(tctx.task, self.epoch, values)
+            self.tensorboard.write(tctx.task, step, values)
             self.display.logged(self.group, self.epoch, tctx.task, values, msg)
 
         return log

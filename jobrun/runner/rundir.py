@@ -488,8 +488,9 @@ class Metrics:
 class TensorBoard:
     """Also writes log values as TensorBoard scalars when `tensorboard` is installed.
 
-    Each numeric value becomes the scalar `<task>/<name>` at step = epoch (one point per
-    epoch for values logged once an epoch; later writes at the same step overwrite).
+    Each numeric value becomes the scalar `<task>/<name>` at the step of its `log` call
+    (the how-many-th call of that step: the epoch for a value logged once an epoch, the
+    K-th, 2K-th... call with `every: K`), the same points `metrics.jsonl` holds.
     """
 
     def __init__(self, run_dir: Path | None):
@@ -503,12 +504,12 @@ class TensorBoard:
             return
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
-    def write(self, task: str, epoch: int, values: dict[str, Any]) -> None:
+    def write(self, task: str, step: int, values: dict[str, Any]) -> None:
         if self.writer is None:
             return
         for name, value in values.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{task}/{name}", value, global_step=epoch)
+                self.writer.add_scalar(f"{task}/{name}", value, global_step=step)
 
     def close(self) -> None:
         if self.writer is not None:
