@@ -53,3 +53,7 @@ def fail_once(path: str, message: str = "bad luck") -> None:
     if not os.path.exists(path):
         touch(path)
         raise ValueError(message)
+
+
+def last_lr(scheduler) -> float:
+    return float(scheduler.get_last_lr()[0])

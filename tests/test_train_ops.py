@@ -542,3 +542,45 @@ def test_sequence_outputs_cross_entropy_and_accuracy_per_position():
     loss, accuracy = evaluate(ctx, Echo(), r)
     assert accuracy == pytest.approx(59 / 60)
     assert loss > 0
+
+
+WARMUP = """\
+job: warmup
+max_epochs: 6
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - model.mlp: {out: model, sizes: [2, 2]}
+      - optimizer: {in: model, out: opt, lr: 1.0}
+      - scheduler:
+          in: opt
+          out: sched
+          target: torch.optim.lr_scheduler.SequentialLR
+          milestones: [3]
+          schedulers:
+            - {target: torch.optim.lr_scheduler.LinearLR, start_factor: 0.25, total_iters: 3}
+            - {target: torch.optim.lr_scheduler.CosineAnnealingLR, T_max: 3}
+epoch:
+  - task: t
+    do:
+      - call: {fn: "jobrun_test_helpers:last_lr", in: [sched], out: lr}
+      - log: {in: [lr]}
+      - scheduler.step: {in: sched}
+"""
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
+def test_warmup_then_cosine_written_in_yaml_and_resumed(plan_file, tmp_path):
+    import math
+
+    from runner_util import jobrun, logged
+
+    r = jobrun("train", plan_file(WARMUP), "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    lrs = [row["lr"] for row in logged(tmp_path / "run")]
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(3)]
+    assert lrs == pytest.approx([0.25, 0.5, 0.75] + cosine)
+    again = jobrun("resume", "--run-dir", tmp_path / "run", "--epoch", "2")
+    assert again.code == 0, again.text
+    assert [row["lr"] for row in logged(tmp_path / "run")] == pytest.approx(lrs)

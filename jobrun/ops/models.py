@@ -43,24 +43,32 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
     return module
 
 
-def _materialize(op: str, value: Any) -> Any:
-    """Instantiate nested `{target: ..., args: [...], **kwargs}` mappings, depth first."""
+def _materialize(op: str, value: Any, optimizer: Any = None) -> Any:
+    """Instantiate nested `{target: ..., args: [...], **kwargs}` mappings, depth first.
+    ``optimizer``: given to nested learning-rate schedulers as their first argument (the
+    ones SequentialLR or ChainedScheduler combine)."""
     if isinstance(value, dict):
         if "target" in value:
             rest = {k: v for k, v in value.items() if k not in ("target", "args")}
-            return _instantiate(op, value["target"], value.get("args") or [], rest)
-        return {k: _materialize(op, v) for k, v in value.items()}
+            return _instantiate(op, value["target"], value.get("args") or [], rest,
+                                optimizer=optimizer)
+        return {k: _materialize(op, v, optimizer) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_materialize(op, v) for v in value]
+        return [_materialize(op, v, optimizer) for v in value]
     return value
 
 
-def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leading: tuple = ()) -> Any:
+def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leading: tuple = (),
+                 optimizer: Any = None) -> Any:
     """`target` called with `leading`, then `args`, and `kwargs` (nested targets built)."""
     if not isinstance(args, list | tuple):
         raise RunError(f"{op}: `args` of {target!r} must be a list, got {args!r}")
     fn = resolve(target, op, "target")
-    args, kwargs = [*leading, *_materialize(op, list(args))], _materialize(op, kwargs)
+    if optimizer is not None and not leading and isinstance(fn, type) \
+            and issubclass(fn, torch.optim.lr_scheduler.LRScheduler):
+        leading = (optimizer,)
+    args = [*leading, *_materialize(op, list(args), optimizer)]
+    kwargs = _materialize(op, kwargs, optimizer)
     try:
         return fn(*args, **kwargs)
     except RunError:
@@ -120,9 +128,10 @@ def optimizer(ctx: OpContext, model: Any, *, target: str = "torch.optim.SGD", **
 
 
 def scheduler(ctx: OpContext, opt: Any, *, target: str, **kwargs: Any):
-    """`scheduler`: opt -> sched, e.g. target: torch.optim.lr_scheduler.StepLR."""
+    """`scheduler`: opt -> sched, e.g. target: torch.optim.lr_scheduler.StepLR. Nested
+    schedulers (SequentialLR's `schedulers`) are built on the same optimizer."""
     require_optimizer("scheduler", opt)
-    return _instantiate("scheduler", target, [], kwargs, leading=(opt,))
+    return _instantiate("scheduler", target, [], kwargs, leading=(opt,), optimizer=opt)
 
 
 def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:

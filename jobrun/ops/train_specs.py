@@ -101,7 +101,9 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "scheduler",
-        "A learning-rate scheduler over an optimizer; other keys go to its constructor.",
+        "A learning-rate scheduler over an optimizer; other keys go to its constructor. "
+        "Schedulers nested as {target: ...} mappings (SequentialLR's schedulers: warmup then "
+        "cosine) are built on the same optimizer.",
         "models:scheduler",
         "- scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 5}",
         inputs=("opt",),
