@@ -570,7 +570,7 @@ epoch:
 """
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")
 def test_warmup_then_cosine_written_in_yaml_and_resumed(plan_file, tmp_path):
     import math
 
