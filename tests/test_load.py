@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -165,10 +166,17 @@ def typed(value: object) -> object:
         # YAML 1.1 words: booleans and null, but not y/n
         ("a: [yes, No, on, OFF, true, False, null, Null, ~, y, n]",
          {"a": [True, False, True, False, True, False, None, None, None, "y", "n"]}),
-        # YAML 1.1 numbers: a float needs a dot (1e5 is a string), 017 is octal, 1:30 is base 60
-        ("a: {b: 1e5, c: 1.5e+5, d: 1.0e5, e: 0x1f, f: 0o7, g: 017, h: 1_000, i: 1:30, j: .5, k: -0, l: +1}",
-         {"a": {"b": "1e5", "c": 150000.0, "d": "1.0e5", "e": 31, "f": "0o7", "g": 15, "h": 1000,
-                "i": 90, "j": 0.5, "k": 0, "l": 1}}),
+        # numbers as YAML 1.2 and Python write them (YAML 1.1 read 1e5 as a string, 1:30 as 90)
+        ("a: {b: 1e5, c: 1.5e+5, d: 1.0e5, e: 0x1f, f: 0o7, g: 0b101, h: 1_000, i: 1:30, j: .5, k: -0, l: +1}",
+         {"a": {"b": 1e5, "c": 150000.0, "d": 1e5, "e": 31, "f": 7, "g": 5, "h": 1000,
+                "i": "1:30", "j": 0.5, "k": 0, "l": 1}}),
+        ("a: [1e30, 1e-4, 1E5, +1.5e3, -2.5E-3, 1_000.5, 0., 1e-400]",
+         {"a": [1e30, 1e-4, 1e5, 1500.0, -0.0025, 1000.5, 0.0, 0.0]}),
+        ("a: [.inf, -.inf, +.inf, .Inf, -.INF, !!float .inf, !!float 3, !!int 0o10]",
+         {"a": [math.inf, -math.inf, math.inf, math.inf, -math.inf, math.inf, 3.0, 8]}),
+        # what only looks like a number stays a string
+        ("a: [1e, e5, ., 1__0, 1_, 1.2.3, 0x, inf, nan, 12:30:00, 1_e5, 0xg]",
+         {"a": ["1e", "e5", ".", "1__0", "1_", "1.2.3", "0x", "inf", "nan", "12:30:00", "1_e5", "0xg"]}),
         ("a: [1., -1.5, 9223372036854775807, -9223372036854775807]",
          {"a": [1.0, -1.5, 2**63 - 1, -(2**63 - 1)]}),
         # words next to those rules stay strings
@@ -248,7 +256,10 @@ def test_corner_case_positions(text: str, where, pos: Pos) -> None:
         ("a: !!int 1" + "0" * 5000 + "\n", P(1, 4), "too large"),
         ("a: " + "9" * 5000 + "\n", P(1, 4), "too large"),
         ("a: 9223372036854775808\n", P(1, 4), "too large"),
-        ("a: -.INF\n", P(1, 4), "finite"),
+        ("a: 017\n", P(1, 4), "017 is ambiguous"),
+        ("a: [1, -08]\n", P(1, 8), "-08 is ambiguous"),
+        ("a: 1e400\n", P(1, 4), "too large for a number"),
+        ("a: !!float .NaN\n", P(1, 4), "not a number"),
         ("a: !!timestamp 2020-01-01\n", P(1, 4), "dates"),
         ("a: &x [1, *x]\n", P(1, 11), "recursive"),
         ("? [a]\n: 1\n", P(1, 3), "plain word"),
@@ -259,8 +270,8 @@ def test_corner_case_positions(text: str, where, pos: Pos) -> None:
         ("a: " + "[" * 150 + "]" * 150 + "\n", P(1, 3 + MAX_DEPTH), f"more than {MAX_DEPTH}"),
         ("a: 'open\n", P(1, 4), "never closed"),
         ("a: [1., 12345678901234567890]\n", P(1, 9), "too large"),
-        ("a: .inf\n", P(1, 4), "finite"),
-        ("a: [1, .nan]\n", P(1, 8), "finite"),
+        ("a: .nan\n", P(1, 4), ".nan (not a number) cannot be a plan value"),
+        ("a: [1, -.NAN]\n", P(1, 8), "not a number"),
         ("a: yes\nb: 2020-01-01\n", P(2, 4), "reads as a date"),
         ("a: {b: c, b: d}", P(1, 11), "duplicate key 'b' (first at line 1, column 5)"),
         ("a: {<<: {b: c}}", P(1, 5), "merge keys"),
@@ -351,7 +362,8 @@ def sets(*items: str, text: str = PLAN) -> PMap:
 @pytest.mark.parametrize(
     ("raw", "value"),
     [("3", 3), ("0.05", 0.05), ("true", True), ("abc", "abc"), ("null", None), ("", None),
-     ("'3'", "3"), ("[1, 2]", [1, 2]), ("-4", -4), ("1e-3", "1e-3")],
+     ("'3'", "3"), ("[1, 2]", [1, 2]), ("-4", -4), ("1e-3", 0.001),
+     ("1E5", 100000.0), (".inf", math.inf), ("-.inf", -math.inf), ("'1e-3'", "1e-3")],
 )
 def test_set_values_are_yaml_scalars(raw: str, value: object) -> None:
     got = sets(f"vars.x={raw}")["vars"]["x"]

@@ -23,6 +23,7 @@ from typing import Any
 from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
+from jobrun.plans.compare import Kinds
 from jobrun.plans.flow import DEF, MAYBE, Changes, Definitions, Effect, Flow, Frame, Read, TaskCtx
 from jobrun.plans.signatures import Signatures
 from jobrun.plans.visit import Visitor
@@ -57,6 +58,8 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
         ops = registry()
     analyzer = _Analyzer(ops)
     analyzer.visit(plan)
+    for f in analyzer.kinds.findings():
+        analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
     # Severity, code and message break ties so that the order never depends on the walk.
     return sorted(
         analyzer.diags,
@@ -84,6 +87,7 @@ class _Analyzer(Visitor):
         self.first_defs: Definitions | None = None  # walked only to explain undefined blobs
         self.creates: dict[tuple[str, str], dict[str, list[str]]] = {}  # (group, node) -> creators
         self.suggestions = 0
+        self.kinds = Kinds()
 
     def _emit(self, severity: str, code: str, pos: Pos, message: str, hint: str | None) -> None:
         self.diags.append(Diagnostic(severity, pos, message, code, hint))
@@ -259,6 +263,8 @@ class _Analyzer(Visitor):
         for out in call.outs:
             self._write(out)
         self.call = None
+        assert self.ctx is not None
+        self.kinds.op(self.ctx.task.node, call)
 
     def visit_Loop(self, loop: ir.Loop) -> None:
         if isinstance(loop.count, ir.BlobRef):
@@ -268,6 +274,8 @@ class _Analyzer(Visitor):
         mark = self.flow.mark()
         if loop.index is not None:
             self._write(loop.index)
+            assert self.ctx is not None
+            self.kinds.index(self.ctx.task.node, loop.index)
         self.visit_block(loop.body)
         self.frames.pop()
         # `loop: null` only ends at a stop_if, so its body starts at least once.

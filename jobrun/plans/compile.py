@@ -15,7 +15,16 @@ from typing import Any
 
 from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans import ir
-from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, shorten, show
+from jobrun.plans.load import (
+    PList,
+    PMap,
+    kind_of,
+    load_file,
+    load_text,
+    parse_number,
+    shorten,
+    show,
+)
 from jobrun.plans.resolve import apply_sets, substitute
 
 BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
@@ -383,6 +392,12 @@ class _Compiler:
 
     def input(self, op: str, item: Any, pos: Pos) -> ir.Input:
         if item.__class__ is str:
+            if item not in self.good_blobs and not BLOB_NAME.match(item) and parse_number(item) is not None:
+                raise PlanError(
+                    f"`in` of `{op}` names the blob {show(item)}, which is a quoted number",
+                    pos, f"write {item.strip()} without quotes: in `in` a string is a blob name "
+                    "(so is the value of a var that holds a string)",
+                )
             return self.blob(item, pos, "in", op)
         if isinstance(item, bool | int | float):
             return ir.Literal(item, pos)

@@ -14,6 +14,7 @@ Neither torch nor rich is imported here (rich only inside :func:`print_rich`).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -87,11 +88,16 @@ def _quote(s: str) -> str:
     return json.dumps(s, ensure_ascii=not s.isprintable())
 
 
+def _format_float(v: float) -> str:
+    # `inf` would read as a blob name: infinities are written as in the plan.
+    return repr(v) if math.isfinite(v) else ("-.inf" if v < 0 else ".inf")
+
+
 _FORMATTERS: dict[type, Callable[[Any], str]] = {
     str: _quote,
     bool: lambda v: "true" if v else "false",
     int: str,
-    float: repr,
+    float: _format_float,
     type(None): lambda v: "null",
     list: _format_seq,
     tuple: _format_seq,
@@ -313,6 +319,18 @@ def _checkpoint_text(ckpt: ir.Checkpoint | None) -> str:
 # -- json ------------------------------------------------------------------------------
 
 
+def _json_value(value: Any) -> Any:
+    """A plan value as JSON data: JSON has no infinity, so it is written as the plan
+    writes it, the string ".inf" or "-.inf" (never a blob name: those start with a letter)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _format_float(value)
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    return value
+
+
 class _JsonBuilder(Visitor):
     """Each visit_* returns the JSON-able data of its node."""
 
@@ -327,7 +345,7 @@ class _JsonBuilder(Visitor):
             "seed": plan.seed,
             "device": plan.device,
             "replicas": plan.replicas,
-            "vars": to_plain(plan.vars),
+            "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,
             "stop_when": [r.name for r in plan.stop_when],
             "checkpoint": None if ckpt is None else {
@@ -358,9 +376,9 @@ class _JsonBuilder(Visitor):
             "kind": "op",
             "op": op.op,
             # Literals are numbers or booleans, blob names strings: the JSON type tells them apart.
-            "in": [i.name if isinstance(i, ir.BlobRef) else i.value for i in op.ins],
+            "in": [i.name if isinstance(i, ir.BlobRef) else _json_value(i.value) for i in op.ins],
             "out": [r.name for r in op.outs],
-            "args": {k: to_plain(v) for k, v in op.args},
+            "args": {k: _json_value(v) for k, v in op.args},
             "line": op.pos.line,
         }
 
