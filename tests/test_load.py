@@ -1,4 +1,5 @@
-"""The loader, `--set` and `${var}` substitution: values, types and source positions."""
+"""The loader and `${var}` substitution: values, types and source positions (overrides:
+test_overrides.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from jobrun.plans.load import (
     parse_value,
     to_plain,
 )
-from jobrun.plans.resolve import apply_sets, substitute
+from jobrun.plans.overrides import apply_sets
+from jobrun.plans.resolve import substitute
 
 F = "p.yaml"
 
@@ -350,78 +352,6 @@ def test_clone_is_deep() -> None:
     assert c["epoch"][0]["do"][0].key_at("loop") == P(9, 9)
 
 
-# -- --set -------------------------------------------------------------------------------
-
-
-def sets(*items: str, text: str = PLAN) -> PMap:
-    t = load_text(text, F)
-    apply_sets(t, list(items))
-    return t
-
-
-@pytest.mark.parametrize(
-    ("raw", "value"),
-    [("3", 3), ("0.05", 0.05), ("true", True), ("abc", "abc"), ("null", None), ("", None),
-     ("'3'", "3"), ("[1, 2]", [1, 2]), ("-4", -4), ("1e-3", 0.001),
-     ("1E5", 100000.0), (".inf", math.inf), ("-.inf", -math.inf), ("'1e-3'", "1e-3")],
-)
-def test_set_values_are_yaml_scalars(raw: str, value: object) -> None:
-    got = sets(f"vars.x={raw}")["vars"]["x"]
-    assert got == value and isinstance(got, type(value))
-    assert isinstance(value, list) or type(got) is type(value)  # 1 is not True
-
-
-def test_set_dotted_paths_and_list_indices() -> None:
-    t = sets("max_epochs=7", "epoch.0.do.0.loop=20", "epoch.0.do.1.mul.in.1=2.5", "epoch.0.outputs.0=b")
-    assert t["max_epochs"] == 7
-    assert t["epoch"][0]["do"][0]["loop"] == 20
-    assert t["epoch"][0]["do"][1]["mul"]["in"] == ["a", 2.5]
-    assert t["epoch"][0]["outputs"] == ["b"]
-    # An overridden value points at the --set that gave it.
-    assert t["epoch"][0]["do"][0].at("loop") == Pos("--set epoch.0.do.0.loop=20")
-    assert t["epoch"][0]["do"][1]["mul"]["in"].at(1) == Pos("--set epoch.0.do.1.mul.in.1=2.5")
-    assert t["epoch"][0]["do"][1]["mul"]["in"].at(0) == P(13, 20)
-
-
-def test_set_creates_vars_and_mappings() -> None:
-    t = sets("vars.new=1", "checkpoint.keep=2", text="job: x\n")
-    assert t["vars"] == {"new": 1} and t["checkpoint"] == {"keep": 2}
-    assert isinstance(t["vars"], PMap)
-
-
-def test_set_later_wins() -> None:
-    assert sets("max_epochs=1", "max_epochs=2")["max_epochs"] == 2
-
-
-@pytest.mark.parametrize(
-    ("item", "pos", "words"),
-    [
-        ("max_epochs", Pos("--set max_epochs"), "not KEY=VALUE"),
-        ("=3", Pos("--set =3"), "not KEY=VALUE"),
-        ("a..b=1", Pos("--set a..b=1"), "empty part"),
-        ("epoch.1.task=x", P(7, 3), "'epoch.1' does not exist"),
-        ("epoch.-1.task=x", P(7, 3), "does not exist"),
-        ("epoch.²=x", P(7, 3), "does not exist"),
-        ("epoch.task=x", P(7, 3), "list of 1 item"),
-        ("max_epochs.x=1", P(2, 13), "max_epochs is the number 3"),
-        ("vars.lr.x=1", P(4, 7), "no 'x'"),
-        ("max_epochs=[1", Pos("--set max_epochs=[1"), "invalid YAML"),
-        ("max_epochs=!!python/name:os.system", Pos("--set max_epochs=!!python/name:os.system"), "tag"),
-    ],
-)
-def test_bad_sets(item: str, pos: Pos, words: str) -> None:
-    e = error_of(sets, item)
-    assert e.pos == pos, e.format_message()
-    assert words in e.message
-
-
-def test_set_reaches_the_compiled_plan() -> None:
-    plan = compile_text(PLAN, F, sets=["max_epochs=9", "vars.lr=0.5", "epoch.0.do.0.loop=2"])
-    assert plan.max_epochs == 9 and plan.vars["lr"] == 0.5
-    assert plan.epoch.tasks[0].do[0].count == 2
-    assert plan.epoch.tasks[0].do[1].ins[1].value == 0.5
-
-
 # -- ${var} substitution -----------------------------------------------------------------
 
 
@@ -525,7 +455,7 @@ def test_compile_tree_leaves_the_resolved_plan_in_the_tree() -> None:
 
 def test_sets_and_vars_cannot_nest_deeper_than_the_loader_allows() -> None:
     # Everything after the loader walks the tree recursively; its depth bound must hold.
-    e = error_of(sets, "vars." + ".".join(["a"] * MAX_DEPTH) + "=1")
+    e = error_of(apply_sets, load_text(PLAN, F), ["+vars." + ".".join(["a"] * MAX_DEPTH) + "=1"])
     assert "levels deep" in e.message
     head = "job: j\nmax_epochs: 1\nepoch: [{task: t, do: [{const: {out: a, value: "
     n = MAX_DEPTH - 6  # the value's first list is the 7th container from the top

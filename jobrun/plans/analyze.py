@@ -95,14 +95,16 @@ class _Analyzer(Visitor):
     # -- plan and groups -------------------------------------------------------------------
     def visit_Plan(self, plan: ir.Plan) -> None:
         self.plan = plan
-        if plan.max_epochs is None and not plan.stop_when:
+        if plan.max_epochs is None and not plan.stop_when and plan.early_stop is None:
             self._emit(
                 "error", "no-stop", plan.pos, f"job {plan.job!r} has no stop condition",
-                "add `max_epochs: N`, or `stop_when: [blob]` naming an output of an epoch task",
+                "add `max_epochs: N`, `stop_when: [blob]` or `early_stop: {monitor: blob}` "
+                "naming an output of an epoch task",
             )
         for group in plan.groups:
             self.visit(group)
         self._check_stop_when(plan)
+        self._check_monitors(plan)
         self._check_output_clash(plan.epoch)
         self._resolve_reads()
 
@@ -449,6 +451,21 @@ class _Analyzer(Visitor):
                     did_you_mean(ref.name, outputs)
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
                 )
+
+    def _check_monitors(self, plan: ir.Plan) -> None:
+        """`early_stop` and `checkpoint.best` watch an epoch-task output."""
+        outputs = [o.name for t in plan.epoch.tasks for o in t.outputs]
+        best = plan.checkpoint.best if plan.checkpoint is not None else None
+        for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best)):
+            if watch is None or watch.monitor.name.name in outputs:
+                continue
+            ref = watch.monitor.name
+            self._emit(
+                "error", "monitor", ref.pos,
+                f"{what} monitors {ref.name!r}, which is not an output of any epoch task",
+                did_you_mean(ref.name, outputs)
+                or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
+            )
 
     def _check_output_clash(self, group: ir.Group) -> None:
         owner: dict[str, ir.Task] = {}

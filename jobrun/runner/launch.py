@@ -28,7 +28,7 @@ from jobrun.errors import CheckpointError, JobrunError, PlanError, RunError, Usa
 from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
-from jobrun.plans.resolve import apply_sets
+from jobrun.plans.overrides import apply_sets
 from jobrun.runner import rng
 from jobrun.runner.rundir import CONSOLE_FILE, RunDir
 
