@@ -174,6 +174,8 @@ def test_ordering_an_unknown_value_against_a_quoted_number_is_a_warning() -> Non
         'call: {fn: "math:sqrt", in: [limit], out: u}\n      - eq: {in: [u, mode], out: out}',  # unknown
         # a blob that is a string on one path and a number on another is not judged
         "const: {out: mode, value: 2}\n      - lt: {in: [loss, mode], out: out}",
+        # ... or that another op (whose result is unknown) defines too
+        'call: {fn: "math:sqrt", in: [limit], out: mode}\n      - eq: {in: [mode, 1], out: out}',
     ],
 )
 def test_no_finding_where_the_kinds_are_not_a_number_and_a_string(step: str) -> None:

@@ -58,7 +58,7 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
         ops = registry()
     analyzer = _Analyzer(ops)
     analyzer.visit(plan)
-    for f in analyzer.kinds.findings():
+    for f in analyzer.kinds.findings(plan):
         analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
     # Severity, code and message break ties so that the order never depends on the walk.
     return sorted(

@@ -22,10 +22,12 @@ from typing import Any
 from jobrun.errors import Pos
 from jobrun.plans import ir
 from jobrun.plans.load import kind_of, parse_number
+from jobrun.plans.visit import Visitor
 
 COMPARISONS = frozenset({"ge", "gt", "le", "lt", "eq", "ne"})
 _ORDERINGS = frozenset({"ge", "gt", "le", "lt"})
 _BOOLEAN_OPS = COMPARISONS | {"and", "or", "not"}
+_RECORDED = _BOOLEAN_OPS | {"const"}  # the ops whose first output's kind is known
 NUMBER, STRING = "number", "string"
 
 
@@ -50,58 +52,121 @@ class Finding:
 
 
 class Kinds:
-    """Fed every op call and loop index by the analyzer's walk (one walk for all checks);
-    `findings()` then judges the comparisons met."""
+    """Fed the op calls and loop indexes of the analyzer's walk (one walk for all checks);
+    `findings()` then judges the comparisons met.
+
+    The walk keeps only the calls whose outputs have a known kind (const, comparisons,
+    logic): a call per op would cost the walk of a big plan a third more. Whether some
+    other op also defines a compared blob is asked of the plan only for a comparison that
+    would otherwise be reported, which is rare."""
 
     def __init__(self) -> None:
-        # (node, blob) -> what its definitions agree on, or _UNKNOWN
-        self.defs: dict[tuple[str, str], Side] = {}
-        self.comparisons: list[tuple[str, ir.OpCall]] = []
+        self.calls: list[tuple[str, ir.OpCall]] = []  # (node, call) of the recorded ops
+        self.indexes: list[tuple[str, ir.BlobRef]] = []  # (node, loop `as` blob)
 
     def op(self, node: str, call: ir.OpCall) -> None:
-        name = call.op
-        if name in COMPARISONS and len(call.ins) == 2:
-            self.comparisons.append((node, call))
-        for i, out in enumerate(call.outs):
-            side = _UNKNOWN
-            if i == 0 and name == "const":
-                value = call.kwargs.get("value")
-                kind = _kind(value)
-                if kind is not None:
-                    source = call.pos_of("value")
-                    side = Side(kind, f"`{out.name}` ({kind_of(value)}, line {source.line})",
-                                out.pos, value, source)
-            elif i == 0 and name in _BOOLEAN_OPS:
-                side = Side(NUMBER, f"`{out.name}` (a boolean from `{name}`, line {out.pos.line})", out.pos)
-            self._define(node, out.name, side)
+        if call.op in _RECORDED:
+            self.calls.append((node, call))
 
     def index(self, node: str, ref: ir.BlobRef) -> None:
-        self._define(node, ref.name, Side(NUMBER, f"`{ref.name}` (a loop index)", ref.pos))
+        self.indexes.append((node, ref))
 
-    def _define(self, node: str, name: str, side: Side) -> None:
-        key = (node, name)
-        first = self.defs.setdefault(key, side)
-        if first is not side and first.kind != side.kind:
-            self.defs[key] = _UNKNOWN
-
-    def findings(self) -> list[Finding]:
+    def findings(self, plan: ir.Plan) -> list[Finding]:
         """Every comparison of a number with a string whose kinds are known statically."""
+        comparisons = [(node, c) for node, c in self.calls if c.op in COMPARISONS and len(c.ins) == 2]
+        wanted = {(node, i.name) for node, c in comparisons for i in c.ins if isinstance(i, ir.BlobRef)}
+        if not wanted:
+            return []
+        defs = _agreed(self._known(wanted))
+        found = self._judged(comparisons, defs)
+        if found:  # now with every definition of those blobs, whatever op made it
+            suspects = {(node, i.name) for node, c, _ in found for i in c.ins if isinstance(i, ir.BlobRef)}
+            defs = _agreed(_every_definition(plan, suspects, self._known(suspects)))
+            found = self._judged([(node, c) for node, c, _ in found], defs)
+        return [finding for _, _, finding in found]
+
+    def _known(self, wanted: set[tuple[str, str]]) -> list[tuple[tuple[str, str], Side]]:
+        """The recorded definitions of the `wanted` blobs, with what each gives."""
+        out = [((node, o.name), _defined(call, i, o)) for node, call in self.calls
+               for i, o in enumerate(call.outs) if (node, o.name) in wanted]
+        out += [((node, ref.name), Side(NUMBER, f"`{ref.name}` (a loop index)", ref.pos))
+                for node, ref in self.indexes if (node, ref.name) in wanted]
+        return out
+
+    def _judged(
+        self, comparisons: list[tuple[str, ir.OpCall]], defs: dict[tuple[str, str], Side]
+    ) -> list[tuple[str, ir.OpCall, Finding]]:
         found = []
-        for node, call in self.comparisons:
-            a, b = (self._side(node, item) for item in call.ins)
+        for node, call in comparisons:
+            a, b = (_side(defs, node, item) for item in call.ins)
             finding = _judge(call, a, b) or _judge(call, b, a)
             if finding is not None:
-                found.append(finding)
+                found.append((node, call, finding))
         return found
 
-    def _side(self, node: str, item: ir.Input) -> Side:
-        if isinstance(item, ir.Literal):
-            return Side(NUMBER, kind_of(item.value), item.pos, item.value, item.pos)
-        first = self.defs.get((node, item.name), _UNKNOWN)
-        if first.kind is None:
-            return Side(None, f"`{item.name}`", item.pos)
-        # Placed at the read; named by the definition, which says where the kind comes from.
-        return Side(first.kind, first.text, item.pos, first.value, first.source)
+
+def _agreed(definitions: list[tuple[tuple[str, str], Side]]) -> dict[tuple[str, str], Side]:
+    """(node, blob) -> what all its definitions agree on, or _UNKNOWN."""
+    defs: dict[tuple[str, str], Side] = {}
+    for key, side in definitions:
+        first = defs.setdefault(key, side)
+        if first is not side and first.kind != side.kind:
+            defs[key] = _UNKNOWN
+    return defs
+
+
+def _every_definition(
+    plan: ir.Plan, wanted: set[tuple[str, str]], known: list[tuple[tuple[str, str], Side]]
+) -> list[tuple[tuple[str, str], Side]]:
+    """The known definitions of `wanted`, plus an unknown one for every other op that
+    defines one of them."""
+    walk = _Outputs(wanted)
+    walk.visit(plan)
+    seen = {(key, side.pos) for key, side in known}
+    return known + [
+        (key, _UNKNOWN) for key, pos in walk.found if (key, pos) not in seen
+    ]
+
+
+class _Outputs(Visitor):
+    """Where each of some blobs is defined (by any op), per node."""
+
+    def __init__(self, wanted: set[tuple[str, str]]):
+        self.wanted = wanted
+        self.found: list[tuple[tuple[str, str], Pos]] = []
+        self.node = "local"
+
+    def visit_Task(self, task: ir.Task) -> None:
+        self.node = task.node
+        self.generic_visit(task)
+
+    def visit_OpCall(self, call: ir.OpCall) -> None:
+        for out in call.outs:
+            if (self.node, out.name) in self.wanted:
+                self.found.append(((self.node, out.name), out.pos))
+
+
+def _side(defs: dict[tuple[str, str], Side], node: str, item: ir.Input) -> Side:
+    if isinstance(item, ir.Literal):
+        return Side(NUMBER, kind_of(item.value), item.pos, item.value, item.pos)
+    first = defs.get((node, item.name), _UNKNOWN)
+    if first.kind is None:
+        return Side(None, f"`{item.name}`", item.pos)
+    # Placed at the read; named by the definition, which says where the kind comes from.
+    return Side(first.kind, first.text, item.pos, first.value, first.source)
+
+
+def _defined(call: ir.OpCall, i: int, out: ir.BlobRef) -> Side:
+    """What output `i` of `call` holds, as far as is known without running it."""
+    if i == 0 and call.op == "const":
+        value = call.kwargs.get("value")
+        kind = _kind(value)
+        if kind is not None:
+            source = call.pos_of("value")
+            return Side(kind, f"`{out.name}` ({kind_of(value)}, line {source.line})", out.pos, value, source)
+    elif i == 0 and call.op in _BOOLEAN_OPS:
+        return Side(NUMBER, f"`{out.name}` (a boolean from `{call.op}`, line {out.pos.line})", out.pos)
+    return _UNKNOWN
 
 
 def _judge(call: ir.OpCall, num: Side, text: Side) -> Finding | None:
