@@ -168,6 +168,9 @@ def test_plus_adds_a_new_key_and_refuses_an_existing_one() -> None:
     assert "vars.lr already exists" in e.message and e.pos == P(4, 7)
     assert "drop the + to change it: vars.lr=0.5" in e.hint
     assert "+ only adds new keys" in error_of("+epoch.0.outputs.0=b").message
+    # ++ adds or changes, whichever applies
+    t = sets("++vars.lr=0.5", "++vars.extra=2", "++epoch.train.mul.note=x")
+    assert t["vars"] == {"lr": 0.5, "steps": 4, "extra": 2} and t["epoch"][0]["do"][1]["mul"]["note"] == "x"
 
 
 def test_plus_does_not_get_around_the_compiler() -> None:

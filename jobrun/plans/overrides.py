@@ -18,8 +18,8 @@ path is decides what a part means:
 The path must exist in the plan, except where the plan's schema knows the missing key at
 that place: an optional setting (`max_epochs=3` in a plan without it, `checkpoint.keep`),
 a task's or a step's key, an argument of the op. Anything else is taken for a typo:
-`vars.lrr=0.5` is an error with a "did you mean". `+KEY=VALUE` adds a new key on purpose
-(as in Hydra), and is refused for a key that exists.
+`vars.lrr=0.5` is an error with a "did you mean". As in Hydra, `+KEY=VALUE` adds a new
+key on purpose (and is refused for a key that exists); `++KEY=VALUE` adds or changes.
 """
 
 from __future__ import annotations
@@ -88,8 +88,10 @@ class _Override:
         self.where = Pos(f"--set {item}")
         key, eq, self.raw = item.partition("=")
         key = key.strip()
-        self.plus = key.startswith("+")
-        key = key.removeprefix("+").strip()
+        # Hydra's prefixes: +KEY adds a new key, ++KEY adds or changes one.
+        self.force = key.startswith("++")
+        self.plus = key.startswith("+") and not self.force
+        key = key.lstrip("+").strip() if key.startswith("+") else key
         if not eq or not key:
             raise PlanError(f"--set {item!r} is not KEY=VALUE", self.where, "write e.g. --set max_epochs=3")
         try:
@@ -143,7 +145,7 @@ class _Override:
         _join_dotted_key(node, self.parts, depth)
         part = self.parts[depth]
         if at.kind in ("task", "step") and part not in node and part not in self.known(at):
-            found = self.find_step(at, list(_bodies(at)), quiet=self.plus)
+            found = self.find_step(at, list(_bodies(at)), quiet=self.plus or self.force)
             if found is not None:
                 return found
         if depth == len(self.parts) - 1:
@@ -294,7 +296,7 @@ class _Override:
     def may_add(self, at: _At, part: str) -> None:
         """Refuse a key the plan lacks, unless `+` asks for it or the schema knows it here."""
         known = self.known(at)
-        if self.plus or part in known:
+        if self.plus or self.force or part in known:
             return
         parent = self.path(at.depth)
         choices = [str(k) for k in at.node] + [k for k in known if k not in at.node]
