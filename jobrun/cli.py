@@ -85,14 +85,16 @@ def _compile(plan: str, sets: tuple[str, ...] = ()):
 
 @main.command("print")
 @click.argument("plan", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--factor-prefixes", is_flag=True, help="Write enc/[w, b] for enc/w, enc/b.")
 @_format
 @_sets
-def print_cmd(plan: str, factor_prefixes: bool, fmt: str, sets: tuple[str, ...]) -> None:
-    """Show the whole job as readable pseudo-code."""
+def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt: str,
+              sets: tuple[str, ...]) -> None:
+    """Show the whole job as readable pseudo-code (after KEY=VALUE overrides, as train)."""
     from jobrun.plans import printer
 
-    p = _compile(plan, sets)
+    p = _compile(plan, sets + _positional(overrides))
     if fmt == "json":
         click.echo(json.dumps(printer.render_json(p), indent=2))
         return
@@ -105,9 +107,10 @@ def print_cmd(plan: str, factor_prefixes: bool, fmt: str, sets: tuple[str, ...])
 
 @main.command()
 @click.argument("plan", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @_format
 @_sets
-def analyze(plan: str, fmt: str, sets: tuple[str, ...]) -> None:
+def analyze(plan: str, overrides: tuple[str, ...], fmt: str, sets: tuple[str, ...]) -> None:
     """Check a plan: undefined blobs, races, unknown ops and arguments, stop conditions.
 
     Exit 0 when clean, 1 when errors were found, 2 when the file cannot be read as a plan.
@@ -115,7 +118,7 @@ def analyze(plan: str, fmt: str, sets: tuple[str, ...]) -> None:
     from jobrun.plans.analyze import analyze as run_analysis
 
     try:
-        p = _compile(plan, sets)
+        p = _compile(plan, sets + _positional(overrides))
     except JobrunError as e:
         if fmt == "json":
             click.echo(json.dumps({"diagnostics": [_error_json(e)], "errors": 1, "warnings": 0}, indent=2))

@@ -144,7 +144,7 @@ def test_optional_settings_the_schema_knows_need_no_plus() -> None:
     [
         ("vars.lrr=0.5", "vars.lrr does not exist in the plan", "did you mean 'vars.lr'?", P(4, 3)),
         ("max_epoch=3", "max_epoch does not exist in the plan", "did you mean 'max_epochs'", P(1, 1)),
-        ("vars.rate=0.5", "vars.rate does not exist", "vars has: lr, steps; to add a new key, write +vars.rate=0.5",
+        ("vars.rate=0.5", "vars.rate does not exist", "vars has: lr, steps. To add a new key, write +vars.rate=0.5",
          P(4, 3)),
         ("epoch.0.do.1.mul.scale=2", "epoch.0.do.1.mul.scale does not exist", "+epoch.0.do.1.mul.scale=2",
          P(13, 14)),
@@ -312,3 +312,7 @@ def test_print_and_analyze_take_the_same_overrides(plan_file) -> None:
     assert "a = add(a, 1)  # id: bump" in r.out
     r = jobrun("analyze", path, "--set", "epoch.train.bmp.in=x")
     assert r.code == 2 and "did you mean 'epoch.train.bump'" in r.err
+    r = jobrun("analyze", path, "epoch.train.bmp.in=x")  # positional, as train takes them
+    assert r.code == 2 and "did you mean 'epoch.train.bump'" in r.err
+    r = jobrun("print", path, "epoch.train.inner.loop=6", "--format", "json")
+    assert r.code == 0 and json.loads(r.out)["groups"][1]["tasks"][0]["do"][0]["count"] == 6

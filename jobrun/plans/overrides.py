@@ -235,9 +235,9 @@ class _Override:
             own = [k for k in self.known(at) if k not in at.node] if isinstance(at.node, dict) else []
             raise self.fail(
                 f"{where} has no {'key or ' if own else ''}step named {part!r}", at.pos,
-                (_close(part, [*names, *own], f"{where}.") or
-                 f"its steps: {', '.join(names) or 'none'} (by id or op name)")
-                + (f"; to add a new key, write +{'.'.join(self.parts)}={self.raw}" if own else ""),
+                _then(_close(part, [*names, *own], f"{where}.")
+                      or f"its steps: {', '.join(names) or 'none'} (by id or op name)",
+                      f"to add a new key, write +{'.'.join(self.parts)}={self.raw}" if own else ""),
             )
         if len(matches) > 1:
             shown = "; ".join(f"{'.'.join([*at.trail, *t, _op_name(m) if _step_kind(m) == 'op' else ''])}"
@@ -305,7 +305,7 @@ class _Override:
         )
         raise self.fail(
             f"{self.path(at.depth + 1)} does not exist in the plan", at.pos,
-            f"{hint}; to add a new key, write +{'.'.join(self.parts)}={self.raw}",
+            _then(hint, f"to add a new key, write +{'.'.join(self.parts)}={self.raw}"),
         )
 
     def known(self, at: _At) -> tuple[str, ...]:
@@ -399,6 +399,13 @@ def _some_key(at: _At) -> str:
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def _then(first: str, second: str) -> str:
+    """Two sentences of a hint: `did you mean 'x'? To add ...`."""
+    if not second:
+        return first
+    return f"{first}{'' if first.endswith('?') else '.'} {second[0].upper()}{second[1:]}"
 
 
 def _close(word: str, choices: list[str], prefix: str) -> str | None:

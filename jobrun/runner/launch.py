@@ -114,7 +114,6 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
                              hint="add a `checkpoint:` block to the plan and train again")
         n = int(os.environ["WORLD_SIZE"]) if torchrun else int(info.get("replicas", 1))
         if epoch == "best":  # every process of a torchrun job reads the same manifests
-            from jobrun import store
             from jobrun.runner.monitor import best_epoch
 
             epoch = best_epoch(store.list_checkpoints(ckpt_dir), list(plan.nodes), plan, str(run.path))
