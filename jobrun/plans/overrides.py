@@ -24,9 +24,7 @@ key on purpose (and is refused for a key that exists); `++KEY=VALUE` adds or cha
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from jobrun.errors import PlanError, Pos
@@ -70,17 +68,20 @@ def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
         _Override(item).apply(tree)
 
 
-@dataclass
 class _At:
     """Where the walk is: a container of the plan, what kind it is, how many parts of the
-    key led here, the index path to it (for messages) and its position."""
+    key led here, the index path to it (for messages) and its position. (A plain class:
+    a dataclass would cost `jobrun print` milliseconds of start-up to define.)"""
 
-    node: Any
-    kind: str
-    depth: int
-    trail: list[str]
-    pos: Pos
-    op: str | None = None  # in an op call's arguments: the op's name
+    __slots__ = ("node", "kind", "depth", "trail", "pos", "op")
+
+    def __init__(self, node: Any, kind: str, depth: int, trail: list[str], pos: Pos, op: str | None = None):
+        self.node = node
+        self.kind = kind
+        self.depth = depth
+        self.trail = trail
+        self.pos = pos
+        self.op = op  # in an op call's arguments: the op's name
 
 
 class _Override:
@@ -410,6 +411,8 @@ def _then(first: str, second: str) -> str:
 
 def _close(word: str, choices: list[str], prefix: str) -> str | None:
     """'did you mean 'vars.lr'?' over `choices`, each shown with `prefix`."""
+    import difflib  # only for a message: not on the way of every plan
+
     close = difflib.get_close_matches(word, choices, n=2, cutoff=0.6)
     return "did you mean " + " or ".join(repr(prefix + c) for c in close) + "?" if close else None
 
