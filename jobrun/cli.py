@@ -57,6 +57,21 @@ _sets = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",
     help="Override a plan value by dotted path (vars.lr=0.05, epoch.0.do.1.loop=20).",
 )
+class _EpochType(click.ParamType):
+    """An epoch number, or `best` (the best epoch by the plan's checkpoint.best)."""
+
+    name = "E|best"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == "best":
+            return value
+        text = str(value).strip()
+        if text.isascii() and text.isdigit():
+            return int(text)
+        self.fail(f"{value!r} is not an epoch: give a number >= 0, or best", param, ctx)
+
+
+_EPOCH = _EpochType()
 _format = click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
 )
@@ -70,14 +85,16 @@ def _compile(plan: str, sets: tuple[str, ...] = ()):
 
 @main.command("print")
 @click.argument("plan", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--factor-prefixes", is_flag=True, help="Write enc/[w, b] for enc/w, enc/b.")
 @_format
 @_sets
-def print_cmd(plan: str, factor_prefixes: bool, fmt: str, sets: tuple[str, ...]) -> None:
-    """Show the whole job as readable pseudo-code."""
+def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt: str,
+              sets: tuple[str, ...]) -> None:
+    """Show the whole job as readable pseudo-code (after KEY=VALUE overrides, as train)."""
     from jobrun.plans import printer
 
-    p = _compile(plan, sets)
+    p = _compile(plan, sets + _positional(overrides))
     if fmt == "json":
         click.echo(json.dumps(printer.render_json(p), indent=2))
         return
@@ -90,9 +107,10 @@ def print_cmd(plan: str, factor_prefixes: bool, fmt: str, sets: tuple[str, ...])
 
 @main.command()
 @click.argument("plan", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @_format
 @_sets
-def analyze(plan: str, fmt: str, sets: tuple[str, ...]) -> None:
+def analyze(plan: str, overrides: tuple[str, ...], fmt: str, sets: tuple[str, ...]) -> None:
     """Check a plan: undefined blobs, races, unknown ops and arguments, stop conditions.
 
     Exit 0 when clean, 1 when errors were found, 2 when the file cannot be read as a plan.
@@ -100,7 +118,7 @@ def analyze(plan: str, fmt: str, sets: tuple[str, ...]) -> None:
     from jobrun.plans.analyze import analyze as run_analysis
 
     try:
-        p = _compile(plan, sets)
+        p = _compile(plan, sets + _positional(overrides))
     except JobrunError as e:
         if fmt == "json":
             click.echo(json.dumps({"diagnostics": [_error_json(e)], "errors": 1, "warnings": 0}, indent=2))
@@ -202,9 +220,10 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 @main.command()
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
-@click.option("--epoch", type=click.IntRange(0), help="Default: the latest complete checkpoint.")
+@click.option("--epoch", type=_EPOCH,
+              help="Default: the latest complete checkpoint; best: the best by checkpoint.best.")
 @_sets
-def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | None,
+def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
            sets: tuple[str, ...]) -> None:
     """Continue a run from a checkpoint, exactly where it stopped.
 
@@ -262,30 +281,41 @@ def ckpt_list(run_dir: str | None, verify: bool, as_json: bool) -> None:
 
 @ckpt.command("show")
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--epoch", type=click.IntRange(0), required=True)
+@click.option("--epoch", type=_EPOCH, required=True, help="A number, or best (by checkpoint.best).")
 @click.option("--node", help="Default: every node.")
 @click.option("--rank", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--blob", "blobs", multiple=True, help="Only these blobs (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object; tensors as nested lists.")
-def ckpt_show(run_dir: str | None, epoch: int, node: str | None, rank: int, blobs: tuple[str, ...],
-              as_json: bool) -> None:
-    """Print the blob values of one checkpoint."""
+@click.option("--values", is_flag=True, help="Also the values of tensors (default: dtype and shape).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: every value in full (tensors as nested lists), dtypes and shapes.")
+def ckpt_show(run_dir: str | None, epoch: int | str, node: str | None, rank: int, blobs: tuple[str, ...],
+              values: bool, as_json: bool) -> None:
+    """Print the blobs of one checkpoint: tensors as dtype and shape, other values."""
     from jobrun.runner import inspect
 
-    click.echo(inspect.show_text(run_dir, epoch, node, rank, blobs, as_json=as_json))
+    click.echo(inspect.show_text(run_dir, epoch, node, rank, blobs, as_json=as_json, values=values))
 
 
 @main.command("export")
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--epoch", type=click.IntRange(0), required=True)
+@click.option("--epoch", type=_EPOCH, help="A number, or best (by checkpoint.best).")
+@click.option("--best", is_flag=True, help="The best epoch by checkpoint.best (= --epoch best).")
 @click.option("--node", help="Default: the job's first node.")
 @click.option("--blob", "blobs", multiple=True, required=True, help="Blob to export (repeatable).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="A .safetensors, .json or .pt file.")
-def export_cmd(run_dir: str | None, epoch: int, node: str | None, blobs: tuple[str, ...],
-               output: str) -> None:
-    """Write chosen blobs of one checkpoint to a file."""
+def export_cmd(run_dir: str | None, epoch: int | str | None, best: bool, node: str | None,
+               blobs: tuple[str, ...], output: str) -> None:
+    """Write chosen blobs of one checkpoint to a file.
+
+    One blob holding a module is written with the module's own state_dict keys (0.weight),
+    for `model.load_state_dict(...)`; several blobs as blob.key (model.0.weight, ...).
+    """
     from jobrun.runner import inspect
 
-    path = inspect.export(run_dir, epoch, node, blobs, output)
+    if best and epoch is not None and epoch != "best":
+        raise _usage(f"give --best or --epoch {epoch}, not both")
+    if not best and epoch is None:
+        raise _usage("which checkpoint? give --epoch E, or --best", "`jobrun ckpt list` shows the epochs")
+    path = inspect.export(run_dir, "best" if best else epoch, node, blobs, output)
     click.echo(f"wrote {path}")

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from jobrun.errors import JobrunError, Pos
 from jobrun.plans.analyze import analyze
-from jobrun.plans.compile import CHECKPOINT_KEYS, TASK_KEYS, TOP_KEYS, compile_tree
+from jobrun.plans.compile import compile_tree
+from jobrun.plans.keys import CHECKPOINT_KEYS, TASK_KEYS, TOP_KEYS
 from jobrun.plans.load import PList, PMap, load_text, to_plain
 from jobrun.plans.printer import render_json, render_text
 

@@ -1,7 +1,9 @@
-"""The loader, `--set` and `${var}` substitution: values, types and source positions."""
+"""The loader and `${var}` substitution: values, types and source positions (overrides:
+test_overrides.py)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ from jobrun.plans.load import (
     parse_value,
     to_plain,
 )
-from jobrun.plans.resolve import apply_sets, substitute
+from jobrun.plans.overrides import apply_sets
+from jobrun.plans.resolve import substitute
 
 F = "p.yaml"
 
@@ -165,10 +168,17 @@ def typed(value: object) -> object:
         # YAML 1.1 words: booleans and null, but not y/n
         ("a: [yes, No, on, OFF, true, False, null, Null, ~, y, n]",
          {"a": [True, False, True, False, True, False, None, None, None, "y", "n"]}),
-        # YAML 1.1 numbers: a float needs a dot (1e5 is a string), 017 is octal, 1:30 is base 60
-        ("a: {b: 1e5, c: 1.5e+5, d: 1.0e5, e: 0x1f, f: 0o7, g: 017, h: 1_000, i: 1:30, j: .5, k: -0, l: +1}",
-         {"a": {"b": "1e5", "c": 150000.0, "d": "1.0e5", "e": 31, "f": "0o7", "g": 15, "h": 1000,
-                "i": 90, "j": 0.5, "k": 0, "l": 1}}),
+        # numbers as YAML 1.2 and Python write them (YAML 1.1 read 1e5 as a string, 1:30 as 90)
+        ("a: {b: 1e5, c: 1.5e+5, d: 1.0e5, e: 0x1f, f: 0o7, g: 0b101, h: 1_000, i: 1:30, j: .5, k: -0, l: +1}",
+         {"a": {"b": 1e5, "c": 150000.0, "d": 1e5, "e": 31, "f": 7, "g": 5, "h": 1000,
+                "i": "1:30", "j": 0.5, "k": 0, "l": 1}}),
+        ("a: [1e30, 1e-4, 1E5, +1.5e3, -2.5E-3, 1_000.5, 0., 1e-400]",
+         {"a": [1e30, 1e-4, 1e5, 1500.0, -0.0025, 1000.5, 0.0, 0.0]}),
+        ("a: [.inf, -.inf, +.inf, .Inf, -.INF, !!float .inf, !!float 3, !!int 0o10]",
+         {"a": [math.inf, -math.inf, math.inf, math.inf, -math.inf, math.inf, 3.0, 8]}),
+        # what only looks like a number stays a string
+        ("a: [1e, e5, ., 1__0, 1_, 1.2.3, 0x, inf, nan, 12:30:00, 1_e5, 0xg]",
+         {"a": ["1e", "e5", ".", "1__0", "1_", "1.2.3", "0x", "inf", "nan", "12:30:00", "1_e5", "0xg"]}),
         ("a: [1., -1.5, 9223372036854775807, -9223372036854775807]",
          {"a": [1.0, -1.5, 2**63 - 1, -(2**63 - 1)]}),
         # words next to those rules stay strings
@@ -248,7 +258,10 @@ def test_corner_case_positions(text: str, where, pos: Pos) -> None:
         ("a: !!int 1" + "0" * 5000 + "\n", P(1, 4), "too large"),
         ("a: " + "9" * 5000 + "\n", P(1, 4), "too large"),
         ("a: 9223372036854775808\n", P(1, 4), "too large"),
-        ("a: -.INF\n", P(1, 4), "finite"),
+        ("a: 017\n", P(1, 4), "017 is ambiguous"),
+        ("a: [1, -08]\n", P(1, 8), "-08 is ambiguous"),
+        ("a: 1e400\n", P(1, 4), "too large for a number"),
+        ("a: !!float .NaN\n", P(1, 4), "not a number"),
         ("a: !!timestamp 2020-01-01\n", P(1, 4), "dates"),
         ("a: &x [1, *x]\n", P(1, 11), "recursive"),
         ("? [a]\n: 1\n", P(1, 3), "plain word"),
@@ -259,8 +272,8 @@ def test_corner_case_positions(text: str, where, pos: Pos) -> None:
         ("a: " + "[" * 150 + "]" * 150 + "\n", P(1, 3 + MAX_DEPTH), f"more than {MAX_DEPTH}"),
         ("a: 'open\n", P(1, 4), "never closed"),
         ("a: [1., 12345678901234567890]\n", P(1, 9), "too large"),
-        ("a: .inf\n", P(1, 4), "finite"),
-        ("a: [1, .nan]\n", P(1, 8), "finite"),
+        ("a: .nan\n", P(1, 4), ".nan (not a number) cannot be a plan value"),
+        ("a: [1, -.NAN]\n", P(1, 8), "not a number"),
         ("a: yes\nb: 2020-01-01\n", P(2, 4), "reads as a date"),
         ("a: {b: c, b: d}", P(1, 11), "duplicate key 'b' (first at line 1, column 5)"),
         ("a: {<<: {b: c}}", P(1, 5), "merge keys"),
@@ -337,77 +350,6 @@ def test_clone_is_deep() -> None:
     c = clone(t)
     assert c == t and c["epoch"] is not t["epoch"]
     assert c["epoch"][0]["do"][0].key_at("loop") == P(9, 9)
-
-
-# -- --set -------------------------------------------------------------------------------
-
-
-def sets(*items: str, text: str = PLAN) -> PMap:
-    t = load_text(text, F)
-    apply_sets(t, list(items))
-    return t
-
-
-@pytest.mark.parametrize(
-    ("raw", "value"),
-    [("3", 3), ("0.05", 0.05), ("true", True), ("abc", "abc"), ("null", None), ("", None),
-     ("'3'", "3"), ("[1, 2]", [1, 2]), ("-4", -4), ("1e-3", "1e-3")],
-)
-def test_set_values_are_yaml_scalars(raw: str, value: object) -> None:
-    got = sets(f"vars.x={raw}")["vars"]["x"]
-    assert got == value and isinstance(got, type(value))
-    assert isinstance(value, list) or type(got) is type(value)  # 1 is not True
-
-
-def test_set_dotted_paths_and_list_indices() -> None:
-    t = sets("max_epochs=7", "epoch.0.do.0.loop=20", "epoch.0.do.1.mul.in.1=2.5", "epoch.0.outputs.0=b")
-    assert t["max_epochs"] == 7
-    assert t["epoch"][0]["do"][0]["loop"] == 20
-    assert t["epoch"][0]["do"][1]["mul"]["in"] == ["a", 2.5]
-    assert t["epoch"][0]["outputs"] == ["b"]
-    # An overridden value points at the --set that gave it.
-    assert t["epoch"][0]["do"][0].at("loop") == Pos("--set epoch.0.do.0.loop=20")
-    assert t["epoch"][0]["do"][1]["mul"]["in"].at(1) == Pos("--set epoch.0.do.1.mul.in.1=2.5")
-    assert t["epoch"][0]["do"][1]["mul"]["in"].at(0) == P(13, 20)
-
-
-def test_set_creates_vars_and_mappings() -> None:
-    t = sets("vars.new=1", "checkpoint.keep=2", text="job: x\n")
-    assert t["vars"] == {"new": 1} and t["checkpoint"] == {"keep": 2}
-    assert isinstance(t["vars"], PMap)
-
-
-def test_set_later_wins() -> None:
-    assert sets("max_epochs=1", "max_epochs=2")["max_epochs"] == 2
-
-
-@pytest.mark.parametrize(
-    ("item", "pos", "words"),
-    [
-        ("max_epochs", Pos("--set max_epochs"), "not KEY=VALUE"),
-        ("=3", Pos("--set =3"), "not KEY=VALUE"),
-        ("a..b=1", Pos("--set a..b=1"), "empty part"),
-        ("epoch.1.task=x", P(7, 3), "'epoch.1' does not exist"),
-        ("epoch.-1.task=x", P(7, 3), "does not exist"),
-        ("epoch.²=x", P(7, 3), "does not exist"),
-        ("epoch.task=x", P(7, 3), "list of 1 item"),
-        ("max_epochs.x=1", P(2, 13), "max_epochs is the number 3"),
-        ("vars.lr.x=1", P(4, 7), "no 'x'"),
-        ("max_epochs=[1", Pos("--set max_epochs=[1"), "invalid YAML"),
-        ("max_epochs=!!python/name:os.system", Pos("--set max_epochs=!!python/name:os.system"), "tag"),
-    ],
-)
-def test_bad_sets(item: str, pos: Pos, words: str) -> None:
-    e = error_of(sets, item)
-    assert e.pos == pos, e.format_message()
-    assert words in e.message
-
-
-def test_set_reaches_the_compiled_plan() -> None:
-    plan = compile_text(PLAN, F, sets=["max_epochs=9", "vars.lr=0.5", "epoch.0.do.0.loop=2"])
-    assert plan.max_epochs == 9 and plan.vars["lr"] == 0.5
-    assert plan.epoch.tasks[0].do[0].count == 2
-    assert plan.epoch.tasks[0].do[1].ins[1].value == 0.5
 
 
 # -- ${var} substitution -----------------------------------------------------------------
@@ -513,7 +455,7 @@ def test_compile_tree_leaves_the_resolved_plan_in_the_tree() -> None:
 
 def test_sets_and_vars_cannot_nest_deeper_than_the_loader_allows() -> None:
     # Everything after the loader walks the tree recursively; its depth bound must hold.
-    e = error_of(sets, "vars." + ".".join(["a"] * MAX_DEPTH) + "=1")
+    e = error_of(apply_sets, load_text(PLAN, F), ["+vars." + ".".join(["a"] * MAX_DEPTH) + "=1"])
     assert "levels deep" in e.message
     head = "job: j\nmax_epochs: 1\nepoch: [{task: t, do: [{const: {out: a, value: "
     n = MAX_DEPTH - 6  # the value's first list is the 7th container from the top

@@ -47,7 +47,8 @@ replicas: 2
 vars: {{steps: 3, tag: run}}
 max_epochs: 2
 stop_when: [done, enc/stop]
-checkpoint: {{dir: ckpt, every: 2, keep: null, upload: uploads}}
+early_stop: {{monitor: done, mode: max, patience: 2, min_delta: 0.5}}
+checkpoint: {{dir: ckpt, every: 2, keep: null, upload: uploads, best: {{monitor: enc/stop, mode: max}}}}
 
 init:
   - task: setup
@@ -69,6 +70,7 @@ epoch:
     do:
       - loop: "${{steps}}"
         as: i
+        id: outer
         do:
           - mul: {{in: [enc/w, enc/b, enc/l1/w, enc/l1/b, i, 10, 2.5, true, dec/w, dec/b], out: prod}}
       - loop: n
@@ -78,6 +80,7 @@ epoch:
         as: k
         do:
           - ge: {{in: [prod, 100], out: enc/stop}}
+            id: check
           - stop_if: enc/stop
       - if: enc/stop
         then:
@@ -222,7 +225,7 @@ def lines(text: str) -> list[str]:
 
 
 def test_header(lines: list[str]) -> None:
-    assert lines[:8] == [
+    assert lines[:9] == [
         "job: every-construct",
         "seed: 7",
         "device: cpu",
@@ -230,15 +233,17 @@ def test_header(lines: list[str]) -> None:
         'vars: {steps: 3, tag: "run"}',
         "max_epochs: 2",
         "stop_when: [done, enc/stop]",
-        'checkpoint: {dir: "ckpt", every: 2, keep: null, upload: "uploads"}',
+        'early_stop: {monitor: "done", mode: "max", patience: 2, min_delta: 0.5}',
+        'checkpoint: {dir: "ckpt", every: 2, keep: null, upload: "uploads", best: {monitor: "enc/stop", '
+        'mode: "max", keep: 1}}',
     ]
 
 
 def test_groups_in_order(lines: list[str]) -> None:
-    groups = [line for line in lines if line and not line.startswith(" ") and ":" in line][8:]
+    groups = [line for line in lines if line and not line.startswith(" ") and ":" in line][9:]
     assert groups == [
         "init:",
-        "epoch (repeat until done or enc/stop or epoch 2):",
+        "epoch (repeat until done or enc/stop or no done better by more than 0.5 for 2 epochs or epoch 2):",
         "download:",
         "exit:",
     ]
@@ -288,10 +293,23 @@ def test_literal_inputs_are_shown_as_written(text: str) -> None:
 
 
 def test_loops(text: str) -> None:
-    assert "            loop 3 as i:\n                prod = mul(" in text  # ${steps} substituted
+    assert "            loop 3 as i:  # id: outer\n                prod = mul(" in text  # ${steps} substituted
     assert "            loop n:\n                log(prod)\n" in text
     assert "            loop until stop as k:\n" in text
     assert "                stop_if enc/stop\n" in text
+    assert "                enc/stop = ge(prod, 100)  # id: check\n" in text
+
+
+def test_early_stop_in_the_epoch_header() -> None:
+    base = "job: j\nepoch: [{task: t, do: [{const: {out: val_loss, value: 1}}], outputs: [val_loss]}]\n"
+    for extra, header in (
+        ("early_stop: {monitor: val_loss}\n", "epoch (repeat until no better val_loss for 3 epochs):"),
+        ("early_stop: {monitor: val_loss, patience: 1}\nmax_epochs: 10\n",
+         "epoch (repeat until no better val_loss for 1 epoch or epoch 10):"),
+        ("early_stop: {monitor: val_loss, patience: 0, min_delta: 1e-3}\n",
+         "epoch (repeat until no val_loss better by more than 0.001 for 1 epoch):"),
+    ):
+        assert header in render_text(compile_text(extra + base)).splitlines()
 
 
 def test_if_elif_else(text: str) -> None:
@@ -385,9 +403,11 @@ def test_json_shape() -> None:
     json.dumps(data)  # JSON-able
     assert list(data) == [
         "job", "source", "seed", "device", "replicas", "vars", "max_epochs", "stop_when",
-        "checkpoint", "groups",
+        "early_stop", "checkpoint", "groups",
     ]
-    assert data["checkpoint"] == {"dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False}
+    assert data["early_stop"] == {"monitor": "done", "mode": "max", "patience": 2, "min_delta": 0.5}
+    assert data["checkpoint"] == {"dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,
+                                  "best": {"monitor": "enc/stop", "mode": "max", "keep": 1}}
     assert [g["name"] for g in data["groups"]] == ["init", "epoch", "download", "exit"]
     train = data["groups"][1]["tasks"][0]
     assert {k: train[k] for k in ("name", "node", "workspace", "instances", "outputs")} == {
@@ -397,7 +417,8 @@ def test_json_shape() -> None:
     kinds = [step["kind"] for step in train["do"]]
     assert kinds == ["loop", "loop", "loop", "if", "parallel", "report", "op", "op", "op", "op"]
     loop = train["do"][0]
-    assert (loop["count"], loop["as"]) == (3, "i")
+    assert (loop["count"], loop["as"], loop["id"]) == (3, "i", "outer")
+    assert train["do"][2]["do"][0]["id"] == "check" and train["do"][1]["id"] is None
     assert (train["do"][1]["count"], train["do"][2]["count"]) == ("n", None)
     mul = loop["do"][0]
     assert mul["op"] == "mul" and mul["out"] == ["prod"]

@@ -14,7 +14,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from jobrun.ops.registry import registry
-from jobrun.plans import compile as plan_compile
+from jobrun.plans import keys as plan_keys
 from jobrun.plans.load import load_file, load_text, to_plain
 from jobrun.plans.schema import plan_schema
 
@@ -28,7 +28,8 @@ replicas: auto
 vars: {seed: 1, steps: 3, bs: 4, name: w}
 max_epochs: 2
 stop_when: done
-checkpoint: {dir: ckpt, every: 1, keep: null, upload: null}
+early_stop: {monitor: m, mode: max, patience: 2, min_delta: 1e-3}
+checkpoint: {dir: ckpt, every: 1, keep: null, upload: null, best: {monitor: m, mode: min, keep: 2}}
 init:
   - task: setup
     do:
@@ -45,9 +46,11 @@ epoch:
     do:
       - loop: "${steps}"
         as: i
+        id: outer
         do:
           - read: {in: data, out: [xb, done]}
           - mul: {in: [i, 10, 2.5, true, "${steps}"], out: m}
+            id: scale
       - loop: null
         do: [{stop_if: done}]
       - loop: m
@@ -107,6 +110,34 @@ def test_every_construct_and_vars_validate(validator: Draft202012Validator) -> N
 
 def _good() -> dict[str, Any]:
     return to_plain(load_text(GOOD))
+
+
+@pytest.mark.parametrize(
+    ("step", "words"),
+    [
+        ({"id": "x"}, "does not have enough properties"),  # an id and nothing else
+        ({"add": {"in": ["a", "b"], "out": "c"}, "mul": {"in": ["a", "b"], "out": "c"}}, "too many"),
+        ({"add": {"in": ["a", "b"], "out": "c"}, "id": "a.b"}, "does not match"),
+        ({"add": {"in": ["a", "b"], "out": "c"}, "id": "do"}, "should not be valid"),
+        ({"loop": 2, "do": [], "id": 3}, "is not of type 'string'"),
+    ],
+)
+def test_step_ids_in_the_schema(validator: Draft202012Validator, step: dict, words: str) -> None:
+    plan = _good()
+    plan["epoch"][0]["do"].append(step)
+    found = errors(validator, plan)
+    assert found and any(words in e for e in found), found
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("early_stop", {"mode": "min"}), ("early_stop", {"monitor": "m", "mode": "up"}),
+     ("early_stop", {"monitor": "m", "min_delta": -1}), ("early_stop", {"monitor": "m", "patiance": 3})],
+)
+def test_early_stop_in_the_schema(validator: Draft202012Validator, key: str, value: dict) -> None:
+    plan = _good()
+    plan[key] = value
+    assert errors(validator, plan)
 
 
 def _step(plan: dict[str, Any], i: int) -> dict[str, Any]:
@@ -197,10 +228,10 @@ def test_yaml_with_an_unknown_key_is_refused(validator: Draft202012Validator) ->
 
 def test_keys_come_from_the_compiler(schema: dict[str, Any]) -> None:
     defs = schema["$defs"]
-    assert tuple(schema["properties"]) == plan_compile.TOP_KEYS
-    assert tuple(defs["task"]["properties"]) == plan_compile.TASK_KEYS
-    assert tuple(defs["checkpoint"]["properties"]) == plan_compile.CHECKPOINT_KEYS
-    control = {key: defs[key] for key in plan_compile.CONTROL_KEYS}
+    assert tuple(schema["properties"]) == plan_keys.TOP_KEYS
+    assert tuple(defs["task"]["properties"]) == plan_keys.TASK_KEYS
+    assert tuple(defs["checkpoint"]["properties"]) == plan_keys.CHECKPOINT_KEYS
+    control = {key: defs[key] for key in plan_keys.CONTROL_KEYS}
     # Every key is described for editors, none left with the placeholder.
     for props in (schema["properties"], defs["task"]["properties"], defs["checkpoint"]["properties"], control):
         for key, sub in props.items():
@@ -209,7 +240,7 @@ def test_keys_come_from_the_compiler(schema: dict[str, Any]) -> None:
 
 def test_every_op_is_a_step(schema: dict[str, Any]) -> None:
     defs = schema["$defs"]
-    assert set(defs["op_call"]["properties"]) == set(registry())
+    assert set(defs["op_call"]["properties"]) == set(registry()) | {"id"}
     for name, spec in registry().items():
         op = defs[f"op:{name}"]
         assert op["description"].startswith(spec.doc), name

@@ -23,6 +23,7 @@ from typing import Any
 from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
+from jobrun.plans.compare import Kinds
 from jobrun.plans.flow import DEF, MAYBE, Changes, Definitions, Effect, Flow, Frame, Read, TaskCtx
 from jobrun.plans.signatures import Signatures
 from jobrun.plans.visit import Visitor
@@ -57,6 +58,8 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
         ops = registry()
     analyzer = _Analyzer(ops)
     analyzer.visit(plan)
+    for f in analyzer.kinds.findings(plan):
+        analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
     # Severity, code and message break ties so that the order never depends on the walk.
     return sorted(
         analyzer.diags,
@@ -84,6 +87,7 @@ class _Analyzer(Visitor):
         self.first_defs: Definitions | None = None  # walked only to explain undefined blobs
         self.creates: dict[tuple[str, str], dict[str, list[str]]] = {}  # (group, node) -> creators
         self.suggestions = 0
+        self.kinds = Kinds()
 
     def _emit(self, severity: str, code: str, pos: Pos, message: str, hint: str | None) -> None:
         self.diags.append(Diagnostic(severity, pos, message, code, hint))
@@ -91,14 +95,16 @@ class _Analyzer(Visitor):
     # -- plan and groups -------------------------------------------------------------------
     def visit_Plan(self, plan: ir.Plan) -> None:
         self.plan = plan
-        if plan.max_epochs is None and not plan.stop_when:
+        if plan.max_epochs is None and not plan.stop_when and plan.early_stop is None:
             self._emit(
                 "error", "no-stop", plan.pos, f"job {plan.job!r} has no stop condition",
-                "add `max_epochs: N`, or `stop_when: [blob]` naming an output of an epoch task",
+                "add `max_epochs: N`, `stop_when: [blob]` or `early_stop: {monitor: blob}` "
+                "naming an output of an epoch task",
             )
         for group in plan.groups:
             self.visit(group)
         self._check_stop_when(plan)
+        self._check_monitors(plan)
         self._check_output_clash(plan.epoch)
         self._resolve_reads()
 
@@ -259,6 +265,8 @@ class _Analyzer(Visitor):
         for out in call.outs:
             self._write(out)
         self.call = None
+        assert self.ctx is not None
+        self.kinds.op(self.ctx.task.node, call)
 
     def visit_Loop(self, loop: ir.Loop) -> None:
         if isinstance(loop.count, ir.BlobRef):
@@ -268,6 +276,8 @@ class _Analyzer(Visitor):
         mark = self.flow.mark()
         if loop.index is not None:
             self._write(loop.index)
+            assert self.ctx is not None
+            self.kinds.index(self.ctx.task.node, loop.index)
         self.visit_block(loop.body)
         self.frames.pop()
         # `loop: null` only ends at a stop_if, so its body starts at least once.
@@ -441,6 +451,21 @@ class _Analyzer(Visitor):
                     did_you_mean(ref.name, outputs)
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
                 )
+
+    def _check_monitors(self, plan: ir.Plan) -> None:
+        """`early_stop` and `checkpoint.best` watch an epoch-task output."""
+        outputs = [o.name for t in plan.epoch.tasks for o in t.outputs]
+        best = plan.checkpoint.best if plan.checkpoint is not None else None
+        for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best)):
+            if watch is None or watch.monitor.name.name in outputs:
+                continue
+            ref = watch.monitor.name
+            self._emit(
+                "error", "monitor", ref.pos,
+                f"{what} monitors {ref.name!r}, which is not an output of any epoch task",
+                did_you_mean(ref.name, outputs)
+                or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
+            )
 
     def _check_output_clash(self, group: ir.Group) -> None:
         owner: dict[str, ir.Task] = {}

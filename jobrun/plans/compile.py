@@ -15,8 +15,32 @@ from typing import Any
 
 from jobrun.errors import PlanError, Pos, did_you_mean
 from jobrun.plans import ir
-from jobrun.plans.load import PList, PMap, kind_of, load_file, load_text, shorten, show
-from jobrun.plans.resolve import apply_sets, substitute
+from jobrun.plans.keys import (
+    BEST_KEYS,
+    BRANCH_KEYS,
+    CHECKPOINT_KEYS,
+    CONTROL_KEYS,
+    EARLY_STOP_KEYS,
+    ELIF_KEYS,
+    ID_KEY,
+    MODES,
+    STEP_ID,
+    STEP_KEYS,
+    TASK_KEYS,
+    TOP_KEYS,
+)
+from jobrun.plans.load import (
+    PList,
+    PMap,
+    kind_of,
+    load_file,
+    load_text,
+    parse_number,
+    shorten,
+    show,
+)
+from jobrun.plans.overrides import apply_sets
+from jobrun.plans.resolve import substitute
 
 BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -24,18 +48,10 @@ OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 DEVICE = re.compile(r"(auto|cpu|cuda|cuda:\d{1,3})\Z")
 DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)\s*\Z")
 
-TOP_KEYS = (
-    "job", "seed", "device", "replicas", "vars", "max_epochs", "stop_when", "checkpoint",
-    "init", "epoch", "download", "exit",
-)
-TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
-CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async")
 MAX_INSTANCES = 1024
 MAX_REPLICAS = 1024
 
-# The keys that make a step a control step, in the order they are recognised, and the
-# keys that only appear inside one (a step made of just `do:` lost its `loop:`).
-CONTROL_KEYS = ("loop", "stop_if", "if", "parallel", "report")
+# The keys that only appear inside a control step (a step made of just `do:` lost its `loop:`).
 _INNER_KEYS = {
     "do": "`loop:`, `report:` or a parallel branch",
     "then": "`if:`", "elif": "`if:`", "else": "`if:`", "as": "`loop:`",
@@ -112,6 +128,8 @@ class _Compiler:
         self.good_blobs: set[str] = set()  # names already checked: big plans repeat them
         self.good_ops: set[str] = set()
         self.control = {key: getattr(self, "step_" + key) for key in CONTROL_KEYS}
+        self.ids: dict[str, Pos] = {}  # the step ids of the task being compiled
+        self.task_name = ""
 
     # -- helpers ---------------------------------------------------------------------
     def keys(self, m: PMap, allowed: tuple[str, ...], what: str) -> None:
@@ -191,6 +209,7 @@ class _Compiler:
         if max_epochs is not None:
             max_epochs = self.int_(max_epochs, t.at("max_epochs"), "max_epochs", 1)
         stop_when = self.blobs(t.get("stop_when"), t.at("stop_when"), "stop_when")
+        early = self.early_stop(t["early_stop"], t.at("early_stop")) if t.get("early_stop") is not None else None
         ckpt = self.checkpoint(t["checkpoint"], t.at("checkpoint")) if t.get("checkpoint") is not None else None
         if "epoch" not in t:
             raise PlanError("plan has no `epoch` group", t.pos, "add `epoch:` with at least one task")
@@ -204,7 +223,7 @@ class _Compiler:
             job=job, seed=seed, device=device, replicas=replicas, vars=dict(vars_),
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
-            exit=groups["exit"], source=self.source, pos=t.pos,
+            exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:
@@ -237,7 +256,45 @@ class _Compiler:
                 f"checkpoint.async must be true or false, not {kind_of(background)}", m.at("async"),
                 "async: true writes checkpoint files in the background while training goes on",
             )
-        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, background=background, pos=pos)
+        best = self.best(m["best"], m.at("best")) if m.get("best") is not None else None
+        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, background=background, pos=pos,
+                             best=best)
+
+    def early_stop(self, value: Any, pos: Pos) -> ir.EarlyStop:
+        example = "early_stop: {monitor: val_loss, mode: min, patience: 3}"
+        m = self.mapping(value, pos, "early_stop", example)
+        self.keys(m, EARLY_STOP_KEYS, "early_stop")
+        monitor = self.monitor(m, "early_stop", example)
+        patience = self.int_(m.get("patience", 3), m.at("patience"), "early_stop.patience", 0)
+        delta = m.get("min_delta", 0.0)
+        if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
+            shown = kind_of(delta) if not isinstance(delta, int | float) or isinstance(delta, bool) else str(delta)
+            raise PlanError(
+                f"early_stop.min_delta must be a number >= 0, not {shown}", m.at("min_delta"),
+                "an epoch improves on the best one when it is better by more than min_delta (0: any better value)",
+            )
+        return ir.EarlyStop(monitor, patience, float(delta), pos)
+
+    def best(self, value: Any, pos: Pos) -> ir.Best:
+        example = "best: {monitor: val_loss, mode: min, keep: 1}"
+        m = self.mapping(value, pos, "checkpoint.best", example)
+        self.keys(m, BEST_KEYS, "checkpoint.best")
+        monitor = self.monitor(m, "checkpoint.best", example)
+        keep = self.int_(m.get("keep", 1), m.at("keep"), "checkpoint.best.keep", 1)
+        return ir.Best(monitor, keep, pos)
+
+    def monitor(self, m: PMap, what: str, example: str) -> ir.Monitor:
+        """`monitor:` (an epoch-task output, checked by analyze) and `mode:` of `what`."""
+        if m.get("monitor") is None:
+            raise PlanError(f"{what} has no `monitor`", m.pos, f"name the epoch-task output it watches: {example}")
+        name = self.blob(m["monitor"], m.at("monitor"), f"{what}.monitor")
+        mode = m.get("mode", "min")
+        if mode not in MODES:
+            raise PlanError(
+                f"{what}.mode must be min or max, not {show(mode) if isinstance(mode, str) else kind_of(mode)}",
+                m.at("mode"), f"{_suggest(str(mode), MODES) or 'min: lower is better (a loss); max: higher (an accuracy)'}",
+            )
+        return ir.Monitor(name, mode)
 
     def group(self, name: str, value: Any, pos: Pos, key_pos: Pos) -> ir.Group:
         if value is None:
@@ -277,6 +334,7 @@ class _Compiler:
         instances = self.int_(m.get("instances", 1), m.at("instances"), "instances", 1, MAX_INSTANCES)
         if "do" not in m:
             raise PlanError(f"{where} has no `do` steps", m.key_at("task"), "add `do: [STEP, ...]`")
+        self.ids, self.task_name = {}, where
         return ir.Task(
             name=name, group=group, node=node, workspace=ws, instances=instances,
             init=self.block(m.get("init"), m.at("init"), f"{where} init"),
@@ -300,7 +358,7 @@ class _Compiler:
         # a control step at its keyword.
         if isinstance(value, PMap) and len(value) == 1:
             (name,) = value
-            if name not in CONTROL_KEYS and name not in _INNER_KEYS:
+            if name not in CONTROL_KEYS and name not in _INNER_KEYS and name != ID_KEY:
                 return self.op(value, name)
         if not isinstance(value, PMap):
             if isinstance(value, str):
@@ -311,12 +369,21 @@ class _Compiler:
                 )
             self.mapping(value, parent.at(i), "a step", "- add: {in: [a, b], out: c}")
         m: PMap = value
+        step_id = self.step_id(m) if ID_KEY in m else None
         for key in CONTROL_KEYS:
             if key in m:
-                return self.control[key](m)
+                return self.control[key](m, step_id)
         if not m:
             raise PlanError(
                 "empty step", parent.at(i), "write an op call (- add: {in: [a, b], out: c}) or a control step"
+            )
+        others = [k for k in m if k != ID_KEY]
+        if step_id is not None and len(others) == 1 and others[0] not in _INNER_KEYS:
+            return self.op(m, others[0], step_id)
+        if not others:
+            raise PlanError(
+                "a step has an `id` but nothing to do", m.key_at(ID_KEY),
+                "put the id beside an op or a control step: `- train.step: {...}` then `  id: step`",
             )
         inner = next((k for k in m if k in _INNER_KEYS), None)
         if inner is not None:
@@ -332,7 +399,26 @@ class _Compiler:
             "put the arguments inside the op's mapping: `- add: {in: [a, b], out: c}`",
         )
 
-    def op(self, m: PMap, name: str) -> ir.OpCall:
+    def step_id(self, m: PMap) -> str:
+        """A step's `id`, checked: well formed and unique in its task."""
+        value, pos = m[ID_KEY], m.at(ID_KEY)
+        if not isinstance(value, str) or not STEP_ID.match(value) or value in TASK_KEYS:
+            shown = show(value) if isinstance(value, str) else kind_of(value)
+            why = f"; {value!r} is a task key" if value in TASK_KEYS else ""
+            raise PlanError(
+                f"bad step id {shown}{why}", pos,
+                "an id is 1-64 letters, digits, '_' or '-', starting with a letter or '_', "
+                "no dots, and not a task key",
+            )
+        first = self.ids.setdefault(value, pos)
+        if first is not pos:
+            raise PlanError(
+                f"step id {value!r} appears twice in {self.task_name} (first at line {first.line}, "
+                f"column {first.col})", pos, "give each step of a task its own id",
+            )
+        return value
+
+    def op(self, m: PMap, name: str, step_id: str | None = None) -> ir.OpCall:
         pos = m.key_at(name)
         if name not in self.good_ops:
             if not OP_NAME.match(name):
@@ -377,12 +463,18 @@ class _Compiler:
             else:
                 args.append((key, value))
         if args is None:
-            return ir.OpCall(name, ins, outs, (), pos)
+            return ir.OpCall(name, ins, outs, (), pos, (), step_id)
         arg_pos = tuple([(k, body.at(k)) for k, _ in args])
-        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos)
+        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos, step_id)
 
     def input(self, op: str, item: Any, pos: Pos) -> ir.Input:
         if item.__class__ is str:
+            if item not in self.good_blobs and not BLOB_NAME.match(item) and parse_number(item) is not None:
+                raise PlanError(
+                    f"`in` of `{op}` names the blob {show(item)}, which is a quoted number",
+                    pos, f"write {item.strip()} without quotes: in `in` a string is a blob name "
+                    "(so is the value of a var that holds a string)",
+                )
             return self.blob(item, pos, "in", op)
         if isinstance(item, bool | int | float):
             return ir.Literal(item, pos)
@@ -393,8 +485,8 @@ class _Compiler:
             "`in` takes a blob name, a number, or a flat list of them: in: [a, 1]",
         )
 
-    def step_loop(self, m: PMap) -> ir.Loop:
-        self.keys(m, ("loop", "as", "do"), "a loop")
+    def step_loop(self, m: PMap, step_id: str | None) -> ir.Loop:
+        self.keys(m, STEP_KEYS["loop"], "a loop")
         raw, pos = m["loop"], m.at("loop")
         count: int | ir.BlobRef | None
         if raw is None:
@@ -421,20 +513,20 @@ class _Compiler:
         index = self.blob(m["as"], m.at("as"), "loop `as`") if m.get("as") is not None else None
         if "do" not in m:
             raise PlanError("loop has no `do` steps", m.key_at("loop"), "add `do: [STEP, ...]` to the loop")
-        return ir.Loop(count, index, self.block(m["do"], m.at("do"), "loop do"), m.key_at("loop"))
+        return ir.Loop(count, index, self.block(m["do"], m.at("do"), "loop do"), m.key_at("loop"), step_id)
 
-    def step_stop_if(self, m: PMap) -> ir.StopIf:
-        self.keys(m, ("stop_if",), "stop_if")
-        return ir.StopIf(self.blob(m["stop_if"], m.at("stop_if"), "stop_if"), m.key_at("stop_if"))
+    def step_stop_if(self, m: PMap, step_id: str | None) -> ir.StopIf:
+        self.keys(m, STEP_KEYS["stop_if"], "stop_if")
+        return ir.StopIf(self.blob(m["stop_if"], m.at("stop_if"), "stop_if"), m.key_at("stop_if"), step_id)
 
-    def step_if(self, m: PMap) -> ir.If:
+    def step_if(self, m: PMap, step_id: str | None) -> ir.If:
         if "then" not in m:
             if "do" in m:
                 raise PlanError(
                     "an `if` runs `then:` steps, not `do:`", m.key_at("do"), "rename `do:` to `then:`"
                 )
             raise PlanError("`if` has no `then` steps", m.key_at("if"), "add `then: [STEP, ...]` to the if")
-        self.keys(m, ("if", "then", "elif", "else"), "an if")
+        self.keys(m, STEP_KEYS["if"], "an if")
         branches = [
             ir.IfBranch(
                 self.blob(m["if"], m.at("if"), "if"),
@@ -446,7 +538,7 @@ class _Compiler:
             elifs = self.seq(m["elif"], m.at("elif"), "elif", "elif: [{if: c2, then: [...]}]")
             for i, item in enumerate(elifs):
                 e = self.mapping(item, elifs.at(i), "an elif", "{if: c2, then: [...]}")
-                self.keys(e, ("if", "then"), "an elif")
+                self.keys(e, ELIF_KEYS, "an elif")
                 if "if" not in e or "then" not in e:
                     raise PlanError("an elif needs `if` and `then`", e.pos, "write {if: c2, then: [...]}")
                 branches.append(
@@ -457,16 +549,16 @@ class _Compiler:
                     )
                 )
         orelse = self.block(m["else"], m.at("else"), "else") if "else" in m else None
-        return ir.If(tuple(branches), orelse, m.key_at("if"))
+        return ir.If(tuple(branches), orelse, m.key_at("if"), step_id)
 
-    def step_parallel(self, m: PMap) -> ir.Parallel:
-        self.keys(m, ("parallel",), "parallel")
+    def step_parallel(self, m: PMap, step_id: str | None) -> ir.Parallel:
+        self.keys(m, STEP_KEYS["parallel"], "parallel")
         items = self.seq(m["parallel"], m.at("parallel"), "parallel", "parallel: [{do: [...]}, {do: [...]}]")
         branches = []
         names: dict[str, Pos] = {}
         for i, item in enumerate(items):
             b = self.mapping(item, items.at(i), "a parallel branch", "{name: left, do: [...]}")
-            self.keys(b, ("name", "do"), "a parallel branch")
+            self.keys(b, BRANCH_KEYS, "a parallel branch")
             if "do" not in b:
                 raise PlanError("a parallel branch has no `do` steps", b.pos, "add `do: [STEP, ...]`")
             bname = None
@@ -479,14 +571,14 @@ class _Compiler:
                     )
                 names[bname] = b.at("name")
             branches.append(ir.Branch(bname, self.block(b["do"], b.at("do"), "branch do"), b.pos))
-        return ir.Parallel(tuple(branches), m.key_at("parallel"))
+        return ir.Parallel(tuple(branches), m.key_at("parallel"), step_id)
 
-    def step_report(self, m: PMap) -> ir.Report:
-        self.keys(m, ("report", "do"), "a report")
+    def step_report(self, m: PMap, step_id: str | None) -> ir.Report:
+        self.keys(m, STEP_KEYS["report"], "a report")
         period, text = parse_duration(m["report"], m.at("report"))
         if "do" not in m:
             raise PlanError("report has no `do` steps", m.key_at("report"), "add `do: [STEP, ...]` to the report")
-        return ir.Report(period, text, self.block(m["do"], m.at("do"), "report do"), m.key_at("report"))
+        return ir.Report(period, text, self.block(m["do"], m.at("do"), "report do"), m.key_at("report"), step_id)
 
 
 def parse_duration(raw: Any, pos: Pos) -> tuple[float, str]:

@@ -41,6 +41,7 @@ class OpCall:
     args: tuple[tuple[str, Any], ...]  # in source order
     pos: Pos
     arg_pos: tuple[tuple[str, Pos], ...] = ()
+    id: str | None = None  # `id:` beside the op's name: a name overrides can address
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -61,12 +62,14 @@ class Loop:
     index: BlobRef | None
     body: tuple[Step, ...]
     pos: Pos
+    id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class StopIf:
     cond: BlobRef
     pos: Pos
+    id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ class If:
     branches: tuple[IfBranch, ...]
     orelse: tuple[Step, ...] | None
     pos: Pos
+    id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,7 @@ class Branch:
 class Parallel:
     branches: tuple[Branch, ...]
     pos: Pos
+    id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +111,7 @@ class Report:
     period_text: str
     body: tuple[Step, ...]
     pos: Pos
+    id: str | None = None
 
 
 Step = OpCall | Loop | StopIf | If | Parallel | Report
@@ -133,6 +139,40 @@ class Group:
 
 
 @dataclass(frozen=True, slots=True)
+class Monitor:
+    """An epoch-task output watched across epochs: `early_stop` and `checkpoint.best`."""
+
+    name: BlobRef
+    mode: str  # "min" | "max": which way is better
+
+    def better(self, value: float, best: float | None, min_delta: float = 0.0) -> bool:
+        """Whether `value` improves on `best` by more than `min_delta` (Lightning's rule)."""
+        if best is None:
+            return True
+        return value < best - min_delta if self.mode == "min" else value > best + min_delta
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyStop:
+    """`early_stop:` stop after `patience` epochs in a row without an improvement of
+    `monitor` larger than `min_delta`."""
+
+    monitor: Monitor
+    patience: int = 3
+    min_delta: float = 0.0
+    pos: Pos | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Best:
+    """`checkpoint.best:` keep the `keep` best epochs by `monitor` beside the newest ones."""
+
+    monitor: Monitor
+    keep: int = 1
+    pos: Pos | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     dir: str = "checkpoints"
     every: int = 1
@@ -140,6 +180,7 @@ class Checkpoint:
     upload: str | None = None
     background: bool = False  # `async: true`: files are written while training goes on
     pos: Pos | None = None
+    best: Best | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +199,7 @@ class Plan:
     exit: Group
     source: str
     pos: Pos
+    early_stop: EarlyStop | None = None
 
     @property
     def groups(self) -> tuple[Group, ...]:

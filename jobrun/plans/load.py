@@ -1,9 +1,16 @@
 """YAML text -> plain data that remembers where every value came from.
 
-Only plain YAML is accepted: mappings, sequences, strings, ints, finite floats, booleans
-and null. Tags, timestamps, merge keys, duplicate keys, NaN/inf and oversized or
-alias-expanding input are refused with a message that points at the file, line and column.
-The loader knows nothing of plans; :mod:`jobrun.plans.compile` gives the data its meaning.
+Only plain YAML is accepted: mappings, sequences, strings, ints, floats (infinities
+included), booleans and null. Tags, timestamps, merge keys, duplicate keys, NaN and
+oversized or alias-expanding input are refused with a message that points at the file,
+line and column. The loader knows nothing of plans; :mod:`jobrun.plans.compile` gives the
+data its meaning.
+
+Numbers are read as YAML 1.2 (and Python) write them: `1e-4`, `1E5` and `+1.5e3` are
+floats, `.inf`/`-.inf` infinities, `0o17` octal, `1_000` a thousand, and `1:30` a string
+(YAML 1.1, PyYAML's default, reads `1e-4` as a string and `1:30` as 90). An integer with
+a leading zero (`017`: 15 in YAML 1.1, 17 in 1.2) is refused rather than guessed. The
+words stay YAML 1.1's: yes/no/on/off are booleans, as they always were in jobrun plans.
 
 The tree is built straight from libyaml's parse events in one loop rather than through
 PyYAML's composer: the C composer recurses once per nesting level and crashes the process
@@ -63,6 +70,20 @@ _SCALAR_TYPES = {_INT: "an integer", _FLOAT: "a number", _BOOL: "a boolean", _NU
 _BAD_CHAR = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 _HUGE = 30  # integers and strings longer than this are shortened in messages
+
+# Numbers (see the module doc). Underscores may separate digits, as in Python.
+_DIGITS = r"[0-9](?:_?[0-9])*"
+_INT_RE = re.compile(
+    r"[-+]?(?:0|[1-9](?:_?[0-9])*|0x(?:_?[0-9a-fA-F])+|0o(?:_?[0-7])+|0b(?:_?[01])+)\Z"
+)
+_LEADING_ZERO_RE = re.compile(r"[-+]?0(?:_?[0-9])+\Z")
+_FLOAT_RE = re.compile(
+    rf"[-+]?(?:(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?{_DIGITS})?"
+    rf"|{_DIGITS}[eE][-+]?{_DIGITS})\Z"
+)
+_INF_RE = re.compile(r"[-+]?\.(?:inf|Inf|INF)\Z")
+_NAN_RE = re.compile(r"[-+]?\.(?:nan|NaN|NAN)\Z")
+_NUMBER_START = frozenset("0123456789+-.")
 
 
 def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
@@ -384,15 +405,17 @@ class _Builder:
             ) from None
 
     def resolve_plain(self, text: str) -> Any:
-        """The value of an untagged plain scalar, by YAML 1.1's implicit rules."""
+        """The value of an untagged plain scalar: numbers as YAML 1.2, words as YAML 1.1."""
+        if text[:1] in _NUMBER_START:
+            value = _number(text)
+            if value is not None:
+                return value
         tag = next((t for t, regexp in _RESOLVERS.get(text[:1], ()) if regexp.match(text)), None)
-        if tag is None:
-            return text
-        if tag in _SCALAR_TYPES:
+        if tag in (_BOOL, _NULL):
             return self.construct(tag, text)
         if tag == _TIMESTAMP:
             return _Bad(f"{text!r} reads as a date; plans take no dates", f'quote it: "{text}"')
-        # `<<` and `=` as values (merge and value tags) mean nothing special here.
+        # YAML 1.1's other numbers (1:30, 0b_1) and `<<`/`=` as values mean nothing here.
         return text
 
     def tagged(self, tag: str, text: str) -> Any:
@@ -403,34 +426,74 @@ class _Builder:
         return _Bad(*_tag_message(tag))
 
     def construct(self, tag: str, text: str) -> Any:
-        node = yaml.ScalarNode(tag, text)
-        try:
-            if tag == _INT:
-                value = _constructor.construct_yaml_int(node)
-            elif tag == _FLOAT:
-                value = _constructor.construct_yaml_float(node)
-            elif tag == _BOOL:
-                value = _constructor.construct_yaml_bool(node)
-            else:
-                return None
-        except (ValueError, KeyError, IndexError):
-            if tag == _INT and len(text) > _HUGE and text.lstrip("+-").replace("_", "").isdigit():
-                return _Bad(f"integer {shorten(text)} is too large", f"use a value up to {MAX_INT}")
-            return _Bad(
-                f"{shorten(text)!r} is not {_SCALAR_TYPES[tag]} (tag {_show_tag(tag)})",
-                "remove the tag or fix the value",
-            )
-        if tag == _INT and abs(value) > MAX_INT:
-            return _Bad(f"integer {shorten(text)} is too large", f"use a value from {-MAX_INT} to {MAX_INT}")
-        if tag == _FLOAT and not math.isfinite(value):
-            return _Bad(
-                f"{text} is not a finite number", "use a finite value; quote it if you meant a string"
-            )
-        return value
+        if tag in (_INT, _FLOAT):
+            value = _number(text.strip())
+            if value.__class__ is _Bad:
+                return value
+            if tag == _INT and type(value) is int:
+                return value
+            if tag == _FLOAT and value is not None:
+                return float(value)
+        elif tag == _BOOL:
+            try:
+                return _constructor.construct_yaml_bool(yaml.ScalarNode(tag, text))
+            except KeyError:
+                pass
+        else:
+            return None
+        return _Bad(
+            f"{shorten(text)!r} is not {_SCALAR_TYPES[tag]} (tag {_show_tag(tag)})",
+            "remove the tag or fix the value",
+        )
 
     def tag_error(self, tag: str, pos: Pos) -> PlanError:
         message, hint = _tag_message(tag)
         return PlanError(message, pos, hint)
+
+
+def parse_number(text: str) -> int | float | None:
+    """The number a plain scalar `text` reads as in a plan, or None (not a number, or one
+    a plan refuses)."""
+    value = _number(text.strip())
+    return value if isinstance(value, int | float) else None
+
+
+def _number(text: str) -> int | float | _Bad | None:
+    """The int or float `text` writes (see the module doc), a _Bad for a number a plan
+    cannot hold (NaN, too large, a leading zero), or None when it is no number."""
+    if _INT_RE.match(text):
+        try:
+            value = int(text, 0)
+        except ValueError:  # more digits than Python converts: far too large anyway
+            value = MAX_INT + 1
+        if abs(value) > MAX_INT:
+            return _Bad(f"integer {shorten(text)} is too large", f"use a value from {-MAX_INT} to {MAX_INT}")
+        return value
+    if _FLOAT_RE.match(text):
+        value = float(text)
+        if math.isinf(value):
+            return _Bad(
+                f"{shorten(text)} is too large for a number (it would be infinite)",
+                "write .inf (or -.inf) if you mean infinity",
+            )
+        return value
+    if _INF_RE.match(text):
+        return -math.inf if text[0] == "-" else math.inf
+    if _NAN_RE.match(text):
+        return _Bad(
+            f"{text} (not a number) cannot be a plan value: it is never equal to, less or "
+            "greater than anything",
+            "use a number, .inf or -.inf; quote it if you meant a string",
+        )
+    if _LEADING_ZERO_RE.match(text):
+        sign = text[0] if text[0] in "+-" else ""
+        digits = text.lstrip("+-").lstrip("0_") or "0"
+        octal = f", {sign}0o{digits} for octal" if set(digits) <= set("01234567_") else ""
+        return _Bad(
+            f"{text} is ambiguous: YAML 1.1 reads a leading zero as octal, YAML 1.2 as decimal",
+            f'write {sign}{digits} for the number{octal}, or quote it ("{text}") for a string',
+        )
+    return None
 
 
 def _tag_message(tag: str) -> tuple[str, str]:

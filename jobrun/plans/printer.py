@@ -14,6 +14,7 @@ Neither torch nor rich is imported here (rich only inside :func:`print_rich`).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -87,11 +88,16 @@ def _quote(s: str) -> str:
     return json.dumps(s, ensure_ascii=not s.isprintable())
 
 
+def _format_float(v: float) -> str:
+    # `inf` would read as a blob name: infinities are written as in the plan.
+    return repr(v) if math.isfinite(v) else ("-.inf" if v < 0 else ".inf")
+
+
 _FORMATTERS: dict[type, Callable[[Any], str]] = {
     str: _quote,
     bool: lambda v: "true" if v else "false",
     int: str,
-    float: repr,
+    float: _format_float,
     type(None): lambda v: "null",
     list: _format_seq,
     tuple: _format_seq,
@@ -229,6 +235,8 @@ class _TextPrinter(Visitor):
             add(f"vars: {format_arg(to_plain(plan.vars))}")
         add(f"max_epochs: {format_value(plan.max_epochs)}")
         add(f"stop_when: [{self.names(plan.stop_when)}]")
+        if plan.early_stop is not None:
+            add(f"early_stop: {format_value(_early_stop_data(plan.early_stop))}")
         add(f"checkpoint: {_checkpoint_text(plan.checkpoint)}")
 
     def visit_Group(self, group: ir.Group) -> None:
@@ -257,7 +265,7 @@ class _TextPrinter(Visitor):
         parts = self.inputs(op.ins)
         parts += [f"{_arg_key(k)}={format_arg(v)}" for k, v in op.args]
         call = f"{op.op}({', '.join(parts)})"
-        self.out.add(f"{self.names(op.outs)} = {call}" if op.outs else call)
+        self.out.add((f"{self.names(op.outs)} = {call}" if op.outs else call) + _id_note(op.id))
 
     def visit_Loop(self, loop: ir.Loop) -> None:
         if loop.count is None:
@@ -268,34 +276,44 @@ class _TextPrinter(Visitor):
             head = f"loop {loop.count}"
         if loop.index is not None:
             head += f" as {loop.index.name}"
-        with self.out.block(head + ":"):
+        with self.out.block(head + ":" + _id_note(loop.id)):
             self.visit_block(loop.body)
 
     def visit_StopIf(self, step: ir.StopIf) -> None:
-        self.out.add(f"stop_if {step.cond.name}")
+        self.out.add(f"stop_if {step.cond.name}" + _id_note(step.id))
 
     def visit_If(self, step: ir.If) -> None:
         for i, branch in enumerate(step.branches):
-            with self.out.block(f"{'elif' if i else 'if'} {branch.cond.name}:"):
+            with self.out.block(f"{'elif' if i else 'if'} {branch.cond.name}:" + ("" if i else _id_note(step.id))):
                 self.visit_block(branch.body)
         if step.orelse is not None:
             with self.out.block("else:"):
                 self.visit_block(step.orelse)
 
     def visit_Parallel(self, step: ir.Parallel) -> None:
-        with self.out.block("parallel:"):
+        with self.out.block("parallel:" + _id_note(step.id)):
             for branch in step.branches:
                 with self.out.block(f"branch {branch.name}:" if branch.name else "branch:"):
                     self.visit_block(branch.body)
 
     def visit_Report(self, step: ir.Report) -> None:
         # A period may be written "500 ms"; collapsing its spaces keeps it on one line.
-        with self.out.block(f"report every {' '.join(step.period_text.split())}:"):
+        with self.out.block(f"report every {' '.join(step.period_text.split())}:" + _id_note(step.id)):
             self.visit_block(step.body)
+
+
+def _id_note(step_id: str | None) -> str:
+    return f"  # id: {step_id}" if step_id is not None else ""
 
 
 def _stop_text(plan: ir.Plan) -> str:
     conds = [ref.name for ref in plan.stop_when]
+    early = plan.early_stop
+    if early is not None:
+        name = early.monitor.name.name
+        better = f"{name} better by more than {format_value(early.min_delta)}" if early.min_delta else f"better {name}"
+        epochs = max(early.patience, 1)  # patience 0 stops at the first epoch without one too
+        conds.append(f"no {better} for {epochs} epoch{'s' * (epochs != 1)}")
     if plan.max_epochs is not None:
         conds.append(f"epoch {plan.max_epochs}")
     return "repeat until " + " or ".join(conds) if conds else "repeat forever: no stop condition"
@@ -304,13 +322,36 @@ def _stop_text(plan: ir.Plan) -> str:
 def _checkpoint_text(ckpt: ir.Checkpoint | None) -> str:
     if ckpt is None:
         return "off"
-    fields = {"dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload}
+    fields: dict[str, Any] = {"dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload}
     if ckpt.background:
         fields["async"] = True
+    if ckpt.best is not None:
+        fields["best"] = _best_data(ckpt.best)
     return format_value(fields)
 
 
+def _early_stop_data(early: ir.EarlyStop) -> dict[str, Any]:
+    return {"monitor": early.monitor.name.name, "mode": early.monitor.mode, "patience": early.patience,
+            "min_delta": early.min_delta}
+
+
+def _best_data(best: ir.Best) -> dict[str, Any]:
+    return {"monitor": best.monitor.name.name, "mode": best.monitor.mode, "keep": best.keep}
+
+
 # -- json ------------------------------------------------------------------------------
+
+
+def _json_value(value: Any) -> Any:
+    """A plan value as JSON data: JSON has no infinity, so it is written as the plan
+    writes it, the string ".inf" or "-.inf" (never a blob name: those start with a letter)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _format_float(value)
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    return value
 
 
 class _JsonBuilder(Visitor):
@@ -327,12 +368,13 @@ class _JsonBuilder(Visitor):
             "seed": plan.seed,
             "device": plan.device,
             "replicas": plan.replicas,
-            "vars": to_plain(plan.vars),
+            "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,
             "stop_when": [r.name for r in plan.stop_when],
+            "early_stop": None if plan.early_stop is None else _json_value(_early_stop_data(plan.early_stop)),
             "checkpoint": None if ckpt is None else {
                 "dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload,
-                "async": ckpt.background,
+                "async": ckpt.background, "best": None if ckpt.best is None else _best_data(ckpt.best),
             },
             "groups": [self.visit(g) for g in plan.groups],
         }
@@ -358,9 +400,10 @@ class _JsonBuilder(Visitor):
             "kind": "op",
             "op": op.op,
             # Literals are numbers or booleans, blob names strings: the JSON type tells them apart.
-            "in": [i.name if isinstance(i, ir.BlobRef) else i.value for i in op.ins],
+            "in": [i.name if isinstance(i, ir.BlobRef) else _json_value(i.value) for i in op.ins],
             "out": [r.name for r in op.outs],
-            "args": {k: to_plain(v) for k, v in op.args},
+            "args": {k: _json_value(v) for k, v in op.args},
+            "id": op.id,
             "line": op.pos.line,
         }
 
@@ -371,11 +414,12 @@ class _JsonBuilder(Visitor):
             "count": count,
             "as": loop.index.name if loop.index is not None else None,
             "do": self.steps(loop.body),
+            "id": loop.id,
             "line": loop.pos.line,
         }
 
     def visit_StopIf(self, step: ir.StopIf) -> dict[str, Any]:
-        return {"kind": "stop_if", "cond": step.cond.name, "line": step.pos.line}
+        return {"kind": "stop_if", "cond": step.cond.name, "id": step.id, "line": step.pos.line}
 
     def visit_If(self, step: ir.If) -> dict[str, Any]:
         branches = [
@@ -383,13 +427,13 @@ class _JsonBuilder(Visitor):
             for b in step.branches
         ]
         orelse = self.steps(step.orelse) if step.orelse is not None else None
-        return {"kind": "if", "branches": branches, "else": orelse, "line": step.pos.line}
+        return {"kind": "if", "branches": branches, "else": orelse, "id": step.id, "line": step.pos.line}
 
     def visit_Parallel(self, step: ir.Parallel) -> dict[str, Any]:
         branches = [
             {"name": b.name, "do": self.steps(b.body), "line": b.pos.line} for b in step.branches
         ]
-        return {"kind": "parallel", "branches": branches, "line": step.pos.line}
+        return {"kind": "parallel", "branches": branches, "id": step.id, "line": step.pos.line}
 
     def visit_Report(self, step: ir.Report) -> dict[str, Any]:
         return {
@@ -397,6 +441,7 @@ class _JsonBuilder(Visitor):
             "every": step.period_text,
             "seconds": step.period,
             "do": self.steps(step.body),
+            "id": step.id,
             "line": step.pos.line,
         }
 
@@ -404,7 +449,7 @@ class _JsonBuilder(Visitor):
 # -- colour ----------------------------------------------------------------------------
 
 _KEYWORDS = "task|loop|if|elif|else|parallel|branch|report|stop_if|pass|init|do|exit|epoch|download"
-_HEADER_KEYS = "job|seed|device|replicas|vars|max_epochs|stop_when|checkpoint"
+_HEADER_KEYS = "job|seed|device|replicas|vars|max_epochs|stop_when|early_stop|checkpoint"
 
 # Applied in order; a later match restyles an earlier one (strings and marks win).
 _HIGHLIGHTS = (

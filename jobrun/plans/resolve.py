@@ -1,7 +1,8 @@
-"""Before compiling: `--set KEY=VALUE` overrides and `${var}` substitution.
+"""Before compiling: `${var}` substitution (after the overrides of
+:mod:`jobrun.plans.overrides`).
 
-Both work on the positioned data of :mod:`jobrun.plans.load`, so a value that came from
-an override or a variable still points at a place the user can find.
+It works on the positioned data of :mod:`jobrun.plans.load`, so a value that came from a
+variable still points at a place the user can find.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from jobrun.plans.load import (
     clone,
     kind_of,
     nesting,
-    parse_value,
     shorten,
     show,
     to_plain,
@@ -32,112 +32,6 @@ BUILTINS = ("plan_dir", "run_dir")
 # A string may not grow past this by substitution: vars that repeat vars that repeat
 # vars would otherwise fill the memory ("billion laughs" without aliases).
 MAX_TEXT = 1_000_000
-
-
-def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
-    """Apply `KEY=VALUE` overrides in order; KEY is a dotted path, VALUE a YAML scalar.
-
-    A list item is addressed by its index (`epoch.0.do.1.loop=20`); missing mappings on
-    the way are created (`vars.lr=0.05` works in a plan without `vars`).
-    """
-    for item in sets:
-        where = Pos(f"--set {item}")
-        key, eq, raw = item.partition("=")
-        if not eq or not key.strip():
-            raise PlanError(
-                f"--set {item!r} is not KEY=VALUE", where, "write e.g. --set max_epochs=3"
-            )
-        try:
-            value = parse_value(raw, str(where))
-        except PlanError as e:
-            raise PlanError(
-                f"--set value {raw!r} of {key.strip()!r}: {e.message}", where,
-                e.hint or "quote strings with special characters",
-            ) from None
-        parts = key.strip().split(".")
-        if any(not p.strip() for p in parts):
-            raise PlanError(
-                f"--set key {key!r} has an empty part", where, "write a dotted path, e.g. vars.lr"
-            )
-        # The loader bounds how deep a plan nests (deep trees overflow the stack of
-        # everything that walks them); a --set must not get around it.
-        if len(parts) + nesting(value) > MAX_DEPTH:
-            raise PlanError(
-                f"--set {key.strip()!r} nests values more than {MAX_DEPTH} levels deep", where,
-                "use a shorter path or a flatter value",
-            )
-        _set_path(tree, [p.strip() for p in parts], value, where)
-
-
-def _set_path(tree: Any, parts: list[str], value: Any, where: Pos) -> None:
-    # Errors point at the list or value in the plan file that the path cannot go
-    # through (the user may not know the plan by heart); `where` names the --set itself.
-    node, node_pos = tree, _own_pos(tree, where)
-    parts = list(parts)
-    depth = -1
-    while depth + 1 < len(parts):
-        depth += 1
-        if isinstance(node, dict):
-            _join_dotted_key(node, parts, depth)
-        part = parts[depth]
-        last = depth == len(parts) - 1
-        shown = ".".join(parts[: depth + 1])
-        parent = ".".join(parts[:depth]) or "the plan"
-        if isinstance(node, list):
-            # isascii: str.isdigit() is also true for '²', which int() refuses.
-            if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
-                n = len(node)
-                raise PlanError(
-                    f"{where}: {shown!r} does not exist: {parent} is a list of {n} item{'s' * (n != 1)}",
-                    node_pos,
-                    f"use an index from 0 to {n - 1}" if node else f"{parent} is empty",
-                )
-            idx = int(part)
-            if last:
-                node[idx] = value
-                if isinstance(node, PList):
-                    _pad(node.item_pos, len(node), node.pos)[idx] = where
-                return
-            node, node_pos = node[idx], _at(node, idx)
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-                if isinstance(node, PMap):
-                    node.val_pos[part] = where
-                    node.key_pos.setdefault(part, where)
-                return
-            if node.get(part) is None:
-                node[part] = PMap(where)
-                if isinstance(node, PMap):
-                    node.val_pos[part] = where
-                    node.key_pos.setdefault(part, where)
-            node, node_pos = node[part], _at(node, part)
-        else:
-            raise PlanError(
-                f"{where}: {parent} is {kind_of(node)}, not a mapping or list, so it has no {part!r}",
-                node_pos,
-                f"set {parent} itself: --set {parent}=VALUE",
-            )
-
-
-def _join_dotted_key(node: dict, parts: list[str], depth: int) -> None:
-    """Op names contain dots (`data.synthetic`): where the mapping has a key made of
-    several parts of the path, take the longest such key as one part."""
-    for end in range(len(parts), depth + 1, -1):
-        key = ".".join(parts[depth:end])
-        if key in node:
-            parts[depth:end] = [key]
-            return
-
-
-def _own_pos(node: Any, default: Pos) -> Pos:
-    return node.pos if isinstance(node, PMap | PList) else default
-
-
-def _pad(positions: list[Pos], n: int, fill: Pos) -> list[Pos]:
-    while len(positions) < n:
-        positions.append(fill)
-    return positions
 
 
 def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:

@@ -3,7 +3,7 @@
     schema = plan_schema()          # `jobrun schema` prints it
 
 It is derived, not written out: the keys come from the compiler's key lists
-(TOP_KEYS, TASK_KEYS, CHECKPOINT_KEYS), the name patterns from its regular expressions and
+(:mod:`jobrun.plans.keys`), the name patterns from its regular expressions and
 every op step from the op registry, with its arguments typed from their ArgSpec. So a new
 op (a user's plug-in included) or a new key shows up here without editing this file.
 
@@ -23,6 +23,7 @@ from typing import Any
 from jobrun import __version__
 from jobrun.ops.spec import REQUIRED, ArgSpec, ArgType, OpSpec
 from jobrun.plans import compile as plan_compile
+from jobrun.plans import keys as plan_keys
 from jobrun.plans.resolve import BUILTINS, VAR_NAME
 
 SCHEMA_ID = "urn:jobrun:plan-schema"
@@ -45,6 +46,24 @@ def plan_schema() -> dict[str, Any]:
         **_name_defs(),
         "task": _task(),
         "checkpoint": _checkpoint(),
+        "early_stop": _watch(
+            "Stop once `patience` epochs in a row bring no improvement of `monitor` larger "
+            "than `min_delta` (Lightning's EarlyStopping).",
+            plan_keys.EARLY_STOP_KEYS,
+            {
+                "patience": _int("Epochs in a row without improvement before the job stops (default 3).", 0),
+                "min_delta": {
+                    "description": "An improvement must be larger than this (default 0).",
+                    "anyOf": [{"type": "number", "minimum": 0}, VAR],
+                },
+            },
+        ),
+        "best": _watch(
+            "Keep the `keep` best epochs by `monitor` beside the newest ones; "
+            "`jobrun export --best` and `jobrun resume --epoch best` use the best.",
+            plan_keys.BEST_KEYS,
+            {"keep": _int("How many of the best epochs to keep (default 1).", 1)},
+        ),
         "block": {
             "description": "A list of steps, run in order.",
             "type": ["array", "null"],
@@ -69,7 +88,7 @@ def plan_schema() -> dict[str, Any]:
             "`jobrun analyze`, read it with `jobrun print`."
         ),
         "type": "object",
-        "properties": _keyed(plan_compile.TOP_KEYS, _top_properties()),
+        "properties": _keyed(plan_keys.TOP_KEYS, _top_properties()),
         "required": ["job", "epoch"],
         "additionalProperties": False,
         "$defs": defs,
@@ -189,7 +208,7 @@ def _top_properties() -> dict[str, dict[str, Any]]:
             "propertyNames": {"pattern": _anchored(VAR_NAME), "not": {"enum": list(BUILTINS)}},
         },
         "max_epochs": {
-            "description": "Stop after this epoch. A plan needs max_epochs or stop_when.",
+            "description": "Stop after this epoch. A plan needs max_epochs, stop_when or early_stop.",
             "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
         },
         "stop_when": {
@@ -197,6 +216,10 @@ def _top_properties() -> dict[str, dict[str, Any]]:
                 "Outputs of epoch tasks; training stops after an epoch in which one is truthy."
             ),
             "anyOf": [BLOB, {"type": "array", "items": BLOB}, {"type": "null"}],
+        },
+        "early_stop": {
+            "description": "Stop when an epoch-task output stops improving (e.g. val_loss).",
+            "anyOf": [{"$ref": "#/$defs/early_stop"}, {"type": "null"}],
         },
         "checkpoint": {
             "description": "Checkpoint every few epochs; without it no checkpoints are written.",
@@ -235,7 +258,7 @@ def _task() -> dict[str, Any]:
     return {
         "description": "A body of steps that runs on one node.",
         "type": "object",
-        "properties": _keyed(plan_compile.TASK_KEYS, known),
+        "properties": _keyed(plan_keys.TASK_KEYS, known),
         "required": ["task", "do"],
         "additionalProperties": False,
     }
@@ -263,11 +286,35 @@ def _checkpoint() -> dict[str, Any]:
             "for the copy of the state to host memory (default false).",
             "anyOf": [{"type": "boolean"}, VAR],
         },
+        "best": {
+            "description": "Also keep the best epochs by an epoch-task output.",
+            "anyOf": [{"$ref": "#/$defs/best"}, {"type": "null"}],
+        },
     }
     return {
         "description": "Checkpoint settings.",
         "type": "object",
-        "properties": _keyed(plan_compile.CHECKPOINT_KEYS, known),
+        "properties": _keyed(plan_keys.CHECKPOINT_KEYS, known),
+        "additionalProperties": False,
+    }
+
+
+def _watch(description: str, keys: tuple[str, ...], own: dict[str, Any]) -> dict[str, Any]:
+    """`early_stop` and `checkpoint.best`: a monitored epoch-task output and its mode."""
+    known = {
+        "monitor": {**BLOB, "description": "An output of an epoch task (e.g. val_loss)."},
+        "mode": {
+            "description": "min: lower is better (a loss); max: higher is better (default min).",
+            "anyOf": [{"enum": list(plan_keys.MODES)}, VAR],
+            "default": "min",
+        },
+        **own,
+    }
+    return {
+        "description": description,
+        "type": "object",
+        "properties": _keyed(keys, known),
+        "required": ["monitor"],
         "additionalProperties": False,
     }
 
@@ -275,9 +322,20 @@ def _checkpoint() -> dict[str, Any]:
 # -- steps -----------------------------------------------------------------------------
 
 
+STEP_ID = {
+    "description": (
+        "A name for this step, unique in its task, that overrides can address "
+        "(`epoch.TASK.ID.ARG=VALUE`): letters, digits, '_' and '-', no dots."
+    ),
+    "type": "string",
+    "pattern": _anchored(plan_keys.STEP_ID),
+    "not": {"enum": list(plan_keys.TASK_KEYS)},
+}
+
+
 def _step() -> dict[str, Any]:
     """A step: the first control key present picks the kind, as in the compiler; else an op."""
-    keys = plan_compile.CONTROL_KEYS
+    keys = plan_keys.CONTROL_KEYS
     rules: list[dict[str, Any]] = [
         {"if": {"required": [key]}, "then": {"$ref": f"#/$defs/{key}"}} for key in keys
     ]
@@ -307,12 +365,13 @@ def _control_defs() -> dict[str, Any]:
                     "anyOf": [BLOB, {"type": "null"}],
                 },
                 "do": {**BLOCK, "description": "The loop's body."},
+                "id": STEP_ID,
             },
             ["loop", "do"],
         ),
         "stop_if": _control(
             "Truthy -> leave the innermost loop now; outside any loop, end the task's `do`.",
-            {"stop_if": {**BLOB, "description": "The blob tested."}},
+            {"stop_if": {**BLOB, "description": "The blob tested."}, "id": STEP_ID},
             ["stop_if"],
         ),
         "if": _control(
@@ -333,6 +392,7 @@ def _control_defs() -> dict[str, Any]:
                     ),
                 },
                 "else": {**BLOCK, "description": "Steps run when no condition is truthy."},
+                "id": STEP_ID,
             },
             ["if", "then"],
         ),
@@ -354,6 +414,7 @@ def _control_defs() -> dict[str, Any]:
                         ["do"],
                     ),
                 },
+                "id": STEP_ID,
             },
             ["parallel"],
         ),
@@ -363,6 +424,7 @@ def _control_defs() -> dict[str, Any]:
             {
                 "report": {"$ref": "#/$defs/duration", "description": "The period: 500ms, 2s."},
                 "do": {**BLOCK, "description": "The steps run every period."},
+                "id": STEP_ID,
             },
             ["report", "do"],
         ),
@@ -370,7 +432,7 @@ def _control_defs() -> dict[str, Any]:
     # A control key the compiler gains before this module learns about it stays allowed.
     return {
         key: known.get(key, {"description": f"`{key}:` (not described yet)"})
-        for key in plan_compile.CONTROL_KEYS
+        for key in plan_keys.CONTROL_KEYS
     }
 
 
@@ -393,12 +455,15 @@ def _op_def(name: str) -> str:
 
 def _op_call(ops: dict[str, OpSpec]) -> dict[str, Any]:
     return {
-        "description": "An op call: one key, the op's name, holding its arguments.",
+        "description": "An op call: one key, the op's name, holding its arguments (and an `id`).",
         "type": "object",
         "minProperties": 1,
-        "maxProperties": 1,
-        "properties": {name: {"$ref": f"#/$defs/{_op_def(name)}"} for name in ops},
+        "properties": {**{name: {"$ref": f"#/$defs/{_op_def(name)}"} for name in ops}, "id": STEP_ID},
         "additionalProperties": False,  # an unknown op
+        # the op's name and, maybe, an id beside it
+        "if": {"required": ["id"]},
+        "then": {"minProperties": 2, "maxProperties": 2},
+        "else": {"maxProperties": 1},
     }
 
 

@@ -1,6 +1,7 @@
 """`jobrun ckpt list|show` and `jobrun export`: read checkpoints without running anything.
 
 Listing and showing read safetensors as numpy, so they work without importing torch.
+An epoch is a number or `best`: the best epoch by the plan's `checkpoint.best`.
 """
 
 from __future__ import annotations
@@ -13,60 +14,109 @@ from typing import Any
 
 from jobrun import store
 from jobrun.errors import CheckpointError, UsageError
+from jobrun.plans import ir
 from jobrun.runner import rng
 from jobrun.runner.display import human_size
+from jobrun.runner.monitor import best_epoch, epoch_value, ranked_epochs
 from jobrun.runner.rundir import RunDir
 from jobrun.store import SavedState
 
+Epoch = int | str  # a number, or "best"
+_CUT = 200  # characters of a value shown in text
 
-def _locate(run_dir: str | None) -> tuple[Path, Path, list[str]]:
-    run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
-    ckpt_dir = run.checkpoints
-    if ckpt_dir is None:
-        raise UsageError(f"the job in {run.path} writes no checkpoints", hint="add a `checkpoint:` block")
-    return run.path, ckpt_dir, list(run.plan().nodes)
+
+class _Run:
+    """A run's checkpoint directory, nodes and plan, as the commands here need them."""
+
+    def __init__(self, run_dir: str | None):
+        run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
+        ckpt_dir = run.checkpoints
+        if ckpt_dir is None:
+            raise UsageError(f"the job in {run.path} writes no checkpoints", hint="add a `checkpoint:` block")
+        self.path, self.ckpt_dir = run.path, ckpt_dir
+        self.plan = run.plan()
+        self.nodes = list(self.plan.nodes)
+
+    def infos(self) -> list[store.EpochInfo]:
+        return store.list_checkpoints(self.ckpt_dir) if self.ckpt_dir.is_dir() else []
+
+    def epoch(self, epoch: Epoch) -> int:
+        if epoch == "best":
+            return best_epoch(self.infos(), self.nodes, self.plan, str(self.path))
+        return int(epoch)
+
+    @property
+    def best(self) -> ir.Best | None:
+        return self.plan.checkpoint.best if self.plan.checkpoint is not None else None
+
+    def load(self, epoch: int, node: str, rank: int) -> dict[str, Any]:
+        if node not in self.nodes:
+            raise UsageError(f"the job has no node {node!r}", hint=f"nodes: {', '.join(self.nodes)}")
+        if not (self.ckpt_dir / f"{node}.{epoch}").exists():
+            epochs = sorted({i.epoch for i in self.infos()})
+            raise CheckpointError(
+                f"no checkpoint of epoch {epoch} for node {node!r}",
+                hint=f"epochs present: {', '.join(map(str, epochs)) if epochs else 'none'}",
+            )
+        blobs, _meta = store.load(self.ckpt_dir, node, epoch, rank=rank, as_numpy=True)
+        blobs.pop("jobrun:rng", None)
+        return blobs
+
+
+# -- list ------------------------------------------------------------------------------------
 
 
 def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) -> str:
-    path, ckpt_dir, _ = _locate(run_dir)
-    infos = store.list_checkpoints(ckpt_dir) if ckpt_dir.is_dir() else []
+    """Every saved epoch and node; with `checkpoint.best`, each one's monitored value and
+    which epoch is the best (the one `--epoch best` takes)."""
+    run = _Run(run_dir)
+    infos = run.infos()
+    best = run.best
+    ranked = ranked_epochs(infos, run.nodes, best.monitor) if best else []
+    top = ranked[0][0] if ranked else None
     rows: list[dict[str, Any]] = []
     for info in infos:
         for node, n in sorted(info.nodes.items()):
             problem = n.problem
             if verify and n.ok:
-                problems = (store.verify(ckpt_dir, node, info.epoch)
-                            or rng.saved_problems(ckpt_dir, node, info.epoch, n.ranks))
+                problems = (store.verify(run.ckpt_dir, node, info.epoch)
+                            or rng.saved_problems(run.ckpt_dir, node, info.epoch, n.ranks))
                 problem = problems[0] if problems else None
             rows.append({
                 "epoch": info.epoch, "node": node, "ranks": len(n.ranks), "world_size": n.world_size,
                 "bytes": n.bytes, "saved_at": n.created, "valid": problem is None, "problem": problem,
+                "monitor": best.monitor.name.name if best else None,
+                "value": epoch_value(n.meta or {}, best.monitor) if best else None,
+                "best": info.epoch == top,
             })
     if as_json:
-        return json.dumps({"run_dir": str(path), "checkpoints": rows}, indent=2)
+        return json.dumps({"run_dir": str(run.path), "checkpoints": rows}, indent=2)
     if not rows:
-        return f"{path}: no checkpoints in {ckpt_dir}"
-    lines = [f"{'epoch':>5}  {'node':<16} {'ranks':>5}  {'size':>10}  {'saved':<19}  status"]
+        return f"{run.path}: no checkpoints in {run.ckpt_dir}"
+    return _table(rows, best)
+
+
+def _table(rows: list[dict[str, Any]], best: ir.Best | None) -> str:
+    name = best.monitor.name.name if best else ""
+    width = max(len(name), 10)
+    column = f"  {name:>{width}}" if best else ""
+    lines = [f"{'epoch':>5}  {'node':<16} {'ranks':>5}  {'size':>10}  {'saved':<19}{column}  status"]
     for r in rows:
         when = _dt.datetime.fromtimestamp(r["saved_at"]).strftime("%Y-%m-%d %H:%M:%S") if r["saved_at"] else "-"
         status = "ok" if r["valid"] else f"INVALID: {r['problem']}"
+        if r["best"] and best is not None:
+            status += f", best {name} ({best.monitor.mode})"
         ranks = f"{r['ranks']}/{r['world_size']}" if r["world_size"] else str(r["ranks"])
-        lines.append(f"{r['epoch']:>5}  {r['node']:<16} {ranks:>5}  {human_size(r['bytes']):>10}  {when:<19}  {status}")
+        value = ""
+        if best is not None:
+            shown = "-" if r["value"] is None else f"{r['value']:.6g}"
+            value = f"  {shown:>{width}}"
+        lines.append(f"{r['epoch']:>5}  {r['node']:<16} {ranks:>5}  {human_size(r['bytes']):>10}  "
+                     f"{when:<19}{value}  {status}")
     return "\n".join(lines)
 
 
-def _load(ckpt_dir: Path, epoch: int, node: str, rank: int, nodes: list[str]) -> dict[str, Any]:
-    if node not in nodes:
-        raise UsageError(f"the job has no node {node!r}", hint=f"nodes: {', '.join(nodes)}")
-    if not (ckpt_dir / f"{node}.{epoch}").exists():
-        epochs = sorted({i.epoch for i in store.list_checkpoints(ckpt_dir)}) if ckpt_dir.is_dir() else []
-        raise CheckpointError(
-            f"no checkpoint of epoch {epoch} for node {node!r}",
-            hint=f"epochs present: {', '.join(map(str, epochs)) if epochs else 'none'}",
-        )
-    blobs, _meta = store.load(ckpt_dir, node, epoch, rank=rank, as_numpy=True)
-    blobs.pop("jobrun:rng", None)
-    return blobs
+# -- show ------------------------------------------------------------------------------------
 
 
 def _select(blobs: dict[str, Any], wanted: tuple[str, ...], where: str) -> dict[str, Any]:
@@ -79,62 +129,119 @@ def _select(blobs: dict[str, Any], wanted: tuple[str, ...], where: str) -> dict[
     return {b: blobs[b] for b in wanted}
 
 
-def show_text(run_dir: str | None, epoch: int, node: str | None, rank: int, wanted: tuple[str, ...],
-              as_json: bool = False) -> str:
-    _, ckpt_dir, nodes = _locate(run_dir)
-    shown: dict[str, Any] = {}
-    for n in [node] if node else nodes:
-        blobs = _select(_load(ckpt_dir, epoch, n, rank, nodes), wanted, f"node {n!r} epoch {epoch}")
-        shown[n] = {k: _jsonable(v) for k, v in sorted(blobs.items())}
+def show_text(run_dir: str | None, epoch: Epoch, node: str | None, rank: int, wanted: tuple[str, ...],
+              as_json: bool = False, values: bool = False) -> str:
+    """The blobs of one checkpoint: tensors as dtype and shape (their values with
+    `values`), states of objects key by key, other values as JSON. `as_json`: every
+    value in full, plus each tensor's dtype and shape under "tensors"."""
+    run = _Run(run_dir)
+    e = run.epoch(epoch)
+    shown: dict[str, dict[str, Any]] = {}
+    for n in [node] if node else run.nodes:
+        shown[n] = dict(sorted(_select(run.load(e, n, rank), wanted, f"node {n!r} epoch {e}").items()))
     if as_json:
-        return json.dumps({"epoch": epoch, "rank": rank, "nodes": shown}, indent=2, allow_nan=False)
-    lines = [f"epoch {epoch}" + (f" rank {rank}" if rank else "")]
+        return json.dumps({
+            "epoch": e, "rank": rank,
+            "nodes": {n: {k: _jsonable(v) for k, v in blobs.items()} for n, blobs in shown.items()},
+            "tensors": {n: {k: {"dtype": str(v.dtype), "shape": list(v.shape)}
+                            for k, v in _flatten(blobs).items() if _is_tensor(v)}
+                        for n, blobs in shown.items()},
+        }, indent=2, allow_nan=False)
+    lines = [f"epoch {e}" + (f" rank {rank}" if rank else "")]
     for n, blobs in shown.items():
         lines.append(f"node {n}:")
         for name, value in blobs.items():
-            lines.append(f"  {name} = {_brief(value)}")
+            lines += _describe(name, value, values, "  ")
     return "\n".join(lines)
 
 
-def export(run_dir: str | None, epoch: int, node: str | None, wanted: tuple[str, ...], output: str) -> Path:
-    _, ckpt_dir, nodes = _locate(run_dir)
-    n = node or nodes[0]
-    blobs = _select(_load(ckpt_dir, epoch, n, 0, nodes), wanted, f"node {n!r} epoch {epoch}")
+def _describe(name: str, value: Any, values: bool, indent: str) -> list[str]:
+    if isinstance(value, SavedState):
+        head = f"{indent}{name} = state of {value.type_name}"
+        if not isinstance(value.state, dict):
+            return [head + f": {_value_text(value.state, values)}"]
+        return [head] + [line for key, sub in _flatten({"": value.state}).items()
+                         for line in _describe(key.removeprefix("."), sub, values, indent + "    ")]
+    return [f"{indent}{name} = {_value_text(value, values)}"]
+
+
+def _value_text(value: Any, values: bool) -> str:
+    if _is_tensor(value):
+        text = f"tensor {value.dtype} {list(value.shape)}"
+        return text + f": {_cut(json.dumps(_jsonable(value)))}" if values else text
+    return _cut(json.dumps(_jsonable(value)))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _CUT else text[:_CUT] + f"...<+len={len(text)}>"
+
+
+def _is_tensor(value: Any) -> bool:
+    # Tensors come back from the store as numpy arrays; numpy scalars are plain values.
+    return hasattr(value, "dtype") and hasattr(value, "shape") and hasattr(value, "ndim") \
+        and type(value).__name__ == "ndarray"
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[str, ...], output: str) -> Path:
+    """Write blobs of one checkpoint to a .safetensors, .pt or .json file.
+
+    One blob that holds a module's state is written with the module's own state_dict
+    keys (`0.weight`), so plain PyTorch loads it with `model.load_state_dict(...)`;
+    several blobs keep the blob name as a prefix of each key (`model.0.weight`).
+    """
+    run = _Run(run_dir)
+    e = run.epoch(epoch)
+    n = node or run.nodes[0]
+    blobs = _select(run.load(e, n, 0), wanted, f"node {n!r} epoch {e}")
     out = Path(output)
     suffix = out.suffix.lower()
     if suffix not in (".safetensors", ".json", ".pt"):
         raise UsageError(f"cannot export to {suffix or 'a file without suffix'!r}",
                          hint="use -o FILE.safetensors, FILE.json or FILE.pt")
-    tensors = _flatten(blobs)
+    only = next(iter(blobs.values())) if len(blobs) == 1 else None
+    tensors = dict(only.state) if _is_module_state(only) else _flatten(blobs)
     if suffix == ".safetensors":
         for name in blobs:
-            if not any(k == name or k.startswith(name + ".") for k, v in tensors.items() if hasattr(v, "dtype")):
+            if not any(k == name or k.startswith(name + ".") for k, v in _flatten(blobs).items() if _is_tensor(v)):
                 raise UsageError(f"blob {name!r} holds {_kind(blobs[name])}, no tensor, so it cannot go "
                                  "into a .safetensors file", hint="export it to a .json file")
     if not out.parent.is_dir():
         raise UsageError(f"cannot write {out}: directory {out.parent} does not exist",
                          hint="create it first, or give another -o")
+    _write(out, suffix, blobs, tensors)
+    return out
+
+
+def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any]) -> None:
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         if suffix == ".safetensors":
             import numpy as np
             from safetensors.numpy import save_file
 
-            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items() if hasattr(v, "dtype")}, tmp)
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items() if _is_tensor(v)}, tmp)
         elif suffix == ".json":
             tmp.write_text(json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2,
                                       allow_nan=False) + "\n")
         else:
             import torch
 
-            torch.save({k: torch.from_numpy(v.copy()) if hasattr(v, "dtype") else v
-                        for k, v in tensors.items()}, tmp)
+            torch.save({k: torch.from_numpy(v.copy()) if _is_tensor(v) else v for k, v in tensors.items()}, tmp)
         tmp.replace(out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UsageError(f"cannot write {out}: {e.strerror or e}",
                          hint="check that its directory is writable and has space") from None
-    return out
+
+
+def _is_module_state(value: Any) -> bool:
+    """A module's state_dict: names to tensors, nothing else (an optimizer's state nests,
+    a reader's holds numbers)."""
+    return isinstance(value, SavedState) and isinstance(value.state, dict) and bool(value.state) and all(
+        isinstance(k, str) and _is_tensor(v) for k, v in value.state.items())
 
 
 def _kind(value: Any) -> str:
@@ -144,7 +251,7 @@ def _kind(value: Any) -> str:
 
 
 def _flatten(blobs: dict[str, Any]) -> dict[str, Any]:
-    """Module/optimizer states come back as SavedState; export their tensors as blob.key."""
+    """Module/optimizer states come back as SavedState; their values as blob.key."""
     out: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -173,8 +280,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # "inf", "-inf", "nan": the form `log` and `save` write too
     return value
-
-
-def _brief(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 200 else text[:200] + f"...<+len={len(text)}>"

@@ -5,7 +5,7 @@
     for epoch = 1, 2, ...:
         run the epoch group; fetch the task outputs
         save checkpoint `epoch` (every N epochs, and always the last)
-        stop when a stop_when output is truthy or epoch == max_epochs
+        stop when a stop_when output is truthy, early_stop says so or epoch == max_epochs
     upload the last checkpoints; run download; run exit
 
 Every rank of a data-parallel job runs this same loop on its own device.
@@ -30,6 +30,7 @@ from jobrun.plans import ir
 from jobrun.runner import rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
+from jobrun.runner.monitor import Watch
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
 from jobrun.store import SavedState, UnsupportedValue
 
@@ -75,6 +76,7 @@ class JobRunner:
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         self.ckpt_dir = self.run_dir.checkpoints
+        self.watch = Watch(self.plan)  # early_stop and checkpoint.best
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
             g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
@@ -150,12 +152,13 @@ class JobRunner:
         meta = self._restore(resume)
         self.epoch = self._last_saved = resume  # the checkpoint it resumed from is the newest
         self.display.line(f"resumed from checkpoint epoch {resume}")
+        early = self._restore_watch(meta)
         # The stop condition of this plan (a resume may have raised max_epochs), on the
         # outputs the epoch had; checkpoint 0 has none.
         outputs = meta.get("outputs")
         if resume == 0 or not isinstance(outputs, dict):
             return bool(meta.get("stop"))
-        return self._should_stop(outputs, resume)
+        return self._should_stop(outputs, resume) or early
 
     def _epoch(self, epoch: int) -> bool:
         self.epoch = epoch
@@ -164,13 +167,25 @@ class JobRunner:
                 tctx.epoch = epoch
         t0 = time.perf_counter()
         outputs = self._run_group("epoch")
-        stop = self._should_stop(outputs, epoch)
+        early = self.watch.after_epoch(outputs, epoch)
+        stop = self._should_stop(outputs, epoch) or early is not None
         result = EpochResult(epoch, outputs, time.perf_counter() - t0)
         ck = self.plan.checkpoint
         if ck is not None and (epoch % ck.every == 0 or stop):
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
         self.display.epoch_line(result, self.plan.max_epochs)
+        if early is not None:
+            self.display.line(f"stopping early after epoch {epoch}: {early}")
         return stop
+
+    def _restore_watch(self, meta: dict[str, Any]) -> bool:
+        """Early stopping counts on from the checkpoint; whether it says stop already."""
+        reason, note = self.watch.restore(meta)
+        if note:
+            self.display.warn(note)
+        if reason is not None:
+            self.display.line(f"stopping early (as after epoch {self.epoch}): {reason}")
+        return reason is not None
 
     def _should_stop(self, outputs: dict[str, dict[str, Any]], epoch: int) -> bool:
         names = {ref.name for ref in self.plan.stop_when}
@@ -228,7 +243,8 @@ class JobRunner:
         if self.ckpt_dir is None:
             return ""
         meta = {"epoch": epoch, "stop": stop, "job": self.plan.job, "world_size": self.cfg.world_size,
-                "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in (outputs or {}).items()}}
+                "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in (outputs or {}).items()},
+                **self.watch.meta(outputs, epoch)}
         background = bool(self.plan.checkpoint and self.plan.checkpoint.background)
         self._saving = True
         try:
@@ -287,7 +303,8 @@ class JobRunner:
         self._last_saved = epoch
         keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
         if keep and self.main_rank:
-            store.prune(self.ckpt_dir, keep, list(self.nodes))
+            protect = self.watch.protected(self.ckpt_dir, list(self.nodes))
+            store.prune(self.ckpt_dir, keep, list(self.nodes), protect=protect)
         return total_bytes, total_s
 
     def _wait_for_writer(self) -> None:

@@ -28,7 +28,7 @@ from jobrun.errors import CheckpointError, JobrunError, PlanError, RunError, Usa
 from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
-from jobrun.plans.resolve import apply_sets
+from jobrun.plans.overrides import apply_sets
 from jobrun.runner import rng
 from jobrun.runner.rundir import CONSOLE_FILE, RunDir
 
@@ -90,7 +90,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         return _launch(launch, torchrun, plan)
 
 
-def resume(run_dir: str | None, epoch: int | None, sets: tuple[str, ...] = ()) -> int:
+def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] = ()) -> int:
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     info = run.info()
     torchrun = _under_torchrun()
@@ -113,6 +113,10 @@ def resume(run_dir: str | None, epoch: int | None, sets: tuple[str, ...] = ()) -
             raise UsageError(f"the job in {run.path} writes no checkpoints, so it cannot be resumed",
                              hint="add a `checkpoint:` block to the plan and train again")
         n = int(os.environ["WORLD_SIZE"]) if torchrun else int(info.get("replicas", 1))
+        if epoch == "best":  # every process of a torchrun job reads the same manifests
+            from jobrun.runner.monitor import best_epoch
+
+            epoch = best_epoch(store.list_checkpoints(ckpt_dir), list(plan.nodes), plan, str(run.path))
         if epoch is None and info.get("status") == "finished" and not changes:
             print(f"{run.path}: job {plan.job!r} already finished at epoch {info.get('last_epoch')}; "
                   "nothing to do (use --epoch E to train again from E)")

@@ -227,7 +227,7 @@ class RunDir:
         changed (`key: old -> new`), and the tree to store as plan.yaml."""
         from jobrun.plans.compile import compile_tree
         from jobrun.plans.load import to_plain
-        from jobrun.plans.resolve import apply_sets
+        from jobrun.plans.overrides import apply_sets
 
         tree, name, own = self._source()
         apply_sets(tree, own)

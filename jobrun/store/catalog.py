@@ -11,9 +11,10 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jobrun.errors import CheckpointError
 from jobrun.store.files import (
@@ -48,6 +49,7 @@ class NodeInfo:
     seconds: float | None  # the slowest rank's write time
     ok: bool
     problem: str | None
+    meta: dict[str, Any] | None = None  # the lowest rank's manifest meta (the runner's)
 
 
 @dataclass
@@ -120,8 +122,11 @@ def _epoch_dirs(ckpt_dir: Path) -> Iterator[tuple[str, int, Path]]:
 def _node_info(node: str, epoch: int, edir: Path) -> NodeInfo:
     ranks, ws, problems = _node_problems(edir, node, epoch, hashes=False)
     total, created, seconds = 0, [], []
+    meta = None
     for r in ranks:
         m = manifest_of(edir / f"rank-{r}") or {}
+        if meta is None:
+            meta = m.get("meta")
         for name in (*DATA_FILES, MANIFEST_FILE, COMMIT_FILE):
             with contextlib.suppress(OSError):
                 total += (edir / f"rank-{r}" / name).stat().st_size
@@ -131,7 +136,7 @@ def _node_info(node: str, epoch: int, edir: Path) -> NodeInfo:
             seconds.append(float(m["seconds"]))
     return NodeInfo(
         node, epoch, edir, ranks, ws, total, max(created, default=None),
-        max(seconds, default=None), not problems, "; ".join(problems) or None,
+        max(seconds, default=None), not problems, "; ".join(problems) or None, meta,
     )
 
 
@@ -198,12 +203,15 @@ def latest_complete_epoch(
     return None, skipped
 
 
-def prune(ckpt_dir: str | os.PathLike[str], keep: int, nodes: list[str]) -> list[int]:
+def prune(
+    ckpt_dir: str | os.PathLike[str], keep: int, nodes: list[str], protect: Collection[int] = ()
+) -> list[int]:
     """Delete complete epochs older than the newest ``keep`` complete ones; their epochs.
 
     "Complete" means every node of ``nodes`` has every rank valid (cheap check). The
-    newest complete epoch (normally the one just written) is always kept, and
-    incomplete epochs are never deleted.
+    newest complete epoch (normally the one just written) is always kept, and so are
+    incomplete epochs and the epochs in ``protect`` (the caller's choice, e.g. the best
+    ones by a metric: the store knows nothing of plans).
     """
     for node in nodes:
         check_node(node)
@@ -214,7 +222,7 @@ def prune(ckpt_dir: str | os.PathLike[str], keep: int, nodes: list[str]) -> list
         for info in list_checkpoints(ckpt_dir)
         if nodes and all(n in info.nodes and info.nodes[n].ok for n in nodes)
     ]
-    doomed = complete[:-keep]
+    doomed = [e for e in complete[:-keep] if e not in protect]
     for epoch in doomed:
         for node in nodes:
             path = epoch_dir(ckpt_dir, node, epoch)

@@ -1,0 +1,41 @@
+"""The keys a plan may hold at each place.
+
+The compiler accepts exactly these, the JSON schema describes them, and an override
+(`KEY=VALUE`) may set one that the plan leaves out without the `+` that new keys need.
+"""
+
+from __future__ import annotations
+
+import re
+
+TOP_KEYS = (
+    "job", "seed", "device", "replicas", "vars", "max_epochs", "stop_when", "early_stop",
+    "checkpoint", "init", "epoch", "download", "exit",
+)
+TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
+CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "best")
+# `early_stop:` and `checkpoint.best:` watch an epoch-task output.
+EARLY_STOP_KEYS = ("monitor", "mode", "patience", "min_delta")
+BEST_KEYS = ("monitor", "mode", "keep")
+MODES = ("min", "max")
+
+# The keys that make a step a control step, in the order they are recognised, and the
+# keys each kind of step takes. Any step may also have an `id` (see STEP_ID).
+CONTROL_KEYS = ("loop", "stop_if", "if", "parallel", "report")
+ID_KEY = "id"
+STEP_KEYS = {
+    "loop": ("loop", "as", "do", ID_KEY),
+    "stop_if": ("stop_if", ID_KEY),
+    "if": ("if", "then", "elif", "else", ID_KEY),
+    "parallel": ("parallel", ID_KEY),
+    "report": ("report", "do", ID_KEY),
+}
+ELIF_KEYS = ("if", "then")
+BRANCH_KEYS = ("name", "do")
+# The reserved keys of an op call's mapping; the others are its arguments.
+OP_IO_KEYS = ("in", "out")
+
+# A step id names a step within its task, so that an override can reach it
+# (`epoch.train.step.clip_grad_norm=1`): no dots (they separate the parts of a path), and
+# it must not read as a list index or a task key.
+STEP_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}\Z")

@@ -1,0 +1,93 @@
+"""`jobrun export` for plain PyTorch, and `jobrun ckpt show` of tensors (dtype and shape)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from runner_util import jobrun
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled MLP example, one epoch."""
+    run = tmp_path_factory.mktemp("export") / "run"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JOBRUN_THREADS", "1")
+    threads = torch.get_num_threads()
+    try:
+        r = jobrun("train", ROOT / "plans" / "mlp.yaml", "--run-dir", run, "max_epochs=1")
+    finally:
+        mp.undo()
+        torch.set_num_threads(threads)
+    assert r.code == 0, r.text
+    return run
+
+
+def mlp() -> nn.Module:
+    """The example's model as a user writes it in plain PyTorch (sizes [16, 64, 64, 4])."""
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_one_module_blob_loads_into_plain_pytorch(mlp_run: Path, tmp_path: Path, suffix: str) -> None:
+    out = tmp_path / f"model{suffix}"
+    r = jobrun("export", mlp_run, "--epoch", "1", "--blob", "model", "-o", out)
+    assert r.code == 0, r.text
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    else:
+        state = torch.load(out, weights_only=True)
+    assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    model = mlp()
+    model.load_state_dict(state)  # strict: every key matches
+    # the trained weights, not an initialisation: the same as the checkpoint holds
+    shown = json.loads(jobrun("ckpt", "show", mlp_run, "--epoch", "1", "--blob", "model", "--json").out)
+    saved = shown["nodes"]["local"]["model"]["state"]["4.bias"]
+    assert model[4].bias.tolist() == saved
+
+
+def test_several_blobs_keep_their_names_as_prefixes(mlp_run: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "both.safetensors"
+    r = jobrun("export", mlp_run, "--epoch", "1", "--blob", "model", "--blob", "x", "-o", out)
+    assert r.code == 0, r.text
+    keys = sorted(load_file(out))
+    assert keys == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight", "model.4.bias",
+                    "model.4.weight", "x"]
+    # one blob that is not a module (an optimizer's state nests) keeps the prefixes too
+    out = tmp_path / "opt.safetensors"
+    assert jobrun("export", mlp_run, "--epoch", "1", "--blob", "opt", "-o", out).code == 0
+    assert sorted(load_file(out))[0] == "opt.state.0.momentum_buffer"
+
+
+def test_ckpt_show_gives_dtypes_and_shapes_and_values_on_request(mlp_run: Path) -> None:
+    r = jobrun("ckpt", "show", mlp_run, "--epoch", "1")
+    assert r.code == 0, r.text
+    lines = r.out.splitlines()
+    assert "  model = state of torch.nn.modules.container.Sequential" in lines
+    assert "      0.weight = tensor float32 [64, 16]" in lines
+    assert "      state.0.momentum_buffer = tensor float32 [64, 16]" in lines
+    assert "  x = tensor float32 [2048, 16]" in lines and "  y = tensor int64 [2048]" in lines
+    assert any(line.startswith("  loss = 0.") for line in lines)
+    assert len(r.out) < 5000  # no tensor values: 2048 x 16 floats would be far more
+    r = jobrun("ckpt", "show", mlp_run, "--epoch", "1", "--blob", "model", "--values")
+    line = next(line for line in r.out.splitlines() if "4.bias" in line)
+    assert line.startswith("      4.bias = tensor float32 [4]: [") and line.endswith("]")
+    assert "...<+len=" in next(line for line in r.out.splitlines() if "0.weight" in line)
+
+
+def test_ckpt_show_json_keeps_values_and_adds_dtypes_and_shapes(mlp_run: Path) -> None:
+    r = jobrun("ckpt", "show", mlp_run, "--epoch", "1", "--blob", "model", "--blob", "y", "--json")
+    data = json.loads(r.out)
+    assert len(data["nodes"]["local"]["y"]) == 2048  # values in full
+    assert data["tensors"]["local"]["model.0.weight"] == {"dtype": "float32", "shape": [64, 16]}
+    assert data["tensors"]["local"]["y"] == {"dtype": "int64", "shape": [2048]}
