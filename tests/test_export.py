@@ -91,3 +91,30 @@ def test_ckpt_show_json_keeps_values_and_adds_dtypes_and_shapes(mlp_run: Path) -
     assert len(data["nodes"]["local"]["y"]) == 2048  # values in full
     assert data["tensors"]["local"]["model.0.weight"] == {"dtype": "float32", "shape": [64, 16]}
     assert data["tensors"]["local"]["y"] == {"dtype": "int64", "shape": [2048]}
+
+
+def test_an_exported_module_loads_back_into_a_plan(mlp_run: Path, tmp_path: Path) -> None:
+    """`load` of a file `export` wrote for one module gives its state dict under the one
+    output's name, and `build`'s module takes it (a fine-tune starting from it)."""
+    out = tmp_path / "model.safetensors"
+    assert jobrun("export", mlp_run, "--epoch", "1", "--blob", "model", "-o", out).code == 0
+    plan = tmp_path / "finetune.yaml"
+    plan.write_text(f"""\
+job: finetune
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - model.mlp: {{out: model, sizes: [16, 64, 64, 4]}}
+      - load: {{out: [pretrained], path: {out}}}
+      - call: {{fn: "torch.nn.Module.load_state_dict", in: [model, pretrained]}}
+epoch:
+  - task: t
+    do: [{{save: {{in: [model], path: again.safetensors}}}}]
+""")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    from safetensors.torch import load_file
+
+    again = load_file(tmp_path / "run" / "again.safetensors")
+    assert torch.equal(again["model.4.bias"], load_file(out)["4.bias"])

@@ -266,7 +266,9 @@ load.wants_out_names = True  # type: ignore[attr-defined]
 
 
 def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    """Tensors saved as `<blob>.<key>` (a module's state) come back as one dict per blob."""
+    """Tensors saved as `<blob>.<key>` (a module's state) come back as one dict per blob;
+    one output that names no key nor prefix gets the whole file (a state dict that
+    `jobrun export` of one module wrote, or any plain safetensors file)."""
     out: dict[str, Any] = dict(flat)
     for name in names:
         if name in flat:
@@ -275,6 +277,8 @@ def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         state = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
         if state:
             out[name] = state
+        elif len(names) == 1:
+            out[name] = dict(flat)
     return out
 
 
