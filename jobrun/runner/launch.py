@@ -181,7 +181,9 @@ def _warn_changes(changes: list[str]) -> None:
         print(f"resuming with {change}", file=sys.stderr)
     if any(not c.startswith(tuple(f"{k}:" for k in _EXTENDING)) for c in changes):
         print("warning: the plan changed beyond max_epochs: the result is no longer the one an "
-              "uninterrupted run would give (the changes are recorded in run.json)", file=sys.stderr)
+              "uninterrupted run would give (the changes are recorded in run.json); objects init "
+              "builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) keep "
+              "their saved state", file=sys.stderr)
 
 
 def _pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None,
