@@ -49,6 +49,15 @@ def test_series_places_values_on_the_epoch_axis(tmp_path):
     assert series(run) == {"loss": [(1.0, 1.0), (1.5, 0.5), (2.0, 0.25)]}
 
 
+def test_series_takes_epoch_outputs_not_also_logged(tmp_path):
+    run = _metrics(tmp_path, [
+        {"epoch": 1, "group": "epoch", "values": {"loss": 1.0}},
+        {"epoch": 1, "event": "epoch", "outputs": {"t": {"loss": 1.0, "val": 0.5, "done": False}}},
+        {"epoch": 2, "event": "epoch", "outputs": {"t": {"loss": 0.8, "val": 0.4, "done": True}}},
+    ])
+    assert series(run) == {"loss": [(1.0, 1.0), (2.0, 0.8)], "val": [(1.0, 0.5), (2.0, 0.4)]}
+
+
 @pytest.fixture
 def two_runs(tmp_path):
     plan = tmp_path / "plan.yaml"

@@ -174,6 +174,9 @@ class JobRunner:
         if ck is not None and (epoch % ck.every == 0 or stop):
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
         self.display.epoch_line(result, self.plan.max_epochs)
+        if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
+            self.metrics.write({"epoch": epoch, "event": "epoch", "seconds": round(result.seconds, 6),
+                                "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
         return stop

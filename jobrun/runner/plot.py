@@ -1,6 +1,7 @@
 """`jobrun plot`: the logged values of one or more runs against epochs, as a PNG.
 
-One panel per metric (a name a `log` op logged with a number), one line per run. A value
+One panel per metric (a name a `log` op logged with a number, or an epoch task's numeric
+output), one line per run. A value
 logged once an epoch sits at that epoch; one logged several times in an epoch (inside the
 training loop, or with `log: {every: K}`) is spread evenly over the epoch, so that epoch E's
 points lie in (E-1, E]. matplotlib is an optional extra: `pip install "jobrun[plot]"`.
@@ -32,24 +33,36 @@ def series(run: RunDir) -> Series:
     except OSError as e:
         raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
     per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
+    outputs: dict[tuple[str, int], float] = {}
     for line in data.decode(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut by a kill
-        if not isinstance(record, dict) or not isinstance(record.get("values"), dict):
+        epoch = record.get("epoch") if isinstance(record, dict) else None
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
             continue
-        epoch = record.get("epoch")
-        if record.get("group") != "epoch" or not isinstance(epoch, int):
-            continue
-        for name, value in record["values"].items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                per_epoch[(str(name), epoch)].append(float(value))
+        if record.get("event") == "epoch" and isinstance(record.get("outputs"), dict):
+            for task in record["outputs"].values():
+                for name, value in (task.items() if isinstance(task, dict) else ()):
+                    if _number(value):
+                        outputs[(str(name), epoch)] = float(value)
+        elif record.get("group") == "epoch" and isinstance(record.get("values"), dict):
+            for name, value in record["values"].items():
+                if _number(value):
+                    per_epoch[(str(name), epoch)].append(float(value))
+    # An epoch task's output that the epoch did not also log is a point at the epoch's end.
+    for key, value in outputs.items():
+        per_epoch.setdefault(key, [value])
     out: Series = defaultdict(list)
     for (name, epoch), values in sorted(per_epoch.items()):
         n = len(values)
         out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
     return dict(out)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...]) -> Path:
