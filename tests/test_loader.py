@@ -71,7 +71,6 @@ def test_batches_follow_the_tensor_readers_order():
     assert expected.count("done") == 4  # after the last pass, done stays true
 
 
-@pytest.mark.slow
 def test_random_transforms_do_not_depend_on_workers_or_resume():
     """1 or 2 workers, persistent or not, resumed mid-pass: the very same batches."""
     args = dict(batch_size=4, shuffle=True, passes=0, seed=3)
@@ -155,7 +154,6 @@ def test_a_failing_sample_is_named(workers):
         _reads(r, 5)
 
 
-@pytest.mark.slow
 def test_a_dead_worker_stops_the_reader_with_a_message():
     r = _reader(Noisy(kill_at=9), batch_size=4, num_workers=2)
     with pytest.raises(RunError, match="DataLoader worker of the reader over Noisy died") as e:
@@ -194,7 +192,6 @@ def test_an_iterable_dataset_is_read_pass_by_pass():
         _reader(Stream(), shuffle=True)
 
 
-@pytest.mark.slow
 def test_an_iterable_dataset_resumes_exactly_with_workers():
     args = dict(dataset=Stream(), batch_size=2, passes=0, num_workers=2, seed=5)
     whole = _reads(_reader(**args), 12)
