@@ -110,8 +110,12 @@ def analyze(plan: str, fmt: str, sets: tuple[str, ...]) -> None:
     errors = sum(d.severity == "error" for d in diags)
     warnings = len(diags) - errors
     if fmt == "json":
+        from jobrun.plans.state import checkpointed
+
+        held = {node: list(names) for node, names in checkpointed(p).items()} if p.checkpoint else None
         click.echo(json.dumps(
-            {"diagnostics": [d.to_json() for d in diags], "errors": errors, "warnings": warnings},
+            {"diagnostics": [d.to_json() for d in diags], "errors": errors, "warnings": warnings,
+             "checkpointed": held},
             indent=2,
         ))
     else:

@@ -232,10 +232,15 @@ def test_header(lines: list[str]) -> None:
         "stop_when: [done, enc/stop]",
         'checkpoint: {dir: "ckpt", every: 2, keep: null, upload: "uploads"}',
     ]
+    # what each node's checkpoints hold: the blobs epoch steps write, per node
+    assert lines[8:10] == [
+        "checkpointed @ trainer-0: [enc/w, enc/b] + random state",
+        "checkpointed @ monitor: [] + random state",
+    ]
 
 
 def test_groups_in_order(lines: list[str]) -> None:
-    groups = [line for line in lines if line and not line.startswith(" ") and ":" in line][8:]
+    groups = [line for line in lines if line and not line.startswith(" ") and ":" in line][10:]
     assert groups == [
         "init:",
         "epoch (repeat until done or enc/stop or epoch 2):",
@@ -387,7 +392,10 @@ def test_json_shape() -> None:
         "job", "source", "seed", "device", "replicas", "vars", "max_epochs", "stop_when",
         "checkpoint", "groups",
     ]
-    assert data["checkpoint"] == {"dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False}
+    assert data["checkpoint"] == {
+        "dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,
+        "include": [], "exclude": [], "blobs": {"trainer-0": ["enc/w", "enc/b"], "monitor": []},
+    }
     assert [g["name"] for g in data["groups"]] == ["init", "epoch", "download", "exit"]
     train = data["groups"][1]["tasks"][0]
     assert {k: train[k] for k in ("name", "node", "workspace", "instances", "outputs")} == {

@@ -29,7 +29,7 @@ TOP_KEYS = (
     "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
-CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async")
+CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "include", "exclude")
 MAX_INSTANCES = 1024
 MAX_REPLICAS = 1024
 
@@ -237,7 +237,19 @@ class _Compiler:
                 f"checkpoint.async must be true or false, not {kind_of(background)}", m.at("async"),
                 "async: true writes checkpoint files in the background while training goes on",
             )
-        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, background=background, pos=pos)
+        include, exclude = (self.blob_list(m, key) for key in ("include", "exclude"))
+        return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, background=background,
+                             include=include, exclude=exclude, pos=pos)
+
+    def blob_list(self, m: PMap, key: str) -> tuple[ir.BlobRef, ...]:
+        """`checkpoint.include`/`exclude`: a list of blob names (or one, or null)."""
+        value = m.get(key)
+        if value is not None and not isinstance(value, str | PList):
+            raise PlanError(
+                f"checkpoint.{key} must be a list of blob names, not {kind_of(value)}", m.at(key),
+                f"write e.g. {key}: [model, opt]",
+            )
+        return self.blobs(value, m.at(key), f"checkpoint.{key}")
 
     def group(self, name: str, value: Any, pos: Pos, key_pos: Pos) -> ir.Group:
         if value is None:

@@ -190,8 +190,8 @@ class _TextPrinter(Visitor):
         self.factor = factor_prefixes
         self._epoch_header = "epoch:"
 
-    def names(self, refs: Sequence[ir.BlobRef]) -> str:
-        names = [r.name for r in refs]
+    def names(self, refs: Sequence[ir.BlobRef | str]) -> str:
+        names = [r if isinstance(r, str) else r.name for r in refs]
         return ", ".join(factor_names(names) if self.factor else names)
 
     def inputs(self, ins: Sequence[ir.Input]) -> list[str]:
@@ -230,6 +230,9 @@ class _TextPrinter(Visitor):
         add(f"max_epochs: {format_value(plan.max_epochs)}")
         add(f"stop_when: [{self.names(plan.stop_when)}]")
         add(f"checkpoint: {_checkpoint_text(plan.checkpoint)}")
+        if plan.checkpoint is not None:
+            for node, names in _checkpointed(plan).items():
+                add(f"checkpointed @ {node}: [{self.names(names)}] + random state")
 
     def visit_Group(self, group: ir.Group) -> None:
         header = self._epoch_header if group.name == "epoch" else f"{group.name}:"
@@ -304,10 +307,20 @@ def _stop_text(plan: ir.Plan) -> str:
 def _checkpoint_text(ckpt: ir.Checkpoint | None) -> str:
     if ckpt is None:
         return "off"
-    fields = {"dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload}
+    fields: dict[str, Any] = {"dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload}
     if ckpt.background:
         fields["async"] = True
+    for key in ("include", "exclude"):
+        if getattr(ckpt, key):
+            fields[key] = [ref.name for ref in getattr(ckpt, key)]
     return format_value(fields)
+
+
+def _checkpointed(plan: ir.Plan) -> dict[str, tuple[str, ...]]:
+    """The blobs each node's checkpoints hold (worked out from the ops' signatures)."""
+    from jobrun.plans.state import checkpointed
+
+    return checkpointed(plan)
 
 
 # -- json ------------------------------------------------------------------------------
@@ -332,7 +345,9 @@ class _JsonBuilder(Visitor):
             "stop_when": [r.name for r in plan.stop_when],
             "checkpoint": None if ckpt is None else {
                 "dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload,
-                "async": ckpt.background,
+                "async": ckpt.background, "include": [r.name for r in ckpt.include],
+                "exclude": [r.name for r in ckpt.exclude],
+                "blobs": {node: list(names) for node, names in _checkpointed(plan).items()},
             },
             "groups": [self.visit(g) for g in plan.groups],
         }

@@ -241,6 +241,10 @@ def _task() -> dict[str, Any]:
     }
 
 
+def _blob_list(description: str) -> dict[str, Any]:
+    return {"description": description, "anyOf": [BLOB, {"type": "array", "items": BLOB}, {"type": "null"}]}
+
+
 def _checkpoint() -> dict[str, Any]:
     known = {
         "dir": {
@@ -263,6 +267,8 @@ def _checkpoint() -> dict[str, Any]:
             "for the copy of the state to host memory (default false).",
             "anyOf": [{"type": "boolean"}, VAR],
         },
+        "include": _blob_list("Blobs saved besides those that steps after init write or change."),
+        "exclude": _blob_list("Blobs never saved: init rebuilds them on resume."),
     }
     return {
         "description": "Checkpoint settings.",
