@@ -207,8 +207,10 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
 @click.option("--epoch", type=click.IntRange(0), help="Default: the latest complete checkpoint.")
+@click.option("--force", is_flag=True,
+              help="Resume although init built other data than when the run started.")
 @_sets
-def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | None,
+def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | None, force: bool,
            sets: tuple[str, ...]) -> None:
     """Continue a run from a checkpoint, exactly where it stopped.
 
@@ -218,7 +220,7 @@ def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | None,
     """
     from jobrun.runner.launch import resume as run_resume
 
-    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides)))
+    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides), force=force))
 
 
 def _positional(overrides: tuple[str, ...]) -> tuple[str, ...]:

@@ -27,12 +27,14 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir
+from jobrun.runner import fingerprint
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
 from jobrun.store import SavedState, UnsupportedValue
 
 RNG_KEY = "jobrun:rng"
+RNG_PARTS = ("python", "numpy", "torch", "node", "cuda")  # the random streams of a node
 
 
 @dataclass
@@ -45,6 +47,7 @@ class JobConfig:
     world_size: int = 1
     resume_epoch: int | None = None
     resume_verified: bool = False  # the launcher hashed every rank of resume_epoch just now
+    force: bool = False  # resume even when init built other things than when the run started
 
 
 @dataclass
@@ -76,6 +79,10 @@ class JobRunner:
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         self.ckpt_dir = self.run_dir.checkpoints
+        # What checkpoints hold: per node, the blobs steps after init write or change.
+        self.held = _held_blobs(self.plan) if self.ckpt_dir is not None else {}
+        self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
+        self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
             g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
@@ -143,6 +150,7 @@ class JobRunner:
 
     def _start(self) -> bool:
         self._run_group("init")
+        self._fingerprint_init()
         resume = self.cfg.resume_epoch
         if resume is None:
             self._save(0, stop=False)
@@ -254,9 +262,46 @@ class JobRunner:
                 self._wait_for_writer()
                 raise Interrupted(self._pending_signal)
 
+    def _fingerprint_init(self) -> None:
+        """Describe what init built that checkpoints do not hold (see runner/fingerprint.py)."""
+        if self.ckpt_dir is None:
+            return
+        for name, node in self.nodes.items():
+            held = self.held.get(name, frozenset())
+            described = fingerprint.fingerprint({k: v for k, v in node.globals.items() if k not in held})
+            rng = self.init_rng[name] = _rng_state(node.ctx)
+            described[RNG_KEY] = {part: fingerprint.describe(v) for part, v in rng.items() if part in RNG_PARTS}
+            self.init_fingerprints[name] = described
+
+    def _check_init(self, node: str, meta: dict[str, Any], epoch: int) -> None:
+        """Resume: init must have built what it built when the run started."""
+        saved = meta.get("init") if isinstance(meta, dict) else None
+        if not isinstance(saved, dict):
+            return  # a checkpoint written before jobrun recorded it
+        now = self.init_fingerprints.get(node, {})
+        changed = fingerprint.differences({k: v for k, v in saved.items() if k != RNG_KEY}, now)
+        streams = saved.get(RNG_KEY) if isinstance(saved.get(RNG_KEY), dict) else {}
+        drawn = [p for p, d in streams.items() if now.get(RNG_KEY, {}).get(p) != d]
+        if drawn:
+            changed.append(f"the random state init leaves ({', '.join(drawn)}) is another: it "
+                           "draws other random numbers")
+        if not changed:
+            return
+        what = f"init built other things than when the run started (node {node!r}): " + "; ".join(changed)
+        if self.cfg.force:
+            self._warn(f"{what}; resuming anyway (--force): the result differs from an uninterrupted run")
+            return
+        raise CheckpointError(
+            f"cannot resume from checkpoint epoch {epoch}: {what}",
+            hint="checkpoints do not hold what init builds and no step changes: restore the data "
+            "and code init reads, or go on with them as they are: `jobrun resume --force`",
+        )
+
     def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
-        blobs = {k: v for k, v in node.globals.items() if k not in self.unsaved}
-        blobs[RNG_KEY] = _rng_state(node.ctx)
+        held = self.held.get(node.name, frozenset())
+        blobs = {k: v for k, v in node.globals.items() if k in held and k not in self.unsaved}
+        blobs[RNG_KEY] = _unchanged_left_out(_rng_state(node.ctx), self.init_rng.get(node.name))
+        meta = {**meta, "init": self.init_fingerprints.get(node.name, {})}
 
         def unsupported(e: UnsupportedValue) -> None:
             if e.blob == RNG_KEY:
@@ -312,6 +357,7 @@ class JobRunner:
                 raise CheckpointError(
                     f"checkpoint epoch {epoch} was written by {saved_world} replicas; this run has "
                     f"{self.cfg.world_size}", hint=f"resume with {saved_world} replicas")
+            self._check_init(name, meta, epoch)
             rng = blobs.pop(RNG_KEY, None)
             for blob, saved in blobs.items():
                 self._restore_blob(node, blob, saved, epoch)
@@ -332,7 +378,7 @@ class JobRunner:
                     f"{blob!r} on node {node.name!r}, but init did not create one",
                     hint="init must build every object the epochs use (the plan changed?)",
                 )
-            loader(saved.state)
+            store.restore(live, saved)  # its state dict, and a module's modes and frozen parameters
             return
         node.globals[blob] = _to_device(saved, node.ctx.device)
 
@@ -393,6 +439,12 @@ class _Writer:
         return self.error
 
 
+def _held_blobs(plan: ir.Plan) -> dict[str, frozenset[str]]:
+    from jobrun.plans.state import checkpointed
+
+    return {node: frozenset(names) for node, names in checkpointed(plan).items()}
+
+
 def _rng_state(ctx: OpContext) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -410,16 +462,44 @@ def _rng_state(ctx: OpContext) -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(ctx: OpContext, state: dict[str, Any]) -> None:
+def _unchanged_left_out(state: dict[str, Any], after_init: dict[str, Any] | None) -> dict[str, Any]:
+    """The random state to save: a stream still where init left it is not saved (resume
+    runs init, and the init fingerprint checks that it leaves it there again); its name
+    is listed under "unchanged". A plan that draws no random numbers after init (no
+    dropout, no random transforms) saves no stream at all."""
+    if after_init is None:
+        return state
+    same = [p for p in RNG_PARTS if p in state and p in after_init and _same(state[p], after_init[p])]
+    return {**{k: v for k, v in state.items() if k not in same}, "unchanged": same}
+
+
+def _same(a: Any, b: Any) -> bool:
     import numpy as np
     import torch
 
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np_state = state["numpy"]
-    np.random.set_state(tuple(np_state))
-    torch.set_rng_state(_as_byte_tensor(state["torch"]))
-    ctx.generator.set_state(_as_byte_tensor(state["node"]))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _set_rng_state(ctx: OpContext, state: dict[str, Any]) -> None:
+    """Restore the streams a checkpoint holds (one it lacks is still where init left it)."""
+    import numpy as np
+    import torch
+
+    if "python" in state:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+    if "numpy" in state:
+        np.random.set_state(tuple(state["numpy"]))
+    if "torch" in state:
+        torch.set_rng_state(_as_byte_tensor(state["torch"]))
+    if "node" in state:
+        ctx.generator.set_state(_as_byte_tensor(state["node"]))
     ctx.load_state(state.get("ctx_state", {}))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_as_byte_tensor(s) for s in state["cuda"]])
