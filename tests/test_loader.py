@@ -15,6 +15,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from runner_util import ckpt_values, jobrun, jobrun_proc
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from jobrun.errors import RunError
@@ -205,3 +206,82 @@ def test_an_iterable_dataset_resumes_exactly_with_workers():
 def test_an_iterable_dataset_is_split_over_replicas():
     parts = [_indices(_reads(_reader(Stream(), rank=r, world=2, batch_size=3), 5)) for r in (0, 1)]
     assert parts == [[[0, 1], [3, 4], [6, 7], [9], "done"], [[2], [5], [8], [], "done"]]
+
+
+# -- in a job: the op, the plan position and the sample; a dead worker; resume ----------
+
+JOB = """
+job: flaky
+max_epochs: 3
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - build: {out: data, target: "flaky:Flaky"}
+      - reader: {in: data, out: r, batch_size: 4, shuffle: true, passes: 0, num_workers: 2}
+      - const: {out: seen, value: 0}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: r, out: [xb, yb, end]}
+          - stop_if: end
+          - add: {in: [seen, 1], out: seen}
+      - log: {in: [seen]}
+"""
+
+FLAKY = '''
+import os, signal
+from pathlib import Path
+import torch
+
+class Flaky(torch.utils.data.Dataset):
+    """Sample 5 fails (raises, or kills its worker) while a marker file says so."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        here = Path(__file__).parent
+        if i == 5 and (here / "raise").exists():
+            raise ValueError("unreadable image")
+        if i == 5 and (here / "kill").exists() and (here / "epoch2").exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([float(i)]), i
+'''
+
+
+@pytest.fixture
+def flaky(tmp_path):
+    (tmp_path / "plan.yaml").write_text(JOB)
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    return tmp_path
+
+
+def test_in_a_job_a_failing_sample_is_named_with_the_op_and_its_position(flaky):
+    (flaky / "raise").touch()
+    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run")
+    assert r.code == 1
+    line = JOB.splitlines().index("          - read: {in: r, out: [xb, yb, end]}") + 1
+    assert f"plan.yaml:{line}:13: error: op `read` in task 'train' on node 'local': dataset " \
+        "Flaky: sample 5: ValueError: unreadable image (at " in r.err
+    raised = FLAKY.splitlines().index('            raise ValueError("unreadable image")') + 1
+    assert f"flaky.py:{raised} in __getitem__)" in r.err
+
+
+@pytest.mark.slow
+def test_in_a_job_a_dead_worker_stops_it_and_the_run_resumes(flaky):
+    (flaky / "kill").touch()
+    first = jobrun_proc("train", flaky / "plan.yaml", "--run-dir", flaky / "run", "--set", "max_epochs=1")
+    assert first.code == 0, first.text
+    (flaky / "epoch2").touch()  # from now on, the worker fetching sample 5 dies
+    r = jobrun_proc("resume", "--run-dir", flaky / "run", "max_epochs=3")
+    assert r.code == 1
+    assert "error: op `read` in task 'train' on node 'local': a DataLoader worker of the reader " \
+        "over Flaky died: DataLoader worker (pid" in r.err
+    assert "jobrun resume" in r.err
+    (flaky / "kill").unlink()
+    r = jobrun_proc("resume", "--run-dir", flaky / "run")
+    assert r.code == 0, r.text
+    assert ckpt_values(flaky / "run", 3)["seen"] == 9  # three passes of three batches
