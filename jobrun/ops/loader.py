@@ -24,12 +24,7 @@ each worker's `random`, numpy and torch seeded from it); they ignore SIGINT, whi
 job handles. With `num_workers: 0` the transforms draw from the job's own random
 streams, which checkpoints hold.
 
-An IterableDataset is read as its DataLoader yields it (global batches; each rank keeps
-its part of every batch, so every rank reads the whole stream). Its position is the
-batches read in the pass; resume reads the pass again up to there. That is exact when the
-stream depends only on the dataset, the worker it runs in and the seeds torch gives that
-worker; not when it draws from the main process's random state (`num_workers: 0`) or
-carries random state from pass to pass (`persistent_workers: true`).
+An IterableDataset is read by :mod:`jobrun.ops.stream`.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
-from jobrun.ops.reader import Reader, _as_int, _check_int, _mix, _rank_bounds
+from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
 
 LOADING_DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
@@ -73,7 +68,7 @@ def is_dataset(value: Any) -> bool:
 
 def dataset_reader(dataset: Any, geometry: dict[str, Any], loading: dict[str, Any]) -> Reader:
     """`reader` over one Dataset input: map-style or iterable."""
-    options = _Options(type(dataset).__name__, geometry, **loading)
+    options = Options(type(dataset).__name__, geometry, **loading)
     if isinstance(dataset, IterableDataset):
         if geometry.get("shuffle"):
             raise RunError(
@@ -81,6 +76,8 @@ def dataset_reader(dataset: Any, geometry: dict[str, Any], loading: dict[str, An
                 "IterableDataset, which orders its own stream",
                 hint="shuffle inside the dataset's __iter__, or drop `shuffle: true`",
             )
+        from jobrun.ops.stream import IterableReader
+
         return IterableReader(dataset, options, **geometry)
     return DatasetReader(dataset, options, **geometry)
 
@@ -88,7 +85,7 @@ def dataset_reader(dataset: Any, geometry: dict[str, Any], loading: dict[str, An
 # ---------------------------------------------------------------------------- options
 
 
-class _Options:
+class Options:
     """The DataLoader arguments of a reader, checked once."""
 
     def __init__(self, name: str, geometry: dict[str, Any], *, num_workers: int, pin_memory: bool,
@@ -141,16 +138,16 @@ class _Unbatched:
         return self.fn(samples[0])
 
 
-_open: weakref.WeakSet[Any] = weakref.WeakSet()  # readers that may have workers running
+open_readers: weakref.WeakSet[Any] = weakref.WeakSet()  # readers that may have workers running
 
 
 @atexit.register  # registered after multiprocessing's: runs before it terminates the workers
 def _close_all() -> None:
-    for reader in list(_open):
+    for reader in list(open_readers):
         reader.close()
 
 
-def _shutdown(iterator: Any) -> None:
+def shutdown(iterator: Any) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
@@ -246,7 +243,7 @@ class _Fetch(Dataset):
 class DatasetReader(Reader):
     """A reader over a map-style Dataset; see the module docstring."""
 
-    def __init__(self, dataset: Any, options: _Options, **geometry: Any) -> None:
+    def __init__(self, dataset: Any, options: Options, **geometry: Any) -> None:
         try:
             length = len(dataset)
         except TypeError as e:
@@ -266,20 +263,20 @@ class DatasetReader(Reader):
         self._iterator: Iterator[Any] | None = None
         self._move = self.device.type != "cpu"
         if options.num_workers:
-            _open.add(self)
+            open_readers.add(self)
 
     def read(self) -> tuple[Any, ...]:
         start, end = self.position, self._pass_end
         if start >= end or self.finished:
             self._stop()
             if not self.field_count:  # e.g. drop_last with fewer records than a batch
-                self.field_count = len(_as_fields(self._probe()))
+                self.field_count = len(as_fields(self._probe()))
             return self._end_of_pass()
         if self._iterator is None:
             # Worker seeds are a function of (seed, pass), wherever reading resumes.
             self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
             self._iterator = iter(self._loader)
-        batch = _fetch(self, self._iterator)
+        batch = fetch(self, self._iterator)
         stop = min(start + self.batch_size, end)
         self.position = stop
         lo, hi = self.rank_part(start, stop)
@@ -291,16 +288,16 @@ class DatasetReader(Reader):
             self._eval_loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
         iterator = iter(self._eval_loader)
         for start in range(0, self.pass_end, self.batch_size):
-            batch = _fetch(self, iterator)
+            batch = fetch(self, iterator)
             lo, hi = self.rank_part(start, min(start + self.batch_size, self.pass_end))
             yield self._fields(batch, empty=lo == hi)
 
     def _fields(self, batch: Any, empty: bool) -> tuple[Any, ...]:
-        fields = _as_fields(batch)
+        fields = as_fields(batch)
         if empty:
-            fields = tuple(_part(f, 0, 0) for f in fields)
+            fields = tuple(part(f, 0, 0) for f in fields)
         if self._move:
-            fields = tuple(_to_device(f, self.device, self.options.pin_memory) for f in fields)
+            fields = tuple(to_device(f, self.device, self.options.pin_memory) for f in fields)
         if self.field_count != len(fields):
             if self.field_count:
                 raise RunError(
@@ -325,13 +322,13 @@ class DatasetReader(Reader):
         """Drop the pass's iterator (its workers exit, unless they persist)."""
         iterator, self._iterator = self._iterator, None
         if iterator is not None and not self.options.persistent_workers:
-            _shutdown(iterator)
+            shutdown(iterator)
 
     def close(self) -> None:
         """Stop every worker of this reader, persistent ones too (at exit)."""
         self._stop()
         for loader in (self._loader, self._eval_loader):
-            _shutdown(getattr(loader, "_iterator", None))
+            shutdown(getattr(loader, "_iterator", None))
 
     def state_dict(self) -> dict[str, int]:
         return {**super().state_dict(), "fields": self.field_count}
@@ -343,130 +340,26 @@ class DatasetReader(Reader):
         self._stop()  # the next read starts where the checkpoint says
 
 
-# ---------------------------------------------------------------------------- iterable
-
-
-class IterableReader(Reader):
-    """A reader over an IterableDataset; see the module docstring."""
-
-    def __init__(self, dataset: Any, options: _Options, **geometry: Any) -> None:
-        super().__init__(0, **geometry)
-        self.dataset = dataset
-        self.options = options
-        self.field_count = 0
-        self._iterator: Iterator[Any] | None = None
-        batch = None if self.batch_size == 1 else self.batch_size
-        self._loader = options.loader(dataset, batch_size=batch, drop_last=self.drop_last)
-        if options.num_workers:
-            _open.add(self)
-
-    @property
-    def pass_end(self) -> int:
-        raise RunError(f"reader: {self.options.name} is a stream: its length is not known")
-
-    def read(self) -> tuple[Any, ...]:
-        if self.finished:
-            return self._done()
-        if self._iterator is None:
-            self._iterator = self._start()
-        try:
-            batch = _fetch(self, self._iterator)
-        except StopIteration:
-            self._stop()
-            return self._done()
-        self.position += 1
-        return (*self._fields(batch), False)
-
-    def _done(self) -> tuple[Any, ...]:
-        if not self.field_count:
-            raise RunError(f"reader: the stream {self.options.name} ended before its first batch",
-                           hint="check the dataset's __iter__ (and its files)")
-        return self._end_of_pass()
-
-    def _start(self) -> Iterator[Any]:
-        """An iterator at the reader's position: the pass is read again up to it."""
-        self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
-        iterator = iter(self._loader)
-        for done in range(self.position):
-            try:
-                next(iterator)
-            except StopIteration:
-                raise RunError(
-                    f"reader: the stream {self.options.name} ended after {done} batches while "
-                    f"resuming at batch {self.position} of pass {self.pass_index}",
-                    hint="the stream changed since the checkpoint was written",
-                ) from None
-        return iterator
-
-    def full_pass(self) -> Iterator[tuple[Any, ...]]:
-        self._loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
-        iterator = iter(self._loader)
-        while True:
-            try:
-                batch = _fetch(self, iterator)
-            except StopIteration:
-                return
-            yield self._fields(batch)
-
-    def _fields(self, batch: Any) -> tuple[Any, ...]:
-        fields = _as_fields(batch)
-        if self.batch_size > 1 and self.world_size > 1:
-            n = _records(fields[0])
-            lo, hi = _rank_bounds(n, self.rank, self.world_size)
-            fields = tuple(_part(f, lo, hi) for f in fields)
-        if self.device.type != "cpu":
-            fields = tuple(_to_device(f, self.device, self.options.pin_memory) for f in fields)
-        if not self.field_count:
-            self.field_count = len(fields)
-        return fields
-
-    def _stop(self) -> None:
-        iterator, self._iterator = self._iterator, None
-        if iterator is not None and not self.options.persistent_workers:
-            _shutdown(iterator)
-
-    def close(self) -> None:
-        self._stop()
-        _shutdown(getattr(self._loader, "_iterator", None))
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pass": self.pass_index, "batches": self.position, "seed": self.seed,
-                "fields": self.field_count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        keys = ("pass", "batches", "seed", "fields")
-        missing = [k for k in keys if k not in state]
-        if missing:
-            raise RunError(f"reader state is missing {missing}",
-                           hint="the checkpoint holds the state of another kind of reader")
-        values = {k: _as_int(k, state[k]) for k in keys}
-        if values["pass"] < 0 or values["batches"] < 0:
-            raise RunError(f"reader state is out of range: {values}")
-        self.pass_index, self.position = values["pass"], values["batches"]
-        self.seed, self.field_count = values["seed"], values["fields"]
-        self._stop()
-
-
 # ---------------------------------------------------------------------------- batches
 
 
-def _as_fields(batch: Any) -> tuple[Any, ...]:
+def as_fields(batch: Any) -> tuple[Any, ...]:
     """A collated batch as the fields `read` outputs: a tuple or list is its fields."""
     return tuple(batch) if isinstance(batch, tuple | list) else (batch,)
 
 
-def _records(value: Any) -> int:
+def records(value: Any) -> int:
     if isinstance(value, torch.Tensor | np.ndarray):
         return int(value.shape[0]) if value.ndim else 1
     if isinstance(value, dict):
-        return _records(next(iter(value.values()))) if value else 0
+        return records(next(iter(value.values()))) if value else 0
     return len(value) if isinstance(value, list | tuple) else 1
 
 
-def _part(value: Any, lo: int, hi: int) -> Any:
+def part(value: Any, lo: int, hi: int) -> Any:
     """Records [lo, hi) of a collated field (tensors, arrays, lists; dicts of them)."""
     if isinstance(value, dict):
-        return {k: _part(v, lo, hi) for k, v in value.items()}
+        return {k: part(v, lo, hi) for k, v in value.items()}
     if isinstance(value, torch.Tensor | np.ndarray | list | tuple) and (
         not hasattr(value, "ndim") or value.ndim
     ):
@@ -474,17 +367,17 @@ def _part(value: Any, lo: int, hi: int) -> Any:
     return value
 
 
-def _to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
+def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, dict):
-        return {k: _to_device(v, device, non_blocking) for k, v in value.items()}
+        return {k: to_device(v, device, non_blocking) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_to_device(v, device, non_blocking) for v in value)
+        return type(value)(to_device(v, device, non_blocking) for v in value)
     return value
 
 
-def _fetch(reader: Reader, iterator: Iterator[Any]) -> Any:
+def fetch(reader: Reader, iterator: Iterator[Any]) -> Any:
     """next(iterator), with a failure of the dataset or a worker as one clear RunError."""
     try:
         return next(iterator)
