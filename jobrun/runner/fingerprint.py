@@ -13,7 +13,10 @@ checkpoint records, per blob it does not hold, a short description::
     list, dict        a CRC-32 over their items
     anything else     its type, and its length when it has one (a Dataset: its size)
 
-and resume compares them once `init` has run again (:func:`differences`).
+and the random state `init` left (a CRC-32 of each stream), and resume compares them
+once `init` has run again (:func:`changes`). A random stream that is still where `init`
+left it when a checkpoint is saved is not stored but listed (:func:`rng_to_save`): resume
+runs `init`, which leaves it there again (the fingerprint checks it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import zlib
 from typing import Any
 
+RNG_PARTS = ("python", "numpy", "torch", "node", "cuda")  # a node's random streams
 FULL = 64 << 20  # bytes of a tensor checksummed whole
 PIECES, PIECE = 64, 1 << 20  # beyond FULL: this many pieces of this many bytes
 
@@ -55,6 +59,52 @@ def describe(value: Any) -> dict[str, Any]:
     with contextlib.suppress(Exception):  # no length, or a broken __len__: the type must do
         out["len"] = len(value)
     return out
+
+
+def of_init(unsaved: dict[str, Any], rng_key: str, rng: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The fingerprint a checkpoint records: the blobs it does not hold, and under
+    `rng_key` the random streams as `init` left them."""
+    out = fingerprint(unsaved)
+    out[rng_key] = {part: describe(v) for part, v in rng.items() if part in RNG_PARTS}
+    return out
+
+
+def changes(saved: Any, now: dict[str, Any], rng_key: str) -> list[str]:
+    """What differs between a checkpoint's fingerprint (`saved`, from `of_init`) and
+    `now`'s, one line a blob and one for the random streams; nothing for a checkpoint
+    written before fingerprints were."""
+    if not isinstance(saved, dict):
+        return []
+    lines = differences({k: v for k, v in saved.items() if k != rng_key}, now)
+    streams = saved.get(rng_key) if isinstance(saved.get(rng_key), dict) else {}
+    drawn = [p for p, d in streams.items() if now.get(rng_key, {}).get(p) != d]
+    if drawn:
+        lines.append(f"the random state init leaves ({', '.join(drawn)}) is another: it draws "
+                     "other random numbers")
+    return lines
+
+
+def rng_to_save(state: dict[str, Any], after_init: dict[str, Any] | None) -> dict[str, Any]:
+    """The random state to save: a stream still where init left it is listed under
+    "unchanged", not stored. A plan that draws no random numbers after init (no
+    dropout, no random transforms in this process) stores no stream at all."""
+    if after_init is None:
+        return state
+    same = [p for p in RNG_PARTS if p in state and p in after_init and _same(state[p], after_init[p])]
+    return {**{k: v for k, v in state.items() if k not in same}, "unchanged": same}
+
+
+def _same(a: Any, b: Any) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

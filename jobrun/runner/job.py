@@ -34,7 +34,6 @@ from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
 from jobrun.store import SavedState, UnsupportedValue
 
 RNG_KEY = "jobrun:rng"
-RNG_PARTS = ("python", "numpy", "torch", "node", "cuda")  # the random streams of a node
 
 
 @dataclass
@@ -263,28 +262,20 @@ class JobRunner:
                 raise Interrupted(self._pending_signal)
 
     def _fingerprint_init(self) -> None:
-        """Describe what init built that checkpoints do not hold (see runner/fingerprint.py)."""
+        """Describe what init built that checkpoints do not hold, and the random state it
+        left (see runner/fingerprint.py)."""
         if self.ckpt_dir is None:
             return
         for name, node in self.nodes.items():
             held = self.held.get(name, frozenset())
-            described = fingerprint.fingerprint({k: v for k, v in node.globals.items() if k not in held})
-            rng = self.init_rng[name] = _rng_state(node.ctx)
-            described[RNG_KEY] = {part: fingerprint.describe(v) for part, v in rng.items() if part in RNG_PARTS}
-            self.init_fingerprints[name] = described
+            unsaved = {k: v for k, v in node.globals.items() if k not in held}
+            self.init_rng[name] = _rng_state(node.ctx)
+            self.init_fingerprints[name] = fingerprint.of_init(unsaved, RNG_KEY, self.init_rng[name])
 
     def _check_init(self, node: str, meta: dict[str, Any], epoch: int) -> None:
         """Resume: init must have built what it built when the run started."""
         saved = meta.get("init") if isinstance(meta, dict) else None
-        if not isinstance(saved, dict):
-            return  # a checkpoint written before jobrun recorded it
-        now = self.init_fingerprints.get(node, {})
-        changed = fingerprint.differences({k: v for k, v in saved.items() if k != RNG_KEY}, now)
-        streams = saved.get(RNG_KEY) if isinstance(saved.get(RNG_KEY), dict) else {}
-        drawn = [p for p, d in streams.items() if now.get(RNG_KEY, {}).get(p) != d]
-        if drawn:
-            changed.append(f"the random state init leaves ({', '.join(drawn)}) is another: it "
-                           "draws other random numbers")
+        changed = fingerprint.changes(saved, self.init_fingerprints.get(node, {}), RNG_KEY)
         if not changed:
             return
         what = f"init built other things than when the run started (node {node!r}): " + "; ".join(changed)
@@ -300,7 +291,7 @@ class JobRunner:
     def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
         held = self.held.get(node.name, frozenset())
         blobs = {k: v for k, v in node.globals.items() if k in held and k not in self.unsaved}
-        blobs[RNG_KEY] = _unchanged_left_out(_rng_state(node.ctx), self.init_rng.get(node.name))
+        blobs[RNG_KEY] = fingerprint.rng_to_save(_rng_state(node.ctx), self.init_rng.get(node.name))
         meta = {**meta, "init": self.init_fingerprints.get(node.name, {})}
 
         def unsupported(e: UnsupportedValue) -> None:
@@ -460,30 +451,6 @@ def _rng_state(ctx: OpContext) -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def _unchanged_left_out(state: dict[str, Any], after_init: dict[str, Any] | None) -> dict[str, Any]:
-    """The random state to save: a stream still where init left it is not saved (resume
-    runs init, and the init fingerprint checks that it leaves it there again); its name
-    is listed under "unchanged". A plan that draws no random numbers after init (no
-    dropout, no random transforms) saves no stream at all."""
-    if after_init is None:
-        return state
-    same = [p for p in RNG_PARTS if p in state and p in after_init and _same(state[p], after_init[p])]
-    return {**{k: v for k, v in state.items() if k not in same}, "unchanged": same}
-
-
-def _same(a: Any, b: Any) -> bool:
-    import numpy as np
-    import torch
-
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
 
 
 def _set_rng_state(ctx: OpContext, state: dict[str, Any]) -> None:
