@@ -2,7 +2,8 @@
 
     python benchmarks/run.py [--quick | --smoke] [--json out.json] [--only SECTION ...]
 
-Sections: runner (jobrun vs a hand-written torch loop), dispatch (one core op in a plan
+Sections: runner (jobrun vs a hand-written torch loop), loader (a torch Dataset read with
+two DataLoader workers vs a hand loop over a DataLoader), dispatch (one core op in a plan
 loop), plans (compile/analyze/print of 10^3..10^5 ops), checkpoint (save/load vs raw
 I/O and torch.save/load, the async stall), memory (RSS over epochs, peak of a save),
 startup (`jobrun --help`, `jobrun print`). Every figure is a ratio against a baseline
@@ -28,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 from benchmarks import (  # noqa: E402
     bench_checkpoint,
     bench_dispatch,
+    bench_loader,
     bench_memory,
     bench_plans,
     bench_runner,
@@ -37,6 +39,7 @@ from benchmarks.common import Mode, Row, machine  # noqa: E402
 
 SECTIONS = {
     "runner": bench_runner,
+    "loader": bench_loader,
     "dispatch": bench_dispatch,
     "plans": bench_plans,
     "checkpoint": bench_checkpoint,

@@ -128,8 +128,12 @@ def analyze(plan: str, overrides: tuple[str, ...], fmt: str, sets: tuple[str, ..
     errors = sum(d.severity == "error" for d in diags)
     warnings = len(diags) - errors
     if fmt == "json":
+        from jobrun.plans.state import checkpointed
+
+        held = {node: list(names) for node, names in checkpointed(p).items()} if p.checkpoint else None
         click.echo(json.dumps(
-            {"diagnostics": [d.to_json() for d in diags], "errors": errors, "warnings": warnings},
+            {"diagnostics": [d.to_json() for d in diags], "errors": errors, "warnings": warnings,
+             "checkpointed": held},
             indent=2,
         ))
     else:
@@ -222,8 +226,10 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
 @click.option("--epoch", type=_EPOCH,
               help="Default: the latest complete checkpoint; best: the best by checkpoint.best.")
+@click.option("--force", is_flag=True,
+              help="Resume although init built other data than when the run started.")
 @_sets
-def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
+def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | None, force: bool,
            sets: tuple[str, ...]) -> None:
     """Continue a run from a checkpoint, exactly where it stopped.
 
@@ -233,7 +239,7 @@ def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | N
     """
     from jobrun.runner.launch import resume as run_resume
 
-    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides)))
+    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides), force=force))
 
 
 def _positional(overrides: tuple[str, ...]) -> tuple[str, ...]:

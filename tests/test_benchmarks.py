@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("runner", "dispatch", "plans", "checkpoint", "memory", "startup")
+SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup")
 # What a smoke run reports: every figure of every section (the sizes are the smoke ones).
 EXPECTED_ROWS = {
     "runner": ["MLP example steps/s", "tiny MLP steps/s"],
+    "loader": ["Dataset, 2 workers steps/s"],
     "dispatch": ["add in a plan loop"],
     "plans": ["compile 3,000 ops", "analyze 3,000 ops", "print 3,000 ops", "total 3,000 ops"],
     "checkpoint": [

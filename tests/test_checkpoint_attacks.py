@@ -20,7 +20,10 @@ init:
     do: [{const: {out: total, value: 0}}, {randn: {out: w, shape: [4]}}]
 epoch:
   - task: count
-    do: [{add: {in: [total, 1], out: total}}]
+    do:
+      - add: {in: [total, 1], out: total}
+      - randn: {out: noise, shape: [2]}          # draws from the node's generator
+      - call: {fn: "random:random", out: u}     # and from Python's: both are saved
     outputs: [total]
 """
 

@@ -237,10 +237,15 @@ def test_header(lines: list[str]) -> None:
         'checkpoint: {dir: "ckpt", every: 2, keep: null, upload: "uploads", best: {monitor: "enc/stop", '
         'mode: "max", keep: 1}}',
     ]
+    # what each node's checkpoints hold: the blobs epoch steps write, per node
+    assert lines[9:11] == [
+        "checkpointed @ trainer-0: [enc/w, enc/b] + random state",
+        "checkpointed @ monitor: [] + random state",
+    ]
 
 
 def test_groups_in_order(lines: list[str]) -> None:
-    groups = [line for line in lines if line and not line.startswith(" ") and ":" in line][9:]
+    groups = [line for line in lines if line and not line.startswith(" ") and ":" in line][11:]
     assert groups == [
         "init:",
         "epoch (repeat until done or enc/stop or no done better by more than 0.5 for 2 epochs or epoch 2):",
@@ -406,8 +411,11 @@ def test_json_shape() -> None:
         "early_stop", "checkpoint", "groups",
     ]
     assert data["early_stop"] == {"monitor": "done", "mode": "max", "patience": 2, "min_delta": 0.5}
-    assert data["checkpoint"] == {"dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,
-                                  "best": {"monitor": "enc/stop", "mode": "max", "keep": 1}}
+    assert data["checkpoint"] == {
+        "dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,
+        "best": {"monitor": "enc/stop", "mode": "max", "keep": 1},
+        "include": [], "exclude": [], "blobs": {"trainer-0": ["enc/w", "enc/b"], "monitor": []},
+    }
     assert [g["name"] for g in data["groups"]] == ["init", "epoch", "download", "exit"]
     train = data["groups"][1]["tasks"][0]
     assert {k: train[k] for k in ("name", "node", "workspace", "instances", "outputs")} == {

@@ -8,7 +8,7 @@ import torch
 
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
-from jobrun.ops.reader import Reader, read_op, reader_op
+from jobrun.ops.reader import Reader, TensorReader, read_op, reader_op
 
 
 def _drain(ctx: OpContext, reader: Reader, reads: int) -> list:
@@ -207,8 +207,8 @@ def test_plain_readers_read_what_the_general_path_reads(
     the same batches, layouts and checkpointed positions as the general path."""
     fields = [torch.arange(33).reshape(11, 3).float(), torch.arange(11), torch.arange(22).reshape(11, 2)]
     args = dict(batch_size=batch_size, shuffle=shuffle, passes=passes, drop_last=drop_last, seed=4)
-    fast = Reader(fields[:n_fields], **args)
-    general = Reader(fields[:n_fields], **args)
+    fast = TensorReader(fields[:n_fields], **args)
+    general = TensorReader(fields[:n_fields], **args)
     general._plain = False
     assert fast._plain
     assert _batches_and_states(fast, 12) == _batches_and_states(general, 12)
@@ -220,9 +220,9 @@ def test_plain_readers_read_what_the_general_path_reads(
 
 def test_only_one_process_over_contiguous_cpu_tensors_is_plain():
     x = torch.arange(12).reshape(6, 2)
-    assert Reader([x], batch_size=2)._plain
-    assert not Reader([x], batch_size=1)._plain  # single records are unbatched
-    assert not Reader([x], batch_size=2, rank=0, world_size=2)._plain
-    assert not Reader([x.t().contiguous().t()], batch_size=2)._plain  # not contiguous
-    assert not Reader([x, np.arange(6)], batch_size=2)._plain
-    assert not Reader([torch.nn.Parameter(x.float())], batch_size=2)._plain
+    assert TensorReader([x], batch_size=2)._plain
+    assert not TensorReader([x], batch_size=1)._plain  # single records are unbatched
+    assert not TensorReader([x], batch_size=2, rank=0, world_size=2)._plain
+    assert not TensorReader([x.t().contiguous().t()], batch_size=2)._plain  # not contiguous
+    assert not TensorReader([x, np.arange(6)], batch_size=2)._plain
+    assert not TensorReader([torch.nn.Parameter(x.float())], batch_size=2)._plain

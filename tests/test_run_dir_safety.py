@@ -264,7 +264,7 @@ def test_copied_run_resumes(trained, tmp_path):
 INF_PLAN = """\
 job: inf
 max_epochs: 1
-checkpoint: {dir: ckpt}
+checkpoint: {dir: ckpt, include: [big, nan, neg, name]}  # init's products, saved anyway
 init:
   - task: setup
     do:

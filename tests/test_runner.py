@@ -224,7 +224,7 @@ def test_randn_is_seeded_per_node(plan_file, tmp_path):
     text = """
 job: rnd
 max_epochs: 1
-checkpoint: {}
+checkpoint: {include: r}  # init's draws, saved on every node to compare them
 init:
   - task: a
     node: n1

@@ -282,7 +282,8 @@ def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def call(ctx: OpContext, *args: Any, fn: str, **kwargs: Any) -> Any:
+def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None, **kwargs: Any) -> Any:
+    """`call`: fn(*inputs, **other keys). `mutates` is for checkpoints, not for `fn`."""
     from jobrun.ops.imports import resolve
 
     return resolve(fn, "call", "fn")(*args, **kwargs)

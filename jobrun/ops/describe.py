@@ -43,7 +43,16 @@ def spec_json(spec: OpSpec) -> dict[str, Any]:
         ],
         "extra_args": spec.extra_args,
         "example": spec.example,
+        # null: not declared, every input may change (see `jobrun.ops.spec.OpSpec`)
+        "mutates": None if spec.mutates is None else list(spec.mutates),
+        "keeps": None if spec.keeps is None else list(spec.keeps),
     }
+
+
+def _changes_text(spec: OpSpec) -> str:
+    if spec.mutates is None:
+        return "every input (not declared)"
+    return ", ".join(spec.mutates) or "nothing"
 
 
 def list_ops(as_json: bool = False) -> str:
@@ -74,6 +83,7 @@ def show_op(name: str, as_json: bool = False) -> str:
     lines = [f"{spec.name}  ({spec.category})", f"  {spec.doc}", ""]
     lines.append(f"  in:   {_bounds(spec.inputs, *spec.input_bounds)}")
     lines.append(f"  out:  {_bounds(spec.outputs, *spec.output_bounds)}")
+    lines.append(f"  changes in place: {_changes_text(spec)}")
     if spec.args:
         lines.append("  args:")
         for a in spec.args:

@@ -1,7 +1,11 @@
-"""The `reader` and `read` ops: batches over in-memory fields, data-parallel aware.
+"""The `reader` and `read` ops: batches over in-memory fields or a torch Dataset.
 
-A :class:`Reader` walks the first dimension of its fields in *global* batches of
-``batch_size`` records. With ``world_size = R`` replicas, rank ``r`` returns its own
+:class:`Reader` is what every reader shares: a position (pass, records read in the pass),
+the shuffled order of a pass, the rank's part of a global batch, the `done` protocol and
+the checkpointed state. :class:`TensorReader` reads in-memory fields;
+:mod:`jobrun.ops.loader` reads torch Datasets through a DataLoader, by the same rules.
+
+A reader walks its records in *global* batches of ``batch_size`` records. With ``world_size = R`` replicas, rank ``r`` returns its own
 contiguous slice of every global batch (split like ``torch.tensor_split``), so the ranks
 together cover each global batch exactly and ``replicas: 1`` and ``replicas: 2`` see the
 same global batches. ``batch_size: 1`` yields single unbatched records; those cannot be
@@ -47,8 +51,8 @@ def _field_length(index: int, field: Any) -> int:
         return len(field)
     raise RunError(
         f"reader input {index} is a {type(field).__name__}; "
-        "expected a tensor, a numpy array or a list",
-        hint="load the data with data.load/data.synthetic or build it as a list",
+        "expected a tensor, a numpy array or a list (a torch Dataset is a reader's only input)",
+        hint="load the data with data.load/data.synthetic, or read a Dataset alone: `in: dataset`",
     )
 
 
@@ -60,16 +64,16 @@ def _rank_bounds(length: int, rank: int, world: int) -> tuple[int, int]:
 
 
 class Reader:
-    """Iterates global batches of its fields; see the module docstring.
-
-    Hot-path note: `read` does integer arithmetic and one slice (or, shuffled, one
-    `index_select`) per field; the shuffled order of a pass is computed once when the pass
-    starts.
+    """What every reader shares: a position in passes over `length` records, read in
+    global batches; see the module docstring. Subclasses say how records are fetched
+    (`read`, `full_pass`) and how many fields a batch has (`field_count`).
     """
+
+    field_count = 1  # fields of a batch (the outputs of `read` before `done`)
 
     def __init__(
         self,
-        fields: Sequence[Any],
+        length: int,
         *,
         batch_size: int = 1,
         shuffle: bool = False,
@@ -80,18 +84,9 @@ class Reader:
         device: str = "cpu",
         seed: int = 0,
     ) -> None:
-        if not fields:
-            raise RunError("reader needs at least one input", hint="in: [x, y]")
         _check_int("batch_size", batch_size, minimum=1)
         _check_int("passes", passes, minimum=0)
-        lengths = [_field_length(i, f) for i, f in enumerate(fields)]
-        if len(set(lengths)) > 1:
-            raise RunError(
-                f"reader inputs have different lengths {lengths}",
-                hint="every input must have one entry per record (same first dimension)",
-            )
-        self.fields = tuple(fields)
-        self.length = lengths[0]
+        self.length = length
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.passes = passes
@@ -100,36 +95,13 @@ class Reader:
         self.world_size = world_size
         self.device = torch.device(device)
         self.seed = seed
-        self._lock = threading.Lock()
+        # Instances of a task may read one reader at once: `read` takes it (the op does).
+        self.lock = threading.Lock()
         self.pass_index = 0
         self.position = 0  # records of the current pass already read
         self._order: torch.Tensor | None = None  # the current pass's permutation
         self._order_pass = -1
-        # Batches already on the target device skip `.to` (a dispatch per field per read).
-        self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
-        self._plain = self._plain_fields()
         self._pass_end = self._records_per_pass()  # the geometry is fixed from here on
-
-    def _plain_fields(self) -> bool:
-        """True when batches can skip rank slices, moves and per-field type checks.
-
-        That is one process, batches (not single records) and only dense contiguous CPU
-        tensors read on the CPU: the training loop's common case, where `read` is a slice
-        of the pass order and one `index_select` per field (the values and layout of
-        `field[idx]`, whose advanced indexing costs about 0.5 us more per field).
-        """
-        return (
-            self.world_size == 1
-            and self.batch_size > 1
-            and self.device.type == "cpu"
-            and all(
-                type(f) is torch.Tensor
-                and f.layout == torch.strided
-                and f.is_cpu
-                and f.is_contiguous()
-                for f in self.fields
-            )
-        )
 
     # -- geometry -----------------------------------------------------------------
 
@@ -151,86 +123,40 @@ class Reader:
     def finished(self) -> bool:
         return self.passes > 0 and self.pass_index >= self.passes
 
-    # -- reading ------------------------------------------------------------------
-
-    def read(self) -> tuple[Any, ...]:
-        """The next batch as (*fields, done); see the `read` op.
-
-        Every training step runs this: a shuffled plain reader (see `_plain_fields`) of
-        two fields calls no other Python function (`finished` and `_pass_order` inlined).
-        Instances of a task may read one reader at once: each gets a batch of its own.
-        """
-        with self._lock:
-            start, end = self.position, self._pass_end
-            if start >= end or (self.passes and self.pass_index >= self.passes):
-                return self._end_of_pass()
-            stop = start + self.batch_size
-            if stop > end:
-                stop = end
-            self.position = stop
-            if self._plain and self.shuffle:
-                order = self._order if self._order_pass == self.pass_index else self._pass_order()
-                idx = order[start:stop]  # type: ignore[index]
-                fields = self.fields
-                if len(fields) == 2:
-                    return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
-                return (*self._select(idx), False)
-            return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
-
-    def _end_of_pass(self) -> tuple[Any, ...]:
-        if not self.finished:
-            self.pass_index += 1
-            self.position = 0
-        return (*([None] * len(self.fields)), True)
-
-    def full_pass(self) -> Iterator[tuple[Any, ...]]:
-        """This rank's slices of every global batch of one pass, in stored order.
-
-        Leaves the reading position alone (used by `evaluate`).
-        """
-        for start in range(0, self.pass_end, self.batch_size):
-            yield self._take(start, min(start + self.batch_size, self.pass_end), None)
-
     def _pass_order(self) -> torch.Tensor:
+        """The current pass's permutation: a function of (seed, pass) alone."""
         if self._order_pass != self.pass_index:
             gen = torch.Generator().manual_seed(_mix(self.seed, self.pass_index))
             self._order = torch.randperm(self.length, generator=gen)
             self._order_pass = self.pass_index
         return self._order  # type: ignore[return-value]
 
-    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> tuple[Any, ...]:
-        if self._plain and order is None:  # `read` has its own path for shuffled ones
-            return tuple([f[start:stop] for f in self.fields])
-        if self.batch_size == 1:
-            # An unbatched record cannot be split: every rank reads the same one.
-            i = start if order is None else int(order[start])
-            return tuple(self._record(f, i) for f in self.fields)
+    def rank_part(self, start: int, stop: int) -> tuple[int, int]:
+        """This rank's [lo, hi) of the global batch [start, stop) of a pass.
+
+        A batch of single records (`batch_size: 1`) cannot be split: every rank reads it.
+        """
+        if self.batch_size == 1 or self.world_size == 1:
+            return start, stop
         lo, hi = _rank_bounds(stop - start, self.rank, self.world_size)
-        if order is None:
-            return tuple(self._slice(f, start + lo, start + hi) for f in self.fields)
-        idx = order[start + lo : start + hi]
-        return tuple(self._gather(f, idx) for f in self.fields)
+        return start + lo, start + hi
 
-    def _select(self, idx: torch.Tensor) -> tuple[Any, ...]:
-        """The records `idx` of every field (plain readers only: CPU tensors)."""
-        return tuple([f.index_select(0, idx) for f in self.fields])
+    # -- reading ------------------------------------------------------------------
 
-    def _record(self, field: Any, i: int) -> Any:
-        value = field[i]
-        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
+    def read(self) -> tuple[Any, ...]:
+        """The next batch as (*fields, done); see the `read` op."""
+        raise NotImplementedError
 
-    def _slice(self, field: Any, lo: int, hi: int) -> Any:
-        value = field[lo:hi]
-        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
+    def full_pass(self) -> Iterator[tuple[Any, ...]]:
+        """This rank's part of every global batch of one pass, in stored order; leaves
+        the reading position alone (used by `evaluate`)."""
+        raise NotImplementedError
 
-    def _gather(self, field: Any, idx: torch.Tensor) -> Any:
-        if isinstance(field, torch.Tensor):
-            if not self._move and field.is_cpu:
-                return field[idx]
-            return field[idx.to(field.device)].to(self.device)
-        if isinstance(field, np.ndarray):
-            return field[idx.numpy()]
-        return [field[i] for i in idx.tolist()]
+    def _end_of_pass(self) -> tuple[Any, ...]:
+        if not self.finished:
+            self.pass_index += 1
+            self.position = 0
+        return (*([None] * self.field_count), True)
 
     # -- checkpointing ------------------------------------------------------------
 
@@ -266,10 +192,116 @@ class Reader:
 
     def __repr__(self) -> str:
         return (
-            f"Reader(length={self.length}, batch_size={self.batch_size}, "
+            f"{type(self).__name__}(length={self.length}, batch_size={self.batch_size}, "
             f"shuffle={self.shuffle}, passes={self.passes}, pass={self.pass_index}, "
             f"position={self.position}, rank={self.rank}/{self.world_size})"
         )
+
+
+class TensorReader(Reader):
+    """A reader over in-memory fields: tensors, numpy arrays or lists of equal length.
+
+    Hot-path note: `read` does integer arithmetic and one slice (or, shuffled, one
+    `index_select`) per field; the shuffled order of a pass is computed once when the pass
+    starts.
+    """
+
+    def __init__(self, fields: Sequence[Any], **geometry: Any) -> None:
+        if not fields:
+            raise RunError("reader needs at least one input", hint="in: [x, y]")
+        lengths = [_field_length(i, f) for i, f in enumerate(fields)]
+        if len(set(lengths)) > 1:
+            raise RunError(
+                f"reader inputs have different lengths {lengths}",
+                hint="every input must have one entry per record (same first dimension)",
+            )
+        super().__init__(lengths[0], **geometry)
+        self.fields = tuple(fields)
+        self.field_count = len(self.fields)
+        # Batches already on the target device skip `.to` (a dispatch per field per read).
+        self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
+        self._plain = self._plain_fields()
+
+    def _plain_fields(self) -> bool:
+        """True when batches can skip rank slices, moves and per-field type checks.
+
+        That is one process, batches (not single records) and only dense contiguous CPU
+        tensors read on the CPU: the training loop's common case, where `read` is a slice
+        of the pass order and one `index_select` per field (the values and layout of
+        `field[idx]`, whose advanced indexing costs about 0.5 us more per field).
+        """
+        return (
+            self.world_size == 1
+            and self.batch_size > 1
+            and self.device.type == "cpu"
+            and all(
+                type(f) is torch.Tensor
+                and f.layout == torch.strided
+                and f.is_cpu
+                and f.is_contiguous()
+                for f in self.fields
+            )
+        )
+
+    def read(self) -> tuple[Any, ...]:
+        """The next batch as (*fields, done); see the `read` op.
+
+        Every training step runs this: a shuffled plain reader (see `_plain_fields`) of
+        two fields calls no other Python function (`finished` and `_pass_order` inlined).
+        """
+        start, end = self.position, self._pass_end
+        if start >= end or (self.passes and self.pass_index >= self.passes):
+            return self._end_of_pass()
+        stop = start + self.batch_size
+        if stop > end:
+            stop = end
+        self.position = stop
+        if self._plain and self.shuffle:
+            order = self._order if self._order_pass == self.pass_index else self._pass_order()
+            idx = order[start:stop]  # type: ignore[index]
+            fields = self.fields
+            if len(fields) == 2:
+                return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
+            return (*self._select(idx), False)
+        return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
+
+    def full_pass(self) -> Iterator[tuple[Any, ...]]:
+        for start in range(0, self.pass_end, self.batch_size):
+            yield self._take(start, min(start + self.batch_size, self.pass_end), None)
+
+    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> tuple[Any, ...]:
+        if self._plain and order is None:  # `read` has its own path for shuffled ones
+            return tuple([f[start:stop] for f in self.fields])
+        if self.batch_size == 1:
+            # An unbatched record cannot be split: every rank reads the same one.
+            i = start if order is None else int(order[start])
+            return tuple(self._record(f, i) for f in self.fields)
+        lo, hi = self.rank_part(start, stop)
+        if order is None:
+            return tuple(self._slice(f, lo, hi) for f in self.fields)
+        idx = order[lo:hi]
+        return tuple(self._gather(f, idx) for f in self.fields)
+
+    def _select(self, idx: torch.Tensor) -> tuple[Any, ...]:
+        """The records `idx` of every field (plain readers only: CPU tensors)."""
+        return tuple([f.index_select(0, idx) for f in self.fields])
+
+    def _record(self, field: Any, i: int) -> Any:
+        value = field[i]
+        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
+
+    def _slice(self, field: Any, lo: int, hi: int) -> Any:
+        value = field[lo:hi]
+        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
+
+    def _gather(self, field: Any, idx: torch.Tensor) -> Any:
+        if isinstance(field, torch.Tensor):
+            if not self._move and field.is_cpu:
+                return field[idx]
+            return field[idx.to(field.device)].to(self.device)
+        if isinstance(field, np.ndarray):
+            return field[idx.numpy()]
+        return [field[i] for i in idx.tolist()]
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
@@ -292,20 +324,32 @@ def reader_op(
     shuffle: bool = False,
     passes: int = 1,
     drop_last: bool = False,
+    **loading: Any,
 ) -> Reader:
-    """`reader`: fields... -> r. The shuffle seed depends on (seed, node, creation order)."""
+    """`reader`: fields... -> r, or one Dataset -> r (:mod:`jobrun.ops.loader`).
+
+    The shuffle seed depends on (seed, node, creation order). `loading` holds the
+    DataLoader's arguments (num_workers, pin_memory, ...), which need a Dataset.
+    """
     ordinal = ctx.next_number(_ORDINAL_KEY)
-    return Reader(
-        fields,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        passes=passes,
-        drop_last=drop_last,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        device=ctx.device,
+    geometry: dict[str, Any] = dict(
+        batch_size=batch_size, shuffle=shuffle, passes=passes, drop_last=drop_last,
+        rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
         seed=_mix(ctx.seed, ctx.node, ordinal),
     )
+    from jobrun.ops import loader
+
+    if len(fields) == 1 and loader.is_dataset(fields[0]):
+        return loader.dataset_reader(fields[0], geometry, {**loader.LOADING_DEFAULTS, **loading})
+    given = sorted(k for k, v in loading.items() if v != loader.LOADING_DEFAULTS.get(k))
+    if given:
+        raise RunError(
+            f"reader: {', '.join(given)} need(s) a torch Dataset as the one input; this reader "
+            "reads in-memory fields",
+            hint="wrap them in a Dataset to read them with workers, e.g. "
+            "`build: {in: [x, y], out: ds, target: torch.utils.data.TensorDataset}`",
+        )
+    return TensorReader(fields, **geometry)
 
 
 def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
@@ -315,4 +359,5 @@ def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
             f"read expects a reader, got a {type(reader).__name__}",
             hint="create one with `reader: {in: [x, y], out: r}`",
         )
-    return reader.read()
+    with reader.lock:  # each of several instances reading it gets batches of its own
+        return reader.read()

@@ -15,6 +15,8 @@ from jobrun.ops.spec import OpSpec, arg
 
 _C = "jobrun.ops.core:"
 _NUM = ("or", "number", "bool")
+# Ops that change none of their inputs and whose output holds on to none of them.
+_PURE: dict = {"mutates": (), "keeps": ()}
 _DTYPE = ("choice", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
 
 
@@ -27,6 +29,7 @@ def _binary(name: str, doc: str, impl: str, variadic: bool = False) -> OpSpec:
         outputs=("c",),
         max_inputs=None if variadic else "fixed",
         example=f"- {name}: {{in: [a, b], out: c}}",
+        **_PURE,
     )
 
 
@@ -34,22 +37,22 @@ CORE_SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "const", "A constant: a scalar stays a Python scalar, a list becomes a tensor.",
         _C + "const", outputs=("x",), args=(arg("value", "any", doc="the value"),),
-        example="- const: {out: lr, value: 0.1}",
+        example="- const: {out: lr, value: 0.1}", **_PURE,
     ),
     OpSpec(
         "fill", "A tensor of the given shape filled with one value.", _C + "fill",
         outputs=("x",),
         args=(arg("shape", "shape"), arg("value", _NUM, 0.0), arg("dtype", _DTYPE, "float32")),
-        example="- fill: {out: w, shape: [8], value: 1.0}",
+        example="- fill: {out: w, shape: [8], value: 1.0}", **_PURE,
     ),
     OpSpec(
         "randn", "Normal random tensor from the node's seeded generator.", _C + "randn",
         outputs=("x",),
         args=(arg("shape", "shape"), arg("mean", "number", 0.0), arg("std", "number", 1.0)),
-        example="- randn: {out: noise, shape: [4, 4], std: 0.01}",
+        example="- randn: {out: noise, shape: [4, 4], std: 0.01}", **_PURE,
     ),
     OpSpec("copy", "Copy a blob (tensors are cloned).", _C + "copy", inputs=("a",), outputs=("b",),
-           example="- copy: {in: a, out: b}"),
+           example="- copy: {in: a, out: b}", **_PURE),
     _binary("add", "Elementwise sum of any number of inputs.", "add", variadic=True),
     _binary("sub", "Elementwise a - b.", "sub"),
     _binary("mul", "Elementwise product of any number of inputs.", "mul", variadic=True),
@@ -63,22 +66,34 @@ CORE_SPECS: tuple[OpSpec, ...] = (
     _binary("and", "Logical and of truthy values (any number of inputs).", "and_", variadic=True),
     _binary("or", "Logical or of truthy values (any number of inputs).", "or_", variadic=True),
     OpSpec("not", "Logical not of a truthy value.", _C + "not_", inputs=("a",), outputs=("b",),
-           example="- not: {in: done, out: going}"),
+           example="- not: {in: done, out: going}", **_PURE),
     OpSpec(
-        "reader", "Iterate the first dimension of its inputs, batch by batch; its position is checkpointed.",
+        "reader",
+        "Batches over the first dimension of its inputs, or over one torch Dataset (through a "
+        "DataLoader); its position is checkpointed.",
         "jobrun.ops.reader:reader_op", inputs=("fields",), outputs=("r",), max_inputs=None,
         args=(
             arg("batch_size", "int", 1, "global batch size; 1 = one record, unbatched"),
             arg("shuffle", "bool", False, "a new seeded permutation every pass"),
             arg("passes", "int", 1, "passes over the data; 0 = forever"),
             arg("drop_last", "bool", False, "drop a short final batch"),
+            arg("num_workers", "int", 0, "Dataset: worker processes fetching batches"),
+            arg("pin_memory", "bool", False, "Dataset: pinned host memory (for a CUDA device)"),
+            arg("prefetch_factor", ("or", "int", "null"), None,
+                "Dataset: batches each worker fetches ahead (null: 2)"),
+            arg("persistent_workers", "bool", False, "Dataset: keep the workers between passes"),
+            arg("collate_fn", ("or", "str", "null"), None,
+                'Dataset: "pkg.mod:fn" turning a list of samples into a batch'),
+            arg("timeout", "number", 0, "Dataset: seconds to wait for a worker's batch; 0 = no limit"),
         ),
         example="- reader: {in: [x, y], out: data, batch_size: 32, shuffle: true}",
+        **_PURE,  # `read` changes the reader's position, never its data
     ),
     OpSpec(
         "read", "Next record/batch and `done` (true once at the end of each pass, fields null).",
         "jobrun.ops.reader:read_op", inputs=("r",), outputs=("fields", "done"), min_outputs=1,
         max_outputs=None, example="- read: {in: data, out: [xb, yb, done]}",
+        mutates=("r",), keeps=(),
     ),
     OpSpec(
         "log", "Record values: the epoch's summary line (a line of their own outside epochs), "
@@ -86,23 +101,28 @@ CORE_SPECS: tuple[OpSpec, ...] = (
         _C + "log", inputs=("values",), min_inputs=0, max_inputs=None,
         args=(arg("msg", ("or", "str", "null"), None),
               arg("every", "int", 1, "log each K-th call of this step (counted across epochs)")),
-        example="- log: {in: [loss], every: 50}",
+        example="- log: {in: [loss], every: 50}", **_PURE,
     ),
     OpSpec(
         "save", "Write blobs to a file (.json, .safetensors or .pt), relative to the run directory.",
         _C + "save", inputs=("blobs",), min_inputs=1, max_inputs=None, args=(arg("path", "str"),),
-        example="- save: {in: [model], path: model.safetensors}",
+        example="- save: {in: [model], path: model.safetensors}", **_PURE,
     ),
     OpSpec(
         "load", "Read blobs from a file written by `save`, relative to the plan's directory.",
         _C + "load", outputs=("blobs",), min_outputs=1, max_outputs=None, args=(arg("path", "str"),),
-        example="- load: {out: [w], path: weights.safetensors}",
+        example="- load: {out: [w], path: weights.safetensors}", **_PURE,
     ),
     OpSpec(
         "call", "Call user code `pkg.mod:func` with the inputs as positional arguments.",
         _C + "call", inputs=("args",), outputs=("results",), min_inputs=0, max_inputs=None,
-        min_outputs=0, max_outputs=None, args=(arg("fn", "str", doc='"package.module:function"'),),
-        extra_args=True, example='- call: {fn: "mypkg.metrics:f1", in: [pred, y], out: f1}',
+        min_outputs=0, max_outputs=None,
+        args=(
+            arg("fn", "str", doc='"package.module:function"'),
+            arg("mutates", ("or", "list", "null"), None,
+                "the inputs it changes in place, for checkpoints (null: all of them)"),
+        ),
+        extra_args=True, example='- call: {fn: "mypkg.metrics:f1", in: [pred, y], out: f1, mutates: []}',
     ),
 )
 

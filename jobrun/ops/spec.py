@@ -54,6 +54,13 @@ class OpSpec:
     extra_args: bool = False
     category: str = "core"  # "core", "training", "user"
     example: str = ""
+    # What checkpoints need (jobrun/plans/state.py). `mutates`: the inputs the op changes
+    # in place, by name (the last name of a variadic op covers the inputs after it).
+    # `keeps`: the inputs its output holds on to and changes when it is changed itself
+    # (a scheduler sets its optimizer's learning rate). None, the default: not declared,
+    # so every input (users' ops, whose code jobrun cannot see).
+    mutates: tuple[str, ...] | None = None
+    keeps: tuple[str, ...] | None = None
     _arg_index: dict[str, ArgSpec] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +68,13 @@ class OpSpec:
 
     def arg(self, name: str) -> ArgSpec | None:
         return self._arg_index.get(name)
+
+    def input_names(self, n: int) -> list[str]:
+        """The signature's name of each of `n` inputs of a call."""
+        if not self.inputs:
+            return [""] * n
+        last = len(self.inputs) - 1
+        return [self.inputs[min(i, last)] for i in range(n)]
 
     @property
     def input_bounds(self) -> tuple[int, int | None]:

@@ -238,7 +238,7 @@ def evaluate(
     """
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
-    if len(reader.fields) < 2:
+    if reader.field_count == 1:  # a Dataset reader learns its count from its first batch
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     loss_fn = _loss_fn(loss, "evaluate")
     was_training = getattr(model, "training", False)
@@ -273,6 +273,8 @@ def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> li
     count = classified = 0
     correct: Any = 0
     for fields in reader.full_pass():
+        if len(fields) < 2:
+            raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")
         x = as_tensor(fields[0], ctx.device, "evaluate input x")
         y = as_tensor(fields[1], ctx.device, "evaluate input y")
         n = _count(y)

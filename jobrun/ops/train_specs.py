@@ -16,7 +16,9 @@ _LIST_OR_NULL = ("or", "list", "null")
 
 
 def _training(name: str, doc: str, impl: str, example: str, **fields) -> OpSpec:
-    """A training op; `impl` is "module:function" within jobrun.ops."""
+    """A training op; `impl` is "module:function" within jobrun.ops. Unless it says
+    otherwise, it changes none of its inputs and its output holds on to none of them."""
+    fields = {"mutates": (), "keeps": (), **fields}
     return OpSpec(name, doc, f"jobrun.ops.{impl}", category="training", example=example, **fields)
 
 
@@ -72,6 +74,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         min_inputs=0,
         max_inputs=None,
         extra_args=True,
+        keeps=None,  # what it builds may hold on to its inputs (a wrapper, a data set)
         args=(
             arg("target", "str", doc='"pkg.mod:Class" or dotted "pkg.mod.Class"'),
             arg("args", _LIST_OR_NULL, None, "positional arguments after the inputs"),
@@ -97,6 +100,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         inputs=("model",),
         outputs=("opt",),
         extra_args=True,
+        keeps=("model",),  # stepping it changes the parameters
         args=(arg("target", "str", "torch.optim.SGD", "dotted path of the optimizer class"),),
     ),
     _training(
@@ -109,6 +113,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         inputs=("opt",),
         outputs=("sched",),
         extra_args=True,
+        keeps=("opt",),  # stepping it sets the optimizer's learning rate
         args=(arg("target", "str", doc="dotted path, e.g. torch.optim.lr_scheduler.StepLR"),),
     ),
     _training(
@@ -118,6 +123,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         "- scheduler.step: {in: sched}",
         inputs=("sched", "metric"),
         min_inputs=1,
+        mutates=("sched",),
     ),
     _training(
         "train.step",
@@ -126,6 +132,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         "- train.step: {in: [model, opt, xb, yb], out: loss, loss: cross_entropy}",
         inputs=("model", "opt", "x", "y"),
         outputs=("loss",),
+        mutates=("model", "opt"),
         args=(
             arg("loss", "str", "cross_entropy", _LOSS_DOC),
             arg("clip_grad_norm", ("or", "number", "null"), None, "clip the gradient norm to this"),

@@ -60,11 +60,20 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
     analyzer.visit(plan)
     for f in analyzer.kinds.findings(plan):
         analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
+    _check_checkpointed(plan, ops, analyzer.diags)
     # Severity, code and message break ties so that the order never depends on the walk.
     return sorted(
         analyzer.diags,
         key=lambda d: (d.pos.file, d.pos.line, d.pos.col, d.severity != "error", d.code, d.message),
     )
+
+
+def _check_checkpointed(plan: ir.Plan, ops: Mapping[str, OpSpec], diags: list[Diagnostic]) -> None:
+    """What checkpoints hold is worked out apart (:mod:`jobrun.plans.state`); its warnings."""
+    from jobrun.plans import state
+
+    for pos, message, hint in state.problems(plan, ops):
+        diags.append(Diagnostic("warning", pos, message, "checkpoint-blob", hint))
 
 
 # -- the analyzer --------------------------------------------------------------------------

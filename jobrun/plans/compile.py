@@ -257,8 +257,9 @@ class _Compiler:
                 "async: true writes checkpoint files in the background while training goes on",
             )
         best = self.best(m["best"], m.at("best")) if m.get("best") is not None else None
+        include, exclude = (self.blob_list(m, key) for key in ("include", "exclude"))
         return ir.Checkpoint(dir=d, every=every, keep=keep, upload=upload, background=background, pos=pos,
-                             best=best)
+                             best=best, include=include, exclude=exclude)
 
     def early_stop(self, value: Any, pos: Pos) -> ir.EarlyStop:
         example = "early_stop: {monitor: val_loss, mode: min, patience: 3}"
@@ -295,6 +296,16 @@ class _Compiler:
                 m.at("mode"), f"{_suggest(str(mode), MODES) or 'min: lower is better (a loss); max: higher (an accuracy)'}",
             )
         return ir.Monitor(name, mode)
+
+    def blob_list(self, m: PMap, key: str) -> tuple[ir.BlobRef, ...]:
+        """`checkpoint.include`/`exclude`: a list of blob names (or one, or null)."""
+        value = m.get(key)
+        if value is not None and not isinstance(value, str | PList):
+            raise PlanError(
+                f"checkpoint.{key} must be a list of blob names, not {kind_of(value)}", m.at(key),
+                f"write e.g. {key}: [model, opt]",
+            )
+        return self.blobs(value, m.at(key), f"checkpoint.{key}")
 
     def group(self, name: str, value: Any, pos: Pos, key_pos: Pos) -> ir.Group:
         if value is None:

@@ -179,6 +179,8 @@ class Checkpoint:
     keep: int | None = None
     upload: str | None = None
     background: bool = False  # `async: true`: files are written while training goes on
+    include: tuple[BlobRef, ...] = ()  # blobs saved besides those steps after init change
+    exclude: tuple[BlobRef, ...] = ()  # blobs never saved (init rebuilds them)
     pos: Pos | None = None
     best: Best | None = None
 

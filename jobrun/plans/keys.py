@@ -13,7 +13,7 @@ TOP_KEYS = (
     "checkpoint", "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
-CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "best")
+CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "best", "include", "exclude")
 # `early_stop:` and `checkpoint.best:` watch an epoch-task output.
 EARLY_STOP_KEYS = ("monitor", "mode", "patience", "min_delta")
 BEST_KEYS = ("monitor", "mode", "keep")

@@ -196,8 +196,8 @@ class _TextPrinter(Visitor):
         self.factor = factor_prefixes
         self._epoch_header = "epoch:"
 
-    def names(self, refs: Sequence[ir.BlobRef]) -> str:
-        names = [r.name for r in refs]
+    def names(self, refs: Sequence[ir.BlobRef | str]) -> str:
+        names = [r if isinstance(r, str) else r.name for r in refs]
         return ", ".join(factor_names(names) if self.factor else names)
 
     def inputs(self, ins: Sequence[ir.Input]) -> list[str]:
@@ -238,6 +238,9 @@ class _TextPrinter(Visitor):
         if plan.early_stop is not None:
             add(f"early_stop: {format_value(_early_stop_data(plan.early_stop))}")
         add(f"checkpoint: {_checkpoint_text(plan.checkpoint)}")
+        if plan.checkpoint is not None:
+            for node, names in _checkpointed(plan).items():
+                add(f"checkpointed @ {node}: [{self.names(names)}] + random state")
 
     def visit_Group(self, group: ir.Group) -> None:
         header = self._epoch_header if group.name == "epoch" else f"{group.name}:"
@@ -327,6 +330,9 @@ def _checkpoint_text(ckpt: ir.Checkpoint | None) -> str:
         fields["async"] = True
     if ckpt.best is not None:
         fields["best"] = _best_data(ckpt.best)
+    for key in ("include", "exclude"):
+        if getattr(ckpt, key):
+            fields[key] = [ref.name for ref in getattr(ckpt, key)]
     return format_value(fields)
 
 
@@ -337,6 +343,13 @@ def _early_stop_data(early: ir.EarlyStop) -> dict[str, Any]:
 
 def _best_data(best: ir.Best) -> dict[str, Any]:
     return {"monitor": best.monitor.name.name, "mode": best.monitor.mode, "keep": best.keep}
+
+
+def _checkpointed(plan: ir.Plan) -> dict[str, tuple[str, ...]]:
+    """The blobs each node's checkpoints hold (worked out from the ops' signatures)."""
+    from jobrun.plans.state import checkpointed
+
+    return checkpointed(plan)
 
 
 # -- json ------------------------------------------------------------------------------
@@ -375,6 +388,8 @@ class _JsonBuilder(Visitor):
             "checkpoint": None if ckpt is None else {
                 "dir": ckpt.dir, "every": ckpt.every, "keep": ckpt.keep, "upload": ckpt.upload,
                 "async": ckpt.background, "best": None if ckpt.best is None else _best_data(ckpt.best),
+                "include": [r.name for r in ckpt.include], "exclude": [r.name for r in ckpt.exclude],
+                "blobs": {node: list(names) for node, names in _checkpointed(plan).items()},
             },
             "groups": [self.visit(g) for g in plan.groups],
         }

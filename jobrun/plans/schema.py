@@ -264,6 +264,10 @@ def _task() -> dict[str, Any]:
     }
 
 
+def _blob_list(description: str) -> dict[str, Any]:
+    return {"description": description, "anyOf": [BLOB, {"type": "array", "items": BLOB}, {"type": "null"}]}
+
+
 def _checkpoint() -> dict[str, Any]:
     known = {
         "dir": {
@@ -290,6 +294,8 @@ def _checkpoint() -> dict[str, Any]:
             "description": "Also keep the best epochs by an epoch-task output.",
             "anyOf": [{"$ref": "#/$defs/best"}, {"type": "null"}],
         },
+        "include": _blob_list("Blobs saved besides those that steps after init write or change."),
+        "exclude": _blob_list("Blobs never saved: init rebuilds them on resume."),
     }
     return {
         "description": "Checkpoint settings.",

@@ -215,6 +215,7 @@ class _Generator(Visitor):
         self.ctx = ctx
         self.private = local is not g
         self.instance = False  # writing `do` of a task with instances: stores reach T too
+        self.op_number = 0  # op calls written so far, in plan order
         self.task = task
         self.node = node
         self.ops = registry()
@@ -266,8 +267,11 @@ class _Generator(Visitor):
             kwargs["_names"] = tuple(i.name if isinstance(i, ir.BlobRef) else repr(i.value) for i in s.ins)
         if getattr(impl, "wants_out_names", False):
             kwargs["_out_names"] = tuple(o.name for o in s.outs)
-        if getattr(impl, "wants_site", False):  # a per-step counter's key: the step's place
-            kwargs["_site"] = f"{s.pos.file}:{s.pos.line}:{s.pos.col}"
+        self.op_number += 1
+        if getattr(impl, "wants_site", False):
+            # A per-step counter's key: the step's place in the plan, by task and order (a
+            # stored plan.yaml, laid out anew, has other line numbers than the user's file).
+            kwargs["_site"] = f"{self.task.group}/{self.task.name}/{s.op}#{self.op_number}"
         code = self.code
         with code.step(s.pos, s.op, self._op_failure(s)):
             args = ["ctx"]

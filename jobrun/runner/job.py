@@ -27,7 +27,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir
-from jobrun.runner import rng
+from jobrun.runner import fingerprint, rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
@@ -45,6 +45,7 @@ class JobConfig:
     world_size: int = 1
     resume_epoch: int | None = None
     resume_verified: bool = False  # the launcher hashed every rank of resume_epoch just now
+    force: bool = False  # resume even when init built other things than when the run started
 
 
 @dataclass
@@ -77,6 +78,10 @@ class JobRunner:
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         self.ckpt_dir = self.run_dir.checkpoints
         self.watch = Watch(self.plan)  # early_stop and checkpoint.best
+        # What checkpoints hold: per node, the blobs steps after init write or change.
+        self.held = _held_blobs(self.plan) if self.ckpt_dir is not None else {}
+        self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
+        self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
             g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
@@ -144,6 +149,7 @@ class JobRunner:
 
     def _start(self) -> bool:
         self._run_group("init")
+        self._fingerprint_init()
         resume = self.cfg.resume_epoch
         if resume is None:
             self._save(0, stop=False)
@@ -272,9 +278,38 @@ class JobRunner:
                 self._wait_for_writer()
                 raise Interrupted(self._pending_signal)
 
+    def _fingerprint_init(self) -> None:
+        """Describe what init built that checkpoints do not hold, and the random state it
+        left (see runner/fingerprint.py)."""
+        if self.ckpt_dir is None:
+            return
+        for name, node in self.nodes.items():
+            held = self.held.get(name, frozenset())
+            unsaved = {k: v for k, v in node.globals.items() if k not in held}
+            self.init_rng[name] = rng.capture(node.ctx)
+            self.init_fingerprints[name] = fingerprint.of_init(unsaved, rng.KEY, self.init_rng[name])
+
+    def _check_init(self, node: str, meta: dict[str, Any], epoch: int) -> None:
+        """Resume: init must have built what it built when the run started."""
+        saved = meta.get("init") if isinstance(meta, dict) else None
+        changed = fingerprint.changes(saved, self.init_fingerprints.get(node, {}), rng.KEY)
+        if not changed:
+            return
+        what = f"init built other things than when the run started (node {node!r}): " + "; ".join(changed)
+        if self.cfg.force:
+            self._warn(f"{what}; resuming anyway (--force): the result differs from an uninterrupted run")
+            return
+        raise CheckpointError(
+            f"cannot resume from checkpoint epoch {epoch}: {what}",
+            hint="checkpoints do not hold what init builds and no step changes: restore the data "
+            "and code init reads, or go on with them as they are: `jobrun resume --force`",
+        )
+
     def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
-        blobs = {k: v for k, v in node.globals.items() if k not in self.unsaved}
-        blobs[rng.KEY] = rng.capture(node.ctx)
+        held = self.held.get(node.name, frozenset())
+        blobs = {k: v for k, v in node.globals.items() if k in held and k not in self.unsaved}
+        blobs[rng.KEY] = fingerprint.rng_to_save(rng.capture(node.ctx), self.init_rng.get(node.name))
+        meta = {**meta, "init": self.init_fingerprints.get(node.name, {})}
 
         def unsupported(e: UnsupportedValue) -> None:
             if e.blob == rng.KEY:
@@ -333,6 +368,7 @@ class JobRunner:
                 raise CheckpointError(
                     f"checkpoint epoch {epoch} was written by {saved_world} replicas; this run has "
                     f"{self.cfg.world_size}", hint=f"resume with {saved_world} replicas")
+            self._check_init(name, meta, epoch)
             if found := rng.problems(blobs.get(rng.KEY)):
                 raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
                                       hint="resume from another epoch (see `jobrun ckpt list`)")
@@ -358,7 +394,7 @@ class JobRunner:
                     f"{blob!r} on node {node.name!r}, but init did not create one",
                     hint="init must build every object the epochs use (the plan changed?)",
                 )
-            loader(saved.state)
+            store.restore(live, saved)  # its state dict, and a module's modes and frozen parameters
             return
         node.globals[blob] = _to_device(saved, node.ctx.device)
 
@@ -417,6 +453,12 @@ class _Writer:
     def wait(self) -> BaseException | None:
         self.thread.join()
         return self.error
+
+
+def _held_blobs(plan: ir.Plan) -> dict[str, frozenset[str]]:
+    from jobrun.plans.state import checkpointed
+
+    return {node: frozenset(names) for node, names in checkpointed(plan).items()}
 
 
 def _to_device(value: Any, device: str) -> Any:

@@ -42,6 +42,7 @@ class Launch:
     device: str  # as asked for (auto, cpu, cuda, cuda:N); each worker picks its own
     resume_epoch: int | None
     replicas: int
+    force: bool = False  # resume although init built other things (job.py, _check_init)
 
     @property
     def verified(self) -> bool:
@@ -90,7 +91,8 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         return _launch(launch, torchrun, plan)
 
 
-def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] = ()) -> int:
+def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] = (),
+           force: bool = False) -> int:
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     info = run.info()
     torchrun = _under_torchrun()
@@ -142,7 +144,9 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
                                                                  "changed": changes}]}
             run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
                             error_at=None, **facts)
-        return _launch(Launch(run.path, run.plan_dir, device, epoch, n), torchrun, plan)
+        # A plan changed on purpose may make init build other things: warned, not refused.
+        force = force or _beyond_extending(changes)
+        return _launch(Launch(run.path, run.plan_dir, device, epoch, n, force), torchrun, plan)
 
 
 # -- plans ----------------------------------------------------------------------------------
@@ -176,10 +180,14 @@ def _refuse_errors(plan: ir.Plan) -> None:
 _EXTENDING = ("max_epochs",)
 
 
+def _beyond_extending(changes: list[str]) -> bool:
+    return any(not c.startswith(tuple(f"{k}:" for k in _EXTENDING)) for c in changes)
+
+
 def _warn_changes(changes: list[str]) -> None:
     for change in changes:
         print(f"resuming with {change}", file=sys.stderr)
-    if any(not c.startswith(tuple(f"{k}:" for k in _EXTENDING)) for c in changes):
+    if _beyond_extending(changes):
         print("warning: the plan changed beyond max_epochs: the result is no longer the one an "
               "uninterrupted run would give (the changes are recorded in run.json); objects init "
               "builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) keep "
@@ -382,7 +390,8 @@ def _worker(launch: Launch, plan: ir.Plan | None = None) -> int:
         _set_threads()
         cfg = JobConfig(plan=plan, run_dir=launch.run_dir.resolve(), plan_dir=launch.plan_dir,
                         device=device, rank=rank, world_size=world,
-                        resume_epoch=launch.resume_epoch, resume_verified=launch.verified)
+                        resume_epoch=launch.resume_epoch, resume_verified=launch.verified,
+                        force=launch.force)
         return JobRunner(cfg).run()
     except Interrupted as e:
         if world == 1:

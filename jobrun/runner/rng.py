@@ -38,20 +38,26 @@ def problems(state: Any) -> list[str]:
     """What would keep ``state`` from being restored ([] when it can be)."""
     if not isinstance(state, dict):
         return [f"the random state is {type(state).__name__}, not a mapping"]
+    # A stream still where init left it is not stored but named (see runner/fingerprint.py).
+    unchanged = state.get("unchanged", [])
+    if not isinstance(unchanged, list) or not all(isinstance(p, str) for p in unchanged):
+        return ["the random state is damaged: its list of unchanged streams"]
     found = [f"the random state has no {key!r} part" for key in ("python", "numpy", "torch", "node")
-             if key not in state]
+             if key not in state and key not in unchanged]
     if found:
         return found
-    try:
-        random.Random().setstate(_python(state["python"]))
-    except (TypeError, ValueError, IndexError, OverflowError) as e:
-        found.append(f"the random state is damaged: Python's ({e})")
-    try:
-        np.random.RandomState().set_state(_numpy(state["numpy"]))
-    except (TypeError, ValueError, IndexError, OverflowError) as e:
-        found.append(f"the random state is damaged: numpy's ({e})")
+    if "python" in state:
+        try:
+            random.Random().setstate(_python(state["python"]))
+        except (TypeError, ValueError, IndexError, OverflowError) as e:
+            found.append(f"the random state is damaged: Python's ({e})")
+    if "numpy" in state:
+        try:
+            np.random.RandomState().set_state(_numpy(state["numpy"]))
+        except (TypeError, ValueError, IndexError, OverflowError) as e:
+            found.append(f"the random state is damaged: numpy's ({e})")
     for key in ("torch", "node"):
-        if problem := _torch_problem(state[key]):
+        if key in state and (problem := _torch_problem(state[key])):
             found.append(f"the random state is damaged: the {key} generator's ({problem})")
     counters = state.get("ctx_state", {})
     if not (isinstance(counters, dict)
@@ -78,12 +84,17 @@ def saved_problems(ckpt_dir: Any, node: str, epoch: int, ranks: list[int]) -> li
 
 
 def restore(ctx: Any, state: dict[str, Any]) -> None:
+    """Restore the streams a checkpoint holds (one it lacks is still where init left it)."""
     import torch
 
-    random.setstate(_python(state["python"]))
-    np.random.set_state(_numpy(state["numpy"]))
-    torch.set_rng_state(_as_bytes(state["torch"]))
-    ctx.generator.set_state(_as_bytes(state["node"]))
+    if "python" in state:
+        random.setstate(_python(state["python"]))
+    if "numpy" in state:
+        np.random.set_state(_numpy(state["numpy"]))
+    if "torch" in state:
+        torch.set_rng_state(_as_bytes(state["torch"]))
+    if "node" in state:
+        ctx.generator.set_state(_as_bytes(state["node"]))
     ctx.load_state(state.get("ctx_state", {}))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_as_bytes(s) for s in state["cuda"]])

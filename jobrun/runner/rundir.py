@@ -24,7 +24,7 @@ import re
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,21 @@ LOCK_FILE = ".lock"
 MAX_INFO_BYTES = 1 << 20
 
 # A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
+_held_locks: set[int] = set()  # the run locks this process holds (their fds)
+
+
+def _drop_locks_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copy of the run lock's fd: the
+    flock belongs to the open file, so a child outliving a killed job (a worker notices
+    its parent died a few seconds later) would keep the run locked. The parent's own
+    fd keeps the lock held while it runs."""
+    for fd in _held_locks:
+        with suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
 _EPOCH_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.\d+")
 
 
@@ -356,8 +371,10 @@ class RunDir:
                                  hint="wait for that job to end, or choose another --run-dir") from None
             os.ftruncate(fd, 0)
             os.write(fd, f"pid {os.getpid()}".encode())
+            _held_locks.add(fd)
             yield
         finally:
+            _held_locks.discard(fd)
             os.close(fd)  # also releases the flock
 
     def truncate_metrics(self, after_epoch: int) -> None:

@@ -13,7 +13,8 @@ below are stored, anything else raises :class:`UnsupportedValue`.
 * numpy scalars (bool, int, float): tagged with their dtype.
 * objects with ``state_dict()`` (modules, optimizers, schedulers, GradScaler, readers)
   and torch.Generator: tagged with the type name; decoded as :class:`SavedState`,
-  which :func:`restore` loads into the live object.
+  which :func:`restore` loads into the live object. A module's modes and frozen
+  parameters go with it (:mod:`jobrun.store.modules`).
 
 Tags are JSON objects with a ``"__jobrun__"`` key; a user dict that has such a key is
 stored tagged (as a list of pairs), so the two never mix.
@@ -38,6 +39,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jobrun.errors import CheckpointError
+from jobrun.store.modules import apply_module_flags, module_flags
 
 TAG = "__jobrun__"
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -64,6 +66,7 @@ class SavedState:
 
     type_name: str
     state: Any
+    module: dict[str, Any] | None = None  # a module's modes and frozen parameters
 
 
 class UnsupportedValue(CheckpointError):
@@ -107,6 +110,8 @@ def restore(live: Any, saved: SavedState) -> None:
             hint="the object has no load_state_dict(); did the plan change since the save?",
         )
     load(saved.state)
+    if saved.module is not None:
+        apply_module_flags(live, saved.module, saved.type_name)
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -221,7 +226,11 @@ class _Encoder:
         if not isinstance(v, type) and callable(getattr(v, "state_dict", None)):
             with self.entering(v, path):
                 state = self.value(v.state_dict(), path)
-            return {TAG: "state", "type": type_name_of(v), "state": state}
+            out = {TAG: "state", "type": type_name_of(v), "state": state}
+            flags = module_flags(v)
+            if flags is not None:
+                out["module"] = flags
+            return out
         self.unsupported(v, path)
 
     def container(self, v: list | tuple | dict, path: str) -> Any:
@@ -381,7 +390,7 @@ class _Decoder:
                 # Generator.set_state ignores storage offsets (small tensors are views
                 # into a shared buffer), so give the state memory of its own.
                 state = state.clone()
-            return SavedState(v["type"], state)
+            return SavedState(v["type"], state, v.get("module"))
         _bad(f"unknown tag {tag!r}")
 
     def items(self, v: dict[str, Any]) -> list[Any]:

@@ -1,0 +1,438 @@
+"""Readers over torch Datasets: `reader` with one Dataset input, fetched by a DataLoader.
+
+    reader: {in: train_set, out: r, batch_size: 64, shuffle: true, num_workers: 2}
+
+A map-style Dataset (``__getitem__`` and ``__len__``) is read by the rules of every
+reader (:class:`jobrun.ops.reader.Reader`): the same pass orders, the same rank parts of
+each global batch, the same `done`, the same checkpointed position (pass, records read,
+seed). Torch's DataLoader does the fetching: worker processes, prefetching, `collate_fn`,
+pinned memory, its timeout and its detection of dead workers.
+
+Why a DataLoader with our own batch sampler and not torchdata's StatefulDataLoader: the
+sampler starts each pass at the reader's position, so the position is the whole state
+(a few ints, as for tensors) and resume is exact with workers too, because workers hand
+batches back in order. StatefulDataLoader checkpoints what it iterated (sampler generator
+state, per-worker snapshots of arbitrary dataset state) but not across ranks, which we
+need anyway; it patches torch's samplers when imported; and it would be a dependency.
+
+Random transforms. A worker fetches each batch under seeds made from (reader seed, pass,
+batch start, rank) for Python's `random`, numpy's global RNG and torch's default
+generator, so what a batch draws does not depend on which worker fetched it, on what
+that worker fetched before (persistent workers) or on a resume. Workers are started by
+PyTorch's rules (base seed from a generator seeded from the reader's seed and the pass,
+each worker's `random`, numpy and torch seeded from it); they ignore SIGINT, which the
+job handles. With `num_workers: 0` the transforms draw from the job's own random
+streams, which checkpoints hold.
+
+An IterableDataset is read by :mod:`jobrun.ops.stream`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import random
+import re
+import signal
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from jobrun.errors import RunError
+from jobrun.ops.imports import resolve
+from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
+
+LOADING_DEFAULTS: dict[str, Any] = {
+    "num_workers": 0,
+    "pin_memory": False,
+    "prefetch_factor": None,
+    "persistent_workers": False,
+    "collate_fn": None,
+    "timeout": 0,
+}
+
+
+def is_dataset(value: Any) -> bool:
+    """A torch Dataset, or an object that reads like one (``__getitem__`` and ``__len__``)
+    without being in-memory data (a tensor, an array, a list)."""
+    if isinstance(value, Dataset):
+        return True
+    if isinstance(value, torch.Tensor | np.ndarray | list | tuple | str | bytes | dict):
+        return False
+    return hasattr(value, "__getitem__") and hasattr(value, "__len__")
+
+
+def dataset_reader(dataset: Any, geometry: dict[str, Any], loading: dict[str, Any]) -> Reader:
+    """`reader` over one Dataset input: map-style or iterable."""
+    options = Options(type(dataset).__name__, geometry, **loading)
+    if isinstance(dataset, IterableDataset):
+        if geometry.get("shuffle"):
+            raise RunError(
+                f"reader: shuffle applies to map-style datasets; {options.name} is an "
+                "IterableDataset, which orders its own stream",
+                hint="shuffle inside the dataset's __iter__, or drop `shuffle: true`",
+            )
+        from jobrun.ops.stream import IterableReader
+
+        return IterableReader(dataset, options, **geometry)
+    return DatasetReader(dataset, options, **geometry)
+
+
+# ---------------------------------------------------------------------------- options
+
+
+class Options:
+    """The DataLoader arguments of a reader, checked once."""
+
+    def __init__(self, name: str, geometry: dict[str, Any], *, num_workers: int, pin_memory: bool,
+                 prefetch_factor: int | None, persistent_workers: bool, collate_fn: str | None,
+                 timeout: float) -> None:
+        self.name = name
+        _check_int("num_workers", num_workers, minimum=0)
+        if num_workers == 0:
+            for key, value in (("prefetch_factor", prefetch_factor),
+                               ("persistent_workers", persistent_workers or None)):
+                if value is not None:
+                    raise RunError(f"reader: {key} needs num_workers > 0",
+                                   hint=f"set num_workers, or drop {key}")
+        if prefetch_factor is not None:
+            _check_int("prefetch_factor", prefetch_factor, minimum=1)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+            raise RunError(f"reader: timeout must be a number of seconds >= 0, got {timeout!r}")
+        self.num_workers = num_workers
+        # Pinned memory speeds up copies to a GPU only; torch warns about it elsewhere.
+        self.pin_memory = bool(pin_memory) and torch.device(geometry.get("device", "cpu")).type == "cuda"
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = bool(persistent_workers)
+        self.timeout = float(timeout)
+        collate = default_collate if collate_fn is None else resolve(collate_fn, "reader", "collate_fn")
+        # batch_size 1 reads single records, unbatched, as the tensor reader does (and as
+        # torch does with batch_size=None: collate_fn sees one sample).
+        self.collate: Callable[[list[Any]], Any] = (
+            _Unbatched(default_convert if collate_fn is None else collate)
+            if geometry.get("batch_size", 1) == 1 else collate
+        )
+
+    def loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        workers = self.num_workers
+        return DataLoader(
+            dataset, num_workers=workers, collate_fn=self.collate, pin_memory=self.pin_memory,
+            timeout=self.timeout if workers else 0, generator=torch.Generator(),
+            prefetch_factor=self.prefetch_factor if workers else None,
+            persistent_workers=self.persistent_workers, worker_init_fn=_worker_init if workers else None,
+            **kwargs,
+        )
+
+
+class _Unbatched:
+    """collate_fn of single records: applied to the one sample of a batch."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return self.fn(samples[0])
+
+
+open_readers: weakref.WeakSet[Any] = weakref.WeakSet()  # readers that may have workers running
+
+
+@atexit.register  # registered after multiprocessing's: runs before it terminates the workers
+def _close_all() -> None:
+    for reader in list(open_readers):
+        reader.close()
+
+
+def shutdown(iterator: Any) -> None:
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def _worker_init(worker_id: int) -> None:
+    # Ctrl-C reaches the whole process group: the job stops its workers itself. A
+    # forked worker would otherwise run the job's own handler.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# ---------------------------------------------------------------------------- map-style
+
+
+class _Indices(list):
+    """One batch's sample indices, and the seed its fetch runs under in a worker."""
+
+    def __init__(self, indices: list[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+
+class _Batches:
+    """The batch sampler: this rank's indices of each global batch of the current pass,
+    from the reader's position (or, for `full_pass`, all of them in stored order)."""
+
+    def __init__(self, reader: DatasetReader, full: bool) -> None:
+        # Weak: a reader dropped by its last reference stops its workers at once (in a
+        # cycle, the garbage collector may close their queues first: 5 s per worker).
+        self.reader = weakref.proxy(reader)
+        self.full = full
+
+    def __iter__(self) -> Iterator[_Indices]:
+        r = self.reader
+        start, end, size = (0 if self.full else r.position), r.pass_end, r.batch_size
+        order = r._pass_order() if r.shuffle and not self.full else None
+        tag = "eval" if self.full else r.pass_index
+        for s in range(start, end, size):
+            lo, hi = r.rank_part(s, min(s + size, end))
+            if lo == hi:  # an empty part of a short batch: one record, cut to none by `read`
+                hi = lo + 1
+            ids = range(lo, hi) if order is None else order[lo:hi].tolist()
+            yield _Indices(list(ids), _mix(r.seed, tag, s, r.rank))
+
+    def __len__(self) -> int:
+        r = self.reader
+        return -(-(r.pass_end - (0 if self.full else r.position)) // r.batch_size)
+
+
+class SampleError(Exception):
+    """A dataset raised while fetching a sample; the message starts with its index.
+
+    Raised in a worker, it comes back as a SampleError whose message holds the worker's
+    traceback (torch's rule), where ``sample N: ...`` is found again.
+    """
+
+
+class _Fetch(Dataset):
+    """The dataset the DataLoader sees: fetches a batch under its seed, naming the
+    sample that failed."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.batched = callable(getattr(dataset, "__getitems__", None))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        seed = getattr(indices, "seed", None)
+        if seed is not None and get_worker_info() is not None:
+            random.seed(seed)
+            np.random.seed(seed & 0xFFFF_FFFF)  # numpy's legacy seed takes 32 bits
+            torch.default_generator.manual_seed(seed)  # not torch.manual_seed: 100x slower
+        if self.batched:
+            try:
+                return self.dataset.__getitems__(list(indices))
+            except Exception as e:
+                raise SampleError(f"samples {list(indices)}: {type(e).__name__}: {e}") from e
+        out = []
+        for i in indices:
+            try:
+                out.append(self.dataset[i])
+            except Exception as e:
+                raise SampleError(f"sample {i}: {type(e).__name__}: {e}") from e
+        return out
+
+
+class DatasetReader(Reader):
+    """A reader over a map-style Dataset; see the module docstring."""
+
+    def __init__(self, dataset: Any, options: Options, **geometry: Any) -> None:
+        try:
+            length = len(dataset)
+        except TypeError as e:
+            raise RunError(
+                f"reader: {options.name} has no length ({e})",
+                hint="a map-style Dataset needs __len__; a stream is an IterableDataset",
+            ) from e
+        if length == 0:
+            raise RunError(f"reader: the dataset {options.name} is empty",
+                           hint="check how the dataset is built (its files, its split)")
+        super().__init__(length, **geometry)
+        self.dataset = dataset
+        self.options = options
+        self.field_count = 0  # learned from the first batch, kept in the state
+        self._loader = options.loader(_Fetch(dataset), batch_sampler=_Batches(self, full=False))
+        self._eval_loader: DataLoader | None = None
+        self._iterator: Iterator[Any] | None = None
+        self._move = self.device.type != "cpu"
+        if options.num_workers:
+            open_readers.add(self)
+
+    def read(self) -> tuple[Any, ...]:
+        start, end = self.position, self._pass_end
+        if start >= end or self.finished:
+            self._stop()
+            if not self.field_count:  # e.g. drop_last with fewer records than a batch
+                self.field_count = len(as_fields(self._probe()))
+            return self._end_of_pass()
+        if self._iterator is None:
+            # Worker seeds are a function of (seed, pass), wherever reading resumes.
+            self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
+            self._iterator = iter(self._loader)
+        batch = fetch(self, self._iterator)
+        stop = min(start + self.batch_size, end)
+        self.position = stop
+        lo, hi = self.rank_part(start, stop)
+        return (*self._fields(batch, empty=lo == hi), False)
+
+    def full_pass(self) -> Iterator[tuple[Any, ...]]:
+        if self._eval_loader is None:
+            self._eval_loader = self.options.loader(_Fetch(self.dataset), batch_sampler=_Batches(self, full=True))
+            self._eval_loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
+        iterator = iter(self._eval_loader)
+        for start in range(0, self.pass_end, self.batch_size):
+            batch = fetch(self, iterator)
+            lo, hi = self.rank_part(start, min(start + self.batch_size, self.pass_end))
+            yield self._fields(batch, empty=lo == hi)
+
+    def _fields(self, batch: Any, empty: bool) -> tuple[Any, ...]:
+        fields = as_fields(batch)
+        if empty:
+            fields = tuple(part(f, 0, 0) for f in fields)
+        if self._move:
+            fields = tuple(to_device(f, self.device, self.options.pin_memory) for f in fields)
+        if self.field_count != len(fields):
+            if self.field_count:
+                raise RunError(
+                    f"reader: batches of {self.options.name} had {self.field_count} field(s), "
+                    f"this one has {len(fields)}",
+                    hint="__getitem__ must return samples of one structure",
+                )
+            self.field_count = len(fields)
+        return fields
+
+    def _probe(self) -> Any:
+        """One collated sample, fetched here without touching the job's random state."""
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            return self.options.collate(_Fetch(self.dataset).__getitems__([0]))
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+
+    def _stop(self) -> None:
+        """Drop the pass's iterator (its workers exit, unless they persist)."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and not self.options.persistent_workers:
+            shutdown(iterator)
+
+    def close(self) -> None:
+        """Stop every worker of this reader, persistent ones too (at exit)."""
+        self._stop()
+        for loader in (self._loader, self._eval_loader):
+            shutdown(getattr(loader, "_iterator", None))
+
+    def state_dict(self) -> dict[str, int]:
+        return {**super().state_dict(), "fields": self.field_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "fields" in state:
+            self.field_count = _as_int("fields", state["fields"])
+        self._stop()  # the next read starts where the checkpoint says
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def as_fields(batch: Any) -> tuple[Any, ...]:
+    """A collated batch as the fields `read` outputs: a tuple or list is its fields."""
+    return tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+
+
+def records(value: Any) -> int:
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return int(value.shape[0]) if value.ndim else 1
+    if isinstance(value, dict):
+        return records(next(iter(value.values()))) if value else 0
+    return len(value) if isinstance(value, list | tuple) else 1
+
+
+def part(value: Any, lo: int, hi: int) -> Any:
+    """Records [lo, hi) of a collated field (tensors, arrays, lists; dicts of them)."""
+    if isinstance(value, dict):
+        return {k: part(v, lo, hi) for k, v in value.items()}
+    if isinstance(value, torch.Tensor | np.ndarray | list | tuple) and (
+        not hasattr(value, "ndim") or value.ndim
+    ):
+        return value[lo:hi]
+    return value
+
+
+def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device, non_blocking) for v in value)
+    return value
+
+
+def fetch(reader: Reader, iterator: Iterator[Any]) -> Any:
+    """next(iterator), with a failure of the dataset or a worker as one clear RunError."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise
+    except Exception as e:
+        reader._stop()  # type: ignore[attr-defined]
+        raise _failure(reader, e) from e
+
+
+_SAMPLE = re.compile(r"(?m)^(?:[\w.]+\.)?SampleError: ((?:samples?) .*)$")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_CAUSE = "The above exception was the direct cause of the following exception"
+
+
+def _failure(reader: Reader, e: Exception) -> RunError:
+    name = reader.options.name  # type: ignore[attr-defined]
+    text = str(e)
+    if isinstance(e, SampleError):
+        m = _SAMPLE.search(text)
+        what = m.group(1) if m else text
+        where = _user_frame(e, text)
+        return RunError(
+            f"dataset {name}: {what}{f' (at {where})' if where else ''}",
+            hint="fix the dataset's __getitem__ for this sample; the run resumes from its "
+            "last checkpoint with `jobrun resume`",
+        )
+    if isinstance(e, RuntimeError) and "DataLoader worker (pid" in text:
+        return RunError(
+            f"a DataLoader worker of the reader over {name} died: {text.strip()}",
+            hint="workers die when memory runs out (fewer num_workers or a smaller "
+            "prefetch_factor help) or when native code in the dataset crashes; the run "
+            "resumes from its last checkpoint with `jobrun resume`",
+        )
+    if isinstance(e, RuntimeError) and "DataLoader timed out" in text:
+        return RunError(
+            f"the reader over {name}: {text.strip()}",
+            hint="a worker took longer than `timeout` for one batch: raise it (0 waits forever)",
+        )
+    first, last = text.strip().splitlines()[0], text.strip().splitlines()[-1] if text.strip() else ""
+    shown = last if first.startswith("Caught ") else first
+    return RunError(f"the reader over {name} failed: {type(e).__name__}: {shown}",
+                    hint="check the dataset and the reader's collate_fn")
+
+
+def _user_frame(e: BaseException, text: str) -> str | None:
+    """file:line of the innermost frame of the dataset's own failure, when known."""
+    cause = e.__cause__
+    if cause is not None and cause.__traceback__ is not None:  # raised in this process
+        tb = cause.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+    frames = _FRAME.findall(text.split(_CAUSE)[0])  # the worker's traceback, as text
+    if not frames:
+        return None
+    file, line, fn = frames[-1]
+    return f"{file}:{line} in {fn}"

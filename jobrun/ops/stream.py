@@ -1,0 +1,133 @@
+"""A reader over an IterableDataset: `reader` with one stream input (see :mod:`jobrun.ops.loader`).
+
+The stream is read as its DataLoader yields it: global batches of `batch_size` (each
+worker batches its own part of the stream), `shuffle` refused (a stream orders itself),
+`drop_last` as torch does it. Every rank reads the whole stream and keeps its part of
+each global batch, so the union over ranks is the global batch of one replica.
+
+Its position is the batches read in the current pass; resume reads the pass again up to
+there, with the worker seeds of that pass (a function of the reader's seed and the
+pass). That is exact when the stream depends only on the dataset, the worker it runs in
+and the seeds torch gives that worker; not when it draws from the main process's random
+state (`num_workers: 0`) or carries random state from pass to pass
+(`persistent_workers: true`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jobrun.errors import RunError
+from jobrun.ops.loader import (
+    Options,
+    as_fields,
+    fetch,
+    open_readers,
+    part,
+    records,
+    shutdown,
+    to_device,
+)
+from jobrun.ops.reader import Reader, _as_int, _mix, _rank_bounds
+
+
+class IterableReader(Reader):
+    """A reader over an IterableDataset; see the module docstring."""
+
+    def __init__(self, dataset: Any, options: Options, **geometry: Any) -> None:
+        super().__init__(0, **geometry)
+        self.dataset = dataset
+        self.options = options
+        self.field_count = 0
+        self._iterator: Iterator[Any] | None = None
+        batch = None if self.batch_size == 1 else self.batch_size
+        self._loader = options.loader(dataset, batch_size=batch, drop_last=self.drop_last)
+        if options.num_workers:
+            open_readers.add(self)
+
+    @property
+    def pass_end(self) -> int:
+        raise RunError(f"reader: {self.options.name} is a stream: its length is not known")
+
+    def read(self) -> tuple[Any, ...]:
+        if self.finished:
+            return self._done()
+        if self._iterator is None:
+            self._iterator = self._start()
+        try:
+            batch = fetch(self, self._iterator)
+        except StopIteration:
+            self._stop()
+            return self._done()
+        self.position += 1
+        return (*self._fields(batch), False)
+
+    def _done(self) -> tuple[Any, ...]:
+        if not self.field_count:
+            raise RunError(f"reader: the stream {self.options.name} ended before its first batch",
+                           hint="check the dataset's __iter__ (and its files)")
+        return self._end_of_pass()
+
+    def _start(self) -> Iterator[Any]:
+        """An iterator at the reader's position: the pass is read again up to it."""
+        self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
+        iterator = iter(self._loader)
+        for done in range(self.position):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise RunError(
+                    f"reader: the stream {self.options.name} ended after {done} batches while "
+                    f"resuming at batch {self.position} of pass {self.pass_index}",
+                    hint="the stream changed since the checkpoint was written",
+                ) from None
+        return iterator
+
+    def full_pass(self) -> Iterator[tuple[Any, ...]]:
+        self._loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
+        iterator = iter(self._loader)
+        while True:
+            try:
+                batch = fetch(self, iterator)
+            except StopIteration:
+                return
+            yield self._fields(batch)
+
+    def _fields(self, batch: Any) -> tuple[Any, ...]:
+        fields = as_fields(batch)
+        if self.batch_size > 1 and self.world_size > 1:
+            n = records(fields[0])
+            lo, hi = _rank_bounds(n, self.rank, self.world_size)
+            fields = tuple(part(f, lo, hi) for f in fields)
+        if self.device.type != "cpu":
+            fields = tuple(to_device(f, self.device, self.options.pin_memory) for f in fields)
+        if not self.field_count:
+            self.field_count = len(fields)
+        return fields
+
+    def _stop(self) -> None:
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and not self.options.persistent_workers:
+            shutdown(iterator)
+
+    def close(self) -> None:
+        self._stop()
+        shutdown(getattr(self._loader, "_iterator", None))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pass": self.pass_index, "batches": self.position, "seed": self.seed,
+                "fields": self.field_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        keys = ("pass", "batches", "seed", "fields")
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise RunError(f"reader state is missing {missing}",
+                           hint="the checkpoint holds the state of another kind of reader")
+        values = {k: _as_int(k, state[k]) for k in keys}
+        if values["pass"] < 0 or values["batches"] < 0:
+            raise RunError(f"reader state is out of range: {values}")
+        self.pass_index, self.position = values["pass"], values["batches"]
+        self.seed, self.field_count = values["seed"], values["fields"]
+        self._stop()

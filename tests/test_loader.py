@@ -1,0 +1,287 @@
+"""`reader` over torch Datasets: the tensor reader's rules, through a DataLoader with workers.
+
+What must hold: the samples (and their random transforms) of every batch are a function of
+(seed, pass, batch), whatever the number of workers, persistent or not, and after a
+resume at any position; replicas read disjoint parts whose union is the global batch;
+failures name the sample or the dead worker.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+from runner_util import ckpt_values, jobrun, jobrun_proc
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from jobrun.errors import RunError
+from jobrun.ops.context import OpContext
+from jobrun.ops.reader import read_op, reader_op
+from jobrun.ops.train import evaluate
+
+
+class Noisy(Dataset):
+    """Sample i is (i, draws from torch, numpy and random): a random transform."""
+
+    def __init__(self, n: int = 23, fail_at: int | None = None, kill_at: int | None = None):
+        self.n, self.fail_at, self.kill_at = n, fail_at, kill_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.kill_at and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i == self.fail_at:
+            raise ValueError("bad pixel")
+        noise = torch.tensor([torch.rand(()).item(), np.random.rand(), random.random()])
+        return noise, i
+
+
+def _reader(dataset=None, seed=0, rank=0, world=1, **args):
+    ctx = OpContext(seed=seed, rank=rank, world_size=world)
+    return reader_op(ctx, Noisy() if dataset is None else dataset, **args)
+
+
+def _reads(reader, n: int) -> list:
+    """n reads: ("done") or (the sample indices, the random draws) of each batch."""
+    out = []
+    for _ in range(n):
+        *fields, done = read_op(None, reader)
+        out.append("done" if done else (fields[1].tolist(), fields[0].tolist()))
+    return out
+
+
+def _indices(reads: list) -> list:
+    return [r if r == "done" else r[0] for r in reads]
+
+
+def test_batches_follow_the_tensor_readers_order():
+    """Same pass orders, short last batch, `done` once a pass, as over tensors."""
+    args = dict(batch_size=5, shuffle=True, passes=2)
+    tensors = reader_op(OpContext(), torch.arange(23), **args)
+    expected = []
+    for _ in range(14):
+        batch, done = read_op(None, tensors)
+        expected.append("done" if done else batch.tolist())
+    assert _indices(_reads(_reader(**args), 14)) == expected
+    assert expected.count("done") == 4  # after the last pass, done stays true
+
+
+def test_random_transforms_do_not_depend_on_workers_or_resume():
+    """1 or 2 workers, persistent or not, resumed mid-pass: the very same batches."""
+    args = dict(batch_size=4, shuffle=True, passes=0, seed=3)
+    whole = _reads(_reader(num_workers=2, **args), 16)
+    assert _reads(_reader(num_workers=1, **args), 16) == whole
+    assert _reads(_reader(num_workers=2, persistent_workers=True, **args), 16) == whole
+    first = _reader(num_workers=2, **args)
+    _reads(first, 9)  # into the second pass
+    state = first.state_dict()
+    again = _reader(num_workers=2, persistent_workers=True, **args)
+    again.load_state_dict(state)
+    assert _reads(again, 7) == whole[9:]
+
+
+def test_without_workers_transforms_draw_from_the_job_streams():
+    """num_workers: 0 fetches in this process: the draws are the job's (checkpointed)."""
+    args = dict(batch_size=4, shuffle=True, seed=3)
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    a = _reads(_reader(**args), 3)
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    assert _reads(_reader(**args), 3) == a
+    assert _indices(_reads(_reader(num_workers=1, **args), 3)) == _indices(a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicas_read_disjoint_parts_of_every_global_batch(world):
+    args = dict(dataset=Noisy(11), batch_size=4, shuffle=True, passes=1, seed=1)
+    whole = _indices(_reads(_reader(**args), 4))
+    parts = [_indices(_reads(_reader(rank=r, world=world, **args), 4)) for r in range(world)]
+    for step, batch in enumerate(whole[:-1]):
+        got = [p[step] for p in parts]
+        assert sum(got, []) == batch  # in rank order: the global batch, split
+    assert all(p[-1] == "done" for p in parts)
+
+
+def test_batch_size_one_reads_unbatched_records():
+    r = _reader(batch_size=1)
+    noise, index, done = read_op(None, r)
+    assert index == 0 and noise.shape == (3,) and done is False
+
+
+def test_collate_fn_by_dotted_path(tmp_path, monkeypatch):
+    (tmp_path / "mycollate.py").write_text(
+        "import torch\n"
+        "def pairs(samples):\n"
+        "    return torch.stack([s[0] for s in samples]), torch.tensor([s[1] * 10 for s in samples])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = _reader(batch_size=3, collate_fn="mycollate:pairs")
+    assert _indices(_reads(r, 1)) == [[0, 10, 20]]
+
+
+def test_evaluate_reads_a_full_pass_without_moving_the_position():
+    class Points(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return torch.tensor([float(i % 2), 1.0]), i % 2
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[-1.0, 0.5], [1.0, 0.0]]))
+        model.bias.zero_()
+    r = reader_op(OpContext(), Points(), batch_size=4, num_workers=1)
+    read_op(None, r)
+    loss, accuracy = evaluate(OpContext(), model, r)
+    assert accuracy == 1.0 and loss > 0 and r.state_dict()["position"] == 4
+
+
+def test_the_field_count_is_checkpointed_and_known_before_a_first_batch():
+    r = _reader(batch_size=30, drop_last=True)  # 23 records: no batch at all
+    assert read_op(None, r) == (None, None, True)
+    assert r.state_dict()["fields"] == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_sample_is_named(workers):
+    r = _reader(Noisy(fail_at=13), batch_size=4, num_workers=workers)
+    with pytest.raises(RunError, match=r"dataset Noisy: sample 13: ValueError: bad pixel \(at .*test_loader.py:\d+ in __getitem__\)"):
+        _reads(r, 5)
+
+
+def test_a_dead_worker_stops_the_reader_with_a_message():
+    r = _reader(Noisy(kill_at=9), batch_size=4, num_workers=2)
+    with pytest.raises(RunError, match="DataLoader worker of the reader over Noisy died") as e:
+        _reads(r, 5)
+    assert "jobrun resume" in e.value.hint
+
+
+def test_arguments_that_need_a_dataset_or_workers_are_refused():
+    with pytest.raises(RunError, match="num_workers need.* a torch Dataset"):
+        reader_op(OpContext(), torch.arange(4), num_workers=2)
+    with pytest.raises(RunError, match="prefetch_factor needs num_workers > 0"):
+        _reader(prefetch_factor=2)
+    with pytest.raises(RunError, match="is empty"):
+        _reader(Noisy(0))
+    with pytest.raises(RunError, match="only input"):
+        reader_op(OpContext(), Noisy(), torch.arange(23))
+
+
+class Stream(IterableDataset):
+    """0..n-1 split over the workers, each value with a draw from the worker's torch RNG."""
+
+    def __init__(self, n: int = 10):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        first, step = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(first, self.n, step):
+            yield torch.rand(()).item(), i
+
+
+def test_an_iterable_dataset_is_read_pass_by_pass():
+    r = _reader(Stream(), batch_size=3, passes=2)
+    assert _indices(_reads(r, 11)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9], "done"] * 2 + ["done"]
+    with pytest.raises(RunError, match="shuffle applies to map-style"):
+        _reader(Stream(), shuffle=True)
+
+
+def test_an_iterable_dataset_resumes_exactly_with_workers():
+    args = dict(dataset=Stream(), batch_size=2, passes=0, num_workers=2, seed=5)
+    whole = _reads(_reader(**args), 12)
+    first = _reader(**args)
+    _reads(first, 8)
+    again = _reader(**args)
+    again.load_state_dict(first.state_dict())
+    assert _reads(again, 4) == whole[8:]
+
+
+def test_an_iterable_dataset_is_split_over_replicas():
+    parts = [_indices(_reads(_reader(Stream(), rank=r, world=2, batch_size=3), 5)) for r in (0, 1)]
+    assert parts == [[[0, 1], [3, 4], [6, 7], [9], "done"], [[2], [5], [8], [], "done"]]
+
+
+# -- in a job: the op, the plan position and the sample; a dead worker; resume ----------
+
+JOB = """
+job: flaky
+max_epochs: 3
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - build: {out: data, target: "flaky:Flaky"}
+      - reader: {in: data, out: r, batch_size: 4, shuffle: true, passes: 0, num_workers: 2}
+      - const: {out: seen, value: 0}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: r, out: [xb, yb, end]}
+          - stop_if: end
+          - add: {in: [seen, 1], out: seen}
+      - log: {in: [seen]}
+"""
+
+FLAKY = '''
+import os, signal
+from pathlib import Path
+import torch
+
+class Flaky(torch.utils.data.Dataset):
+    """Sample 5 fails (raises, or kills its worker) while a marker file says so."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        here = Path(__file__).parent
+        if i == 5 and (here / "raise").exists():
+            raise ValueError("unreadable image")
+        if i == 5 and (here / "kill").exists() and (here / "epoch2").exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([float(i)]), i
+'''
+
+
+@pytest.fixture
+def flaky(tmp_path):
+    (tmp_path / "plan.yaml").write_text(JOB)
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    return tmp_path
+
+
+def test_in_a_job_a_failing_sample_is_named_with_the_op_and_its_position(flaky):
+    (flaky / "raise").touch()
+    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run")
+    assert r.code == 1
+    line = JOB.splitlines().index("          - read: {in: r, out: [xb, yb, end]}") + 1
+    assert f"plan.yaml:{line}:13: error: op `read` in task 'train' on node 'local': dataset " \
+        "Flaky: sample 5: ValueError: unreadable image (at " in r.err
+    raised = FLAKY.splitlines().index('            raise ValueError("unreadable image")') + 1
+    assert f"flaky.py:{raised} in __getitem__)" in r.err
+
+
+@pytest.mark.slow
+def test_in_a_job_a_dead_worker_stops_it_and_the_run_resumes(flaky):
+    (flaky / "kill").touch()
+    first = jobrun_proc("train", flaky / "plan.yaml", "--run-dir", flaky / "run", "--set", "max_epochs=1")
+    assert first.code == 0, first.text
+    (flaky / "epoch2").touch()  # from now on, the worker fetching sample 5 dies
+    r = jobrun_proc("resume", "--run-dir", flaky / "run", "max_epochs=3")
+    assert r.code == 1
+    assert "error: op `read` in task 'train' on node 'local': a DataLoader worker of the reader " \
+        "over Flaky died: DataLoader worker (pid" in r.err
+    assert "jobrun resume" in r.err
+    (flaky / "kill").unlink()
+    r = jobrun_proc("resume", "--run-dir", flaky / "run")
+    assert r.code == 0, r.text
+    assert ckpt_values(flaky / "run", 3)["seen"] == 9  # three passes of three batches

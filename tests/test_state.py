@@ -1,0 +1,152 @@
+"""What checkpoints hold, worked out from the plan and the ops' signatures (no torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from runner_util import jobrun
+
+from jobrun.ops.registry import registry
+from jobrun.ops.spec import OpSpec
+from jobrun.plans.analyze import analyze
+from jobrun.plans.compile import compile_file, compile_text
+from jobrun.plans.state import checkpointed
+
+PLANS = Path(__file__).resolve().parent.parent / "plans"
+
+
+@pytest.mark.parametrize(("name", "held"), [
+    ("mlp", ("train_data", "model", "opt", "loss")),
+    ("cnn", ("train_data", "model", "opt")),
+    # vocab_size: `build` may keep what it is given, and train.step changes the model
+    ("charlm", ("vocab_size", "train_data", "model", "opt", "sched")),
+    ("counter", ("total", "epochs")),
+])
+def test_the_examples_hold_what_training_changes(name, held):
+    assert checkpointed(compile_file(PLANS / f"{name}.yaml")) == {"local": held}
+
+
+def _held(body: str, checkpoint: str = "{}", ops=None) -> tuple[str, ...]:
+    plan = compile_text(f"job: t\nmax_epochs: 1\ncheckpoint: {checkpoint}\n{body}")
+    return checkpointed(plan, ops)["local"]
+
+
+INIT = """
+init:
+  - task: setup
+    do:
+      - const: {out: a, value: 1}
+      - const: {out: b, value: 2}
+      - const: {out: c, value: 3}
+"""
+
+
+def test_epoch_writes_reach_globals_but_private_blobs_are_not_saved():
+    assert _held(INIT + """
+epoch:
+  - task: t
+    do:
+      - add: {in: [a, 1], out: a}       # a global blob: updated, saved
+      - add: {in: [b, 1], out: tmp}     # a private blob: gone at the end of the task
+      - loop: 2
+        as: i
+        do: [{log: {in: [c]}}]
+""") == ("a",)
+
+
+def test_a_global_epoch_task_creates_saved_blobs():
+    assert _held(INIT + """
+epoch:
+  - task: t
+    workspace: global
+    do: [{add: {in: [a, 1], out: fresh}}]
+""") == ("fresh",)
+
+
+def test_call_changes_its_inputs_unless_it_says_which():
+    epoch = """
+epoch:
+  - task: t
+    do:
+      - call: {{fn: "m:f", in: [a, b]{mutates}}}
+"""
+    assert _held(INIT + epoch.format(mutates="")) == ("a", "b")
+    assert _held(INIT + epoch.format(mutates=", mutates: []")) == ()
+    assert _held(INIT + epoch.format(mutates=", mutates: [b]")) == ("b",)
+
+
+def test_a_changed_object_changes_what_it_keeps():
+    """scheduler.step sets the optimizer's learning rate: the optimizer is saved too."""
+    body = """
+init:
+  - task: setup
+    do:
+      - model.mlp: {out: model, sizes: [2, 2]}
+      - optimizer: {in: model, out: opt}
+      - scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 1}
+      - data.synthetic: {out: [x, y], task: classification, n: 8, features: 2, classes: 2}
+      - reader: {in: [x, y], out: r, batch_size: 4}
+epoch:
+  - task: t
+    do:
+      - scheduler.step: {in: sched}
+      - read: {in: r, out: [xb, yb, end]}
+"""
+    # the optimizer keeps the model: stepping the scheduler reaches it (through the
+    # optimizer), reading the reader does not reach its data
+    assert _held(body) == ("model", "opt", "sched", "r")
+
+
+def test_an_undeclared_users_op_changes_every_input():
+    ops = {**registry(), "my.op": OpSpec("my.op", "doc", "m:f", inputs=("x", "y"), category="user")}
+    assert _held(INIT + """
+epoch:
+  - task: t
+    do: [{my.op: {in: [a, c]}}]
+""", ops=ops) == ("a", "c")
+
+
+def test_download_and_exit_run_after_the_last_save():
+    assert _held(INIT + """
+epoch:
+  - task: t
+    do: [{log: {in: [a]}}]
+download:
+  - task: d
+    do: [{add: {in: [a, 1], out: a}}]
+exit:
+  - task: e
+    do: [{add: {in: [b, 1], out: b}}]
+""") == ()
+
+
+def test_include_and_exclude_override_the_choice():
+    epoch = "\nepoch:\n  - task: t\n    do: [{add: {in: [a, 1], out: a}}]\n"
+    assert _held(INIT + epoch, "{include: [c, b], exclude: a}") == ("b", "c")
+
+
+def test_unknown_names_in_include_or_mutates_are_warned():
+    plan = compile_text("""
+job: t
+max_epochs: 1
+checkpoint: {include: [modle]}
+init:
+  - task: setup
+    do: [{model.mlp: {out: model, sizes: [2, 2]}}]
+epoch:
+  - task: t
+    do: [{call: {fn: "m:f", in: [model], mutates: [mdl]}}]
+""")
+    found = [(d.severity, d.code, d.message, d.hint) for d in analyze(plan)]
+    assert ("warning", "checkpoint-blob", "checkpoint.include names blob 'modle', which no "
+            "global workspace holds", "did you mean 'model'?") in found
+    assert any(d[1] == "checkpoint-blob" and "'mdl', which is not one of its inputs" in d[2] for d in found)
+
+
+def test_print_and_analyze_json_show_the_checkpointed_blobs():
+    r = jobrun("print", PLANS / "cnn.yaml")
+    assert "checkpointed @ local: [train_data, model, opt] + random state" in r.out.splitlines()
+    r = jobrun("analyze", PLANS / "cnn.yaml", "--format", "json")
+    assert json.loads(r.out)["checkpointed"] == {"local": ["train_data", "model", "opt"]}
