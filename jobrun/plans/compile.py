@@ -25,13 +25,14 @@ DEVICE = re.compile(r"(auto|cpu|cuda|cuda:\d{1,3})\Z")
 DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)\s*\Z")
 
 TOP_KEYS = (
-    "job", "seed", "device", "replicas", "vars", "max_epochs", "stop_when", "checkpoint",
-    "init", "epoch", "download", "exit",
+    "job", "seed", "device", "replicas", "max_restarts", "vars", "max_epochs", "stop_when",
+    "checkpoint", "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
 CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async")
 MAX_INSTANCES = 1024
 MAX_REPLICAS = 1024
+MAX_RESTARTS = 1000
 
 # The keys that make a step a control step, in the order they are recognised, and the
 # keys that only appear inside one (a step made of just `do:` lost its `loop:`).
@@ -186,6 +187,8 @@ class _Compiler:
                 )
         else:
             replicas = self.int_(replicas, t.at("replicas"), "replicas", 1, MAX_REPLICAS)
+        max_restarts = self.int_(t.get("max_restarts", 0), t.at("max_restarts"), "max_restarts", 0,
+                                 MAX_RESTARTS)
         vars_ = t.get("vars") or {}
         max_epochs = t.get("max_epochs")
         if max_epochs is not None:
@@ -204,7 +207,7 @@ class _Compiler:
             job=job, seed=seed, device=device, replicas=replicas, vars=dict(vars_),
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
-            exit=groups["exit"], source=self.source, pos=t.pos,
+            exit=groups["exit"], source=self.source, pos=t.pos, max_restarts=max_restarts,
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:

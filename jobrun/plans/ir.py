@@ -158,6 +158,7 @@ class Plan:
     exit: Group
     source: str
     pos: Pos
+    max_restarts: int = 0  # times the elastic agent restarts the ranks after one died
 
     @property
     def groups(self) -> tuple[Group, ...]:
