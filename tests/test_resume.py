@@ -317,7 +317,7 @@ def test_job_runner_without_the_launcher_still_checks_checksums(reference, tmp_p
 def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeypatch, how):
     import torch.distributed.launcher.api as elastic
 
-    from jobrun.runner import launch
+    from jobrun.runner import group, hosts, workers
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -325,17 +325,22 @@ def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeyp
     info["replicas"] = 2
     (run / "run.json").write_text(json.dumps(info))
     started: list[tuple] = []
-    monkeypatch.setattr(launch, "_worker", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr(workers, "worker", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr(hosts, "worker", workers.worker)
     if how == "elastic":
         monkeypatch.setattr(elastic, "elastic_launch", lambda config, fn: lambda *args: {
             r: fn(*args) for r in range(config.nproc_per_node)})
     else:  # every process checks its own rank with the others, then runs its worker
         for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}.items():
             monkeypatch.setenv(key, value)
-        monkeypatch.setattr(launch, "_init_process_group", lambda device: None)
-        monkeypatch.setattr(launch, "_all_gather", lambda obj: [obj])
+        published: dict = {}
+        monkeypatch.setattr(group, "rendezvous_store", lambda: published)
+        monkeypatch.setattr(group, "publish", lambda store, name, obj: store.__setitem__(name, obj))
+        monkeypatch.setattr(group, "start", lambda device, store=None: None)
+        monkeypatch.setattr(group, "gather", lambda obj: [obj])
     seen = _watch_reads(monkeypatch)
-    r = jobrun("resume", "--run-dir", run, "--epoch", "3")
+    # (--replicas 2: the checkpoint was written by one)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "3", *(["--replicas", "2"] if how == "elastic" else []))
     assert r.code == 0, r.text
     assert sum(seen["checksummed"]) == _data_bytes(run, 3)  # checked once, by the launcher
     started_as = [(a[0].run_dir, a[0].resume_epoch, a[0].verified) for a in started]
@@ -394,7 +399,10 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
 
     from jobrun import store
     from jobrun.errors import CheckpointError
-    from jobrun.runner.launch import _pick_epoch
+    from jobrun.runner.pick import pick_epoch
+
+    def _pick_epoch(ckpt, plan, replicas, epoch, rank, gather):
+        return pick_epoch(ckpt, plan, replicas, epoch, rank=rank, gather=gather)[0]
 
     plan, ckpt = two_ranks
     _flip_last_byte(ckpt / "local.3" / "rank-1" / "tensors.safetensors")
@@ -402,9 +410,10 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     verified: list[tuple] = []
     verify = store.verify
 
-    def record(ckpt_dir, node, epoch, rank=None):
-        verified.append((threading.current_thread().name, epoch, rank))
-        return verify(ckpt_dir, node, epoch, rank)
+    def record(ckpt_dir, node, epoch, rank=None, hashes=True):
+        if hashes:
+            verified.append((threading.current_thread().name, epoch, rank))
+        return verify(ckpt_dir, node, epoch, rank, hashes=hashes)
 
     monkeypatch.setattr(store, "verify", record)
     got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, None, rank, gather))

@@ -20,9 +20,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from jobrun import store
+from jobrun import signals, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
@@ -45,6 +45,8 @@ class JobConfig:
     world_size: int = 1
     resume_epoch: int | None = None
     resume_verified: bool = False  # the launcher hashed every rank of resume_epoch just now
+    resume_world: int | None = None  # the ranks that saved resume_epoch (None: world_size)
+    restart: dict[str, Any] | None = None  # set when the elastic agent restarted the ranks
 
 
 @dataclass
@@ -118,11 +120,12 @@ class JobRunner:
                     stop = self._epoch(self.epoch + 1)
                 self._finish()
             except Interrupted as e:
-                stopped = self._interrupted(e.signum)
-                self._record("interrupted", stopped)
-                self.display.to_log(stopped.format_message())
-                raise stopped from None
+                self._stopped(e.signum)
             except JobrunError as e:
+                if self._peer_lost(e):
+                    raise  # another rank died: the launcher names it, and may restart
+                if signals.requested():  # a collective broke because the others stopped
+                    self._stopped(signals.requested())
                 self._record("failed", e)
                 self.display.to_log(e.format_message())
                 raise
@@ -132,6 +135,19 @@ class JobRunner:
                 self.tensorboard.close()
             self._summary()
         return 0
+
+    def _stopped(self, signum: int) -> NoReturn:
+        stopped = self._interrupted(signum)
+        self._record("interrupted", stopped)
+        self.display.to_log(stopped.format_message())
+        raise stopped from None
+
+    def _peer_lost(self, error: JobrunError) -> bool:
+        if self.cfg.world_size == 1:
+            return False
+        from jobrun.runner.group import lost_peer
+
+        return lost_peer(error)
 
     def _interrupted(self, signum: int) -> Interrupted:
         """The error for a signal: how to go on, when a checkpoint exists to go on from."""
@@ -147,10 +163,12 @@ class JobRunner:
         if resume is None:
             self._save(0, stop=False)
             self._resumable = True
+            self._agree_on_stop()
+            self._restarted(None)
             return False
         meta = self._restore(resume)
         self.epoch = self._last_saved = resume  # the checkpoint it resumed from is the newest
-        self.display.line(f"resumed from checkpoint epoch {resume}")
+        self._restarted(resume)
         # The stop condition of this plan (a resume may have raised max_epochs), on the
         # outputs the epoch had; checkpoint 0 has none.
         outputs = meta.get("outputs")
@@ -171,6 +189,7 @@ class JobRunner:
         if ck is not None and (epoch % ck.every == 0 or stop):
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
         self.display.epoch_line(result, self.plan.max_epochs)
+        self._agree_on_stop()
         return stop
 
     def _should_stop(self, outputs: dict[str, dict[str, Any]], epoch: int) -> bool:
@@ -196,6 +215,30 @@ class JobRunner:
         self._run_group("exit")
         if self.main_rank:
             self._record("finished")
+
+    def _agree_on_stop(self) -> None:
+        """With replicas: stop here, all ranks together, when any of them was signalled
+        (after the save: every rank finished it; see jobrun.signals)."""
+        if self.cfg.world_size > 1:
+            from jobrun.runner.group import agree_on_stop
+
+            agree_on_stop()
+
+    def _restarted(self, epoch: int | None) -> None:
+        """Say where the job goes on from: a resume, or a restart (which rank died, how)."""
+        restart = self.cfg.restart
+        if restart is None:
+            if epoch is not None:
+                self.display.line(f"resumed from checkpoint epoch {epoch}")
+            return
+        where = f"checkpoint epoch {epoch}" if epoch is not None else "the start (no checkpoint yet)"
+        who = f"rank {restart['rank']} died ({restart['how']})" if restart.get("rank") is not None \
+            else restart["how"]
+        self.display.line(f"restart {restart['restart']}: {who}; resumed from {where}")
+        if self.main_rank:
+            facts = {k: restart.get(k) for k in ("restart", "rank", "exitcode", "signal")}
+            self.metrics.write({"epoch": epoch or 0, "event": "restart", **facts, "from_epoch": epoch})
+            self.run_dir.record_restart({**facts, "from_epoch": epoch, "time": round(time.time(), 3)})
 
     def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
         if self.main_rank:
@@ -304,14 +347,21 @@ class JobRunner:
             raise CheckpointError("this plan has no `checkpoint` block, so there is nothing to resume")
         meta: dict[str, Any] = {}
         hashes = not (self.cfg.resume_verified and epoch == self.cfg.resume_epoch)
+        # A checkpoint of N ranks restored into another number (resume --replicas): a rank
+        # it has no files of restores rank 0's (see runner/pick.py).
+        world = self.cfg.resume_world or self.cfg.world_size
+        source = self.rank if self.rank < world else 0
         for name, node in self.nodes.items():
             t0 = time.perf_counter()
-            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=self.rank, verify_hashes=hashes)
+            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=source, verify_hashes=hashes)
             saved_world = meta.get("world_size") if isinstance(meta, dict) else None
-            if saved_world not in (None, self.cfg.world_size):
+            if saved_world not in (None, world):
+                from jobrun.runner.pick import replicas_text
+
                 raise CheckpointError(
-                    f"checkpoint epoch {epoch} was written by {saved_world} replicas; this run has "
-                    f"{self.cfg.world_size}", hint=f"resume with {saved_world} replicas")
+                    f"checkpoint epoch {epoch} was written by {replicas_text(saved_world)}; this run "
+                    f"has {self.cfg.world_size}",
+                    hint=f"resume with {replicas_text(saved_world)} (--replicas {saved_world})")
             rng = blobs.pop(RNG_KEY, None)
             for blob, saved in blobs.items():
                 self._restore_blob(node, blob, saved, epoch)
@@ -356,15 +406,21 @@ class JobRunner:
             return
 
         def handler(signum: int, frame: Any) -> None:
+            # With replicas the ranks stop together where they agree (jobrun.signals),
+            # unless none comes within its grace.
+            if self.cfg.world_size > 1 and not signals.request(signum):
+                return
             if self._saving:
                 self._pending_signal = signum  # finish the save first: never a half checkpoint
                 return
             raise Interrupted(signum)
 
+        signals.reset()
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
+            signals.disarm()
             for s, h in old.items():
                 signal.signal(s, h)
 
