@@ -433,6 +433,35 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     assert _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
 
 
+def test_a_checkpoint_of_two_ranks_goes_to_another_number_only_when_asked(two_ranks, tmp_path):
+    from jobrun.errors import CheckpointError
+    from jobrun.runner.pick import pick_epoch
+
+    plan, ckpt = two_ranks
+    # One process (`jobrun resume`) checks every rank.
+    with pytest.raises(CheckpointError) as e:
+        pick_epoch(ckpt, plan, 1, None)
+    assert "written by 2 replicas; this run has 1" in e.value.message
+    assert "resume with 2 replicas (--replicas 2)" in e.value.hint
+    assert pick_epoch(ckpt, plan, 1, None, change_ok=True) == (3, 2)
+    # Ranks that check their own files (torchrun, restarts): rank 2, which the checkpoint
+    # has no files of, checks rank 0's (the ones it restores).
+    got = _as_ranks(3, lambda rank, gather: pick_epoch(ckpt, plan, 3, None, change_ok=True,
+                                                       rank=rank, gather=gather))
+    assert got == [(3, 2)] * 3
+    got = _as_ranks(3, lambda rank, gather: pick_epoch(ckpt, plan, 3, None, rank=rank, gather=gather))
+    assert all(isinstance(e, CheckpointError) and "--replicas 2" in e.hint for e in got)
+    # No shared disk: each rank sees its own rank's files only, and they agree.
+    for rank in (0, 1):
+        for epoch in range(4):
+            src = ckpt / f"local.{epoch}" / f"rank-{rank}"
+            shutil.copytree(src, tmp_path / f"host{rank}" / f"local.{epoch}" / f"rank-{rank}")
+    _flip_last_byte(tmp_path / "host1" / "local.3" / "rank-1" / "tensors.safetensors")
+    got = _as_ranks(2, lambda rank, gather: pick_epoch(tmp_path / f"host{rank}", plan, 2, None,
+                                                       rank=rank, gather=gather))
+    assert got == [(2, 2), (2, 2)]  # rank 1's epoch 3 is damaged: both go back to 2
+
+
 @pytest.mark.slow
 def test_two_runners_cannot_share_a_run_dir(tmp_path):
     plan = tmp_path / "plan.yaml"
