@@ -148,6 +148,7 @@ class _Lead:
     def resume(self, run_dir: str | None, epoch: int | None, sets: tuple[str, ...],
                replicas: int | None, max_restarts: int | None, world: int) -> dict[str, Any]:
         run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
+        run.info()  # a directory that is not a run is refused before anything is written
         self.held.enter_context(run.lock())
         plan, changes, stored = resume_plan(run, sets)
         ckpt_dir = checkpoints_of(run, plan)

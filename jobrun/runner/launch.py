@@ -64,6 +64,7 @@ def resume(run_dir: str | None, epoch: int | None, sets: tuple[str, ...] = (),
 
         return hosts.resume(run_dir, epoch, sets, replicas, max_restarts)
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
+    run.info()  # a directory that is not a run is refused before anything is written
     with run.lock():
         plan, changes, stored = resume_plan(run, sets)
         ckpt_dir = checkpoints_of(run, plan)
