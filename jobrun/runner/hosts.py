@@ -229,7 +229,8 @@ def _go(held: ExitStack, settings: dict[str, Any], lead: _Lead | None, run_dir: 
     except JobrunError as e:
         if lead is None:
             raise SystemExit(e.exit_code) from None  # every rank found it; rank 0 says it
-        lead.run.record_end("failed", e)
+        if not settings["resume"]:
+            lead.run.record_end("failed", e)  # the run it has just started
         raise
     launch = Launch(path, plan_dir, settings["device"], epoch, world, settings["max_restarts"],
                     resume_world=saved)
@@ -249,6 +250,8 @@ def _prepare_host(held: ExitStack, run: RunDir, plan_dir: Path, settings: dict[s
     try:
         if not settings["resume"] and not restart_count():
             run.check_can_train(run.checkpoints, overwrite)
+        elif run.info_file.is_file() and run.info().get("job") != settings["job"]:
+            raise UsageError(f"it holds a run of job {run.info().get('job')!r}, not {settings['job']!r}")
         run.create()
         held.enter_context(run.lock())
         if overwrite and not settings["resume"]:
