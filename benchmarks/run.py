@@ -6,7 +6,8 @@ Sections: runner (jobrun vs a hand-written torch loop), loader (a torch Dataset 
 two DataLoader workers vs a hand loop over a DataLoader), dispatch (one core op in a plan
 loop), plans (compile/analyze/print of 10^3..10^5 ops), checkpoint (save/load vs raw
 I/O and torch.save/load, the async stall), memory (RSS over epochs, peak of a save),
-startup (`jobrun --help`, `jobrun print`). Every figure is a ratio against a baseline
+startup (`jobrun --help`, `jobrun print`), restart (a rank's death to the restarted
+ranks' first step, against a fresh start). Every figure is a ratio against a baseline
 measured in the same run; each has a goal and says PASS or MISS. The full run takes a
 few minutes; --quick (smaller state, fewer repetitions) is meant for CI; --smoke only
 checks that everything runs (seconds; its figures mean little). See benchmarks/README.md.
@@ -32,6 +33,7 @@ from benchmarks import (  # noqa: E402
     bench_loader,
     bench_memory,
     bench_plans,
+    bench_restart,
     bench_runner,
     bench_startup,
 )
@@ -45,6 +47,7 @@ SECTIONS = {
     "checkpoint": bench_checkpoint,
     "memory": bench_memory,
     "startup": bench_startup,
+    "restart": bench_restart,
 }
 # One torch thread everywhere (child processes too, through OMP_NUM_THREADS): on a small
 # shared machine, a second OpenMP thread that the kernel does not schedule makes the

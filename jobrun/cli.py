@@ -72,6 +72,10 @@ class _EpochType(click.ParamType):
 
 
 _EPOCH = _EpochType()
+_max_restarts = click.option(
+    "--max-restarts", type=click.IntRange(0, 1000),
+    help="When a replica dies, restart every rank from the latest checkpoint, up to N times.",
+)
 _format = click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
 )
@@ -205,10 +209,11 @@ def schema(output: str | None) -> None:
 @_sets
 @click.option("--replicas", type=click.IntRange(1, 1024), help="Data-parallel processes on this host.")
 @click.option("--device", help="auto, cpu, cuda or cuda:N (overrides the plan).")
+@_max_restarts
 @click.option("--overwrite", is_flag=True,
               help="Replace the run in --run-dir (checkpoints included) instead of refusing it.")
 def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tuple[str, ...],
-          replicas: int | None, device: str | None, overwrite: bool) -> None:
+          replicas: int | None, device: str | None, max_restarts: int | None, overwrite: bool) -> None:
     """Train a plan from scratch: init, checkpoint 0, epochs, download, exit.
 
     KEY=VALUE overrides after the plan mean what --set means (vars.lr=0.05 max_epochs=3).
@@ -218,7 +223,8 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 
     if device is not None and not DEVICE.match(device):
         raise _usage(f"bad --device {device!r}", "use auto, cpu, cuda or cuda:N")
-    sys.exit(run_train(plan, run_dir, sets + _positional(overrides), replicas, device, overwrite))
+    sys.exit(run_train(plan, run_dir, sets + _positional(overrides), replicas, device, overwrite,
+                       max_restarts))
 
 
 @main.command()
@@ -226,20 +232,24 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
 @click.option("--epoch", type=_EPOCH,
               help="Default: the latest complete checkpoint; best: the best by checkpoint.best.")
+@click.option("--replicas", type=click.IntRange(1, 1024),
+              help="Go on with this many replicas (default: as many as the run had).")
+@_max_restarts
 @click.option("--force", is_flag=True,
               help="Resume although init built other data than when the run started.")
 @_sets
-def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | None, force: bool,
-           sets: tuple[str, ...]) -> None:
+def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
+           replicas: int | None, max_restarts: int | None, force: bool, sets: tuple[str, ...]) -> None:
     """Continue a run from a checkpoint, exactly where it stopped.
 
     Overrides change the plan from here on: `jobrun resume max_epochs=20` extends a
     finished run; other changes are allowed with a warning (the result is no longer the
-    one an uninterrupted run gives) and are recorded in run.json.
+    one an uninterrupted run gives) and are recorded in run.json. `--replicas M` goes on
+    with M replicas from a checkpoint of another number (the README says what is kept).
     """
     from jobrun.runner.launch import resume as run_resume
 
-    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides), force=force))
+    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides), replicas, max_restarts, force=force))
 
 
 def _positional(overrides: tuple[str, ...]) -> tuple[str, ...]:

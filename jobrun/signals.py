@@ -5,6 +5,8 @@ import) can crash the interpreter (SIGSEGV, or abort in pybind11). So from the m
 CLI module is imported, a signal is only remembered; :func:`interruptible` is called once
 the heavy imports are done, and from then on a signal raises :class:`Interrupted` (the job
 runner installs its own handler, which also lets a checkpoint save finish first).
+
+With replicas, a signal is acted on where every rank agrees to stop (see below).
 """
 
 from __future__ import annotations
@@ -46,3 +48,67 @@ def interruptible() -> None:
             signal.signal(s, _raise)
     if _pending:
         _raise(_pending[0], None)
+
+
+# -- a stop the ranks of a data-parallel job agree on ------------------------------------
+#
+# A rank that raised at once on SIGINT would leave the others waiting for it in their next
+# collective. So with replicas a signal is only remembered (request); its flag rides on
+# collectives every rank passes together (train.step's gradient all-reduce, one all-reduce
+# after each save), and every rank raises at the same one (agree). A rank that meets no
+# such point within GRACE_S (a long init, download or exit) stops where it is: the others
+# got the signal too (from the terminal or the launcher) and do the same.
+
+GRACE_S = 2.0  # below torch's elastic agent's 5 s before it SIGKILLs its workers
+_SIGTERM_WEIGHT = 4096.0  # flags of up to 4095 ranks add up exactly in a float32
+_requested: list[int] = []
+_timer: list[threading.Timer] = []
+
+
+def request(signum: int) -> bool:
+    """Remember a signal for the ranks to agree on; True once it is overdue (GRACE_S
+    after the first one, when the runner should stop where it is)."""
+    import _thread
+
+    if not _requested:
+        _requested.append(signum)
+        timer = threading.Timer(GRACE_S, _thread.interrupt_main, (signum,))
+        timer.daemon = True
+        timer.start()
+        _timer.append(timer)
+        return False
+    return bool(_timer) and not _timer[0].is_alive()
+
+
+def requested() -> int:
+    """The signal this process got and has not acted on yet (0: none)."""
+    return _requested[0] if _requested else 0
+
+
+def flag() -> float:
+    """This rank's stop flag, to be summed over ranks and given to :func:`agree`."""
+    sig = requested()
+    return 0.0 if not sig else _SIGTERM_WEIGHT if sig == signal.SIGTERM else 1.0
+
+
+def agree(total: float) -> None:
+    """Raise Interrupted when the flags summed over ranks say some rank was signalled
+    (SIGTERM when any rank got one, else SIGINT): every rank raises the same."""
+    if total <= 0:
+        return
+    from jobrun.errors import Interrupted
+
+    reset()
+    raise Interrupted(signal.SIGTERM if total >= _SIGTERM_WEIGHT else signal.SIGINT)
+
+
+def disarm() -> None:
+    """No stop where it is any more (the job is over); the signal stays :func:`requested`."""
+    for timer in _timer:
+        timer.cancel()
+    _timer.clear()
+
+
+def reset() -> None:
+    disarm()
+    _requested.clear()

@@ -57,3 +57,34 @@ def fail_once(path: str, message: str = "bad luck") -> None:
 
 def last_lr(scheduler) -> float:
     return float(scheduler.get_last_lr()[0])
+def die_once(epoch: int, step: int, path: str, rank: int = 1, at: int = 3, at_step: int = 4,
+             times: int = 1) -> None:
+    """SIGKILL replica `rank` at step `at_step` of epoch `at`, `times` times in all: each
+    death is a line in `path` (the time it happened), so a restarted rank goes on.
+    No `path`: never."""
+    import signal
+
+    if not path or int(os.environ.get("RANK", 0)) != rank or int(epoch) != at or int(step) != at_step:
+        return
+    try:
+        with open(path) as f:
+            deaths = len(f.readlines())
+    except FileNotFoundError:
+        deaths = 0
+    if deaths >= times:
+        return
+    with open(path, "a") as f:
+        f.write(f"{time.time()}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def record_ids(ids, epoch: int, path: str) -> None:
+    """Append the record ids this rank read, as one JSON line {rank, world, epoch, ids}."""
+    import json
+
+    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "world": int(os.environ.get("WORLD_SIZE", 1)),
+                       "epoch": int(epoch), "ids": [int(i) for i in ids]})
+    with _lock, open(path, "a") as f:
+        f.write(line + "\n")

@@ -262,6 +262,17 @@ def test_empty_groups_are_left_out() -> None:
     )
 
 
+def test_max_restarts_is_shown_when_set_and_checked() -> None:
+    from jobrun.errors import PlanError
+
+    plan = compile_text("job: j\nmax_restarts: 2\nmax_epochs: 1\nepoch: [{task: t, do: []}]\n")
+    assert plan.max_restarts == 2
+    assert "max_restarts: 2" in render_text(plan).splitlines()
+    assert "max_restarts" not in render_text(compile_text("job: j\nmax_epochs: 1\nepoch: [{task: t, do: []}]\n"))
+    with pytest.raises(PlanError, match="max_restarts is -1; it must be from 0 to 1000"):
+        compile_text("job: j\nmax_restarts: -1\nmax_epochs: 1\nepoch: [{task: t, do: []}]\n")
+
+
 def test_no_stop_condition_is_shown() -> None:
     plan = compile_text("job: j\nepoch: [{task: t, do: []}]\n")
     assert "epoch (repeat forever: no stop condition):" in render_text(plan)
@@ -407,9 +418,10 @@ def test_json_shape() -> None:
     data = render_json(every_construct())
     json.dumps(data)  # JSON-able
     assert list(data) == [
-        "job", "source", "seed", "device", "replicas", "vars", "max_epochs", "stop_when",
-        "early_stop", "checkpoint", "groups",
+        "job", "source", "seed", "device", "replicas", "max_restarts", "vars", "max_epochs",
+        "stop_when", "early_stop", "checkpoint", "groups",
     ]
+    assert data["max_restarts"] == 0
     assert data["early_stop"] == {"monitor": "done", "mode": "max", "patience": 2, "min_delta": 0.5}
     assert data["checkpoint"] == {
         "dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,

@@ -318,7 +318,7 @@ def test_job_runner_without_the_launcher_still_checks_checksums(reference, tmp_p
 def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeypatch, how):
     import torch.distributed.launcher.api as elastic
 
-    from jobrun.runner import launch
+    from jobrun.runner import group, hosts, workers
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -326,17 +326,22 @@ def test_every_worker_learns_the_epoch_was_verified(reference, tmp_path, monkeyp
     info["replicas"] = 2
     (run / "run.json").write_text(json.dumps(info))
     started: list[tuple] = []
-    monkeypatch.setattr(launch, "_worker", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr(workers, "worker", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr(hosts, "worker", workers.worker)
     if how == "elastic":
         monkeypatch.setattr(elastic, "elastic_launch", lambda config, fn: lambda *args: {
             r: fn(*args) for r in range(config.nproc_per_node)})
     else:  # every process checks its own rank with the others, then runs its worker
         for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}.items():
             monkeypatch.setenv(key, value)
-        monkeypatch.setattr(launch, "_init_process_group", lambda device: None)
-        monkeypatch.setattr(launch, "_all_gather", lambda obj: [obj])
+        published: dict = {}
+        monkeypatch.setattr(group, "rendezvous_store", lambda: published)
+        monkeypatch.setattr(group, "publish", lambda store, name, obj: store.__setitem__(name, obj))
+        monkeypatch.setattr(group, "start", lambda device, store=None: None)
+        monkeypatch.setattr(group, "gather", lambda obj: [obj])
     seen = _watch_reads(monkeypatch)
-    r = jobrun("resume", "--run-dir", run, "--epoch", "3")
+    # (--replicas 2: the checkpoint was written by one)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "3", *(["--replicas", "2"] if how == "elastic" else []))
     assert r.code == 0, r.text
     assert sum(seen["checksummed"]) == _data_bytes(run, 3)  # checked once, by the launcher
     started_as = [(a[0].run_dir, a[0].resume_epoch, a[0].verified) for a in started]
@@ -401,7 +406,10 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
 
     from jobrun import store
     from jobrun.errors import CheckpointError
-    from jobrun.runner.launch import _pick_epoch
+    from jobrun.runner.pick import pick_epoch
+
+    def _pick_epoch(ckpt, plan, replicas, epoch, rank, gather):
+        return pick_epoch(ckpt, plan, replicas, epoch, rank=rank, gather=gather)[0]
 
     plan, ckpt = two_ranks
     _flip_last_byte(ckpt / "local.3" / "rank-1" / "tensors.safetensors")
@@ -409,9 +417,10 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     verified: list[tuple] = []
     verify = store.verify
 
-    def record(ckpt_dir, node, epoch, rank=None, **kw):
-        verified.append((threading.current_thread().name, epoch, rank))
-        return verify(ckpt_dir, node, epoch, rank, **kw)
+    def record(ckpt_dir, node, epoch, rank=None, hashes=True, **kw):
+        if hashes:
+            verified.append((threading.current_thread().name, epoch, rank))
+        return verify(ckpt_dir, node, epoch, rank, hashes=hashes, **kw)
 
     monkeypatch.setattr(store, "verify", record)
     got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, None, rank, gather))
@@ -429,6 +438,35 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     assert all(isinstance(e, CheckpointError) and "epoch 3 cannot be used" in e.message
                and "rank-1" in e.message for e in got)
     assert _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
+
+
+def test_a_checkpoint_of_two_ranks_goes_to_another_number_only_when_asked(two_ranks, tmp_path):
+    from jobrun.errors import CheckpointError
+    from jobrun.runner.pick import pick_epoch
+
+    plan, ckpt = two_ranks
+    # One process (`jobrun resume`) checks every rank.
+    with pytest.raises(CheckpointError) as e:
+        pick_epoch(ckpt, plan, 1, None)
+    assert "written by 2 replicas; this run has 1" in e.value.message
+    assert "resume with 2 replicas (--replicas 2)" in e.value.hint
+    assert pick_epoch(ckpt, plan, 1, None, change_ok=True) == (3, 2)
+    # Ranks that check their own files (torchrun, restarts): rank 2, which the checkpoint
+    # has no files of, checks rank 0's (the ones it restores).
+    got = _as_ranks(3, lambda rank, gather: pick_epoch(ckpt, plan, 3, None, change_ok=True,
+                                                       rank=rank, gather=gather))
+    assert got == [(3, 2)] * 3
+    got = _as_ranks(3, lambda rank, gather: pick_epoch(ckpt, plan, 3, None, rank=rank, gather=gather))
+    assert all(isinstance(e, CheckpointError) and "--replicas 2" in e.hint for e in got)
+    # No shared disk: each rank sees its own rank's files only, and they agree.
+    for rank in (0, 1):
+        for epoch in range(4):
+            src = ckpt / f"local.{epoch}" / f"rank-{rank}"
+            shutil.copytree(src, tmp_path / f"host{rank}" / f"local.{epoch}" / f"rank-{rank}")
+    _flip_last_byte(tmp_path / "host1" / "local.3" / "rank-1" / "tensors.safetensors")
+    got = _as_ranks(2, lambda rank, gather: pick_epoch(tmp_path / f"host{rank}", plan, 2, None,
+                                                       rank=rank, gather=gather))
+    assert got == [(2, 2), (2, 2)]  # rank 1's epoch 3 is damaged: both go back to 2
 
 
 @pytest.mark.slow

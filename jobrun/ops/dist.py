@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from jobrun import signals
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 
@@ -71,12 +72,15 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
     A rank whose slice was empty has no gradients; a per-parameter "has a gradient" flag
     rides in the float32 bucket with the loss, so that a parameter no rank touched keeps
     grad=None as in a single process (optimizers skip those), at no extra collective.
+    So does the rank's stop flag (a SIGINT/SIGTERM it got): when any rank was signalled,
+    every rank raises Interrupted here, at the same step (see jobrun.signals).
     """
     dev = comm_device(ctx)
     has = [p.grad is not None for p in params]
-    meta = torch.cat(
-        [torch.tensor(has, dtype=torch.float32, device=dev), loss.float().reshape(1).to(dev)]
-    )
+    meta = torch.cat([
+        torch.tensor([*has, signals.flag()], dtype=torch.float32, device=dev),
+        loss.float().reshape(1).to(dev),
+    ])
     reduced_meta = meta
     groups = _flat_buckets(params)
     groups.setdefault(torch.float32, [])
@@ -90,7 +94,8 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
         _scatter_grads(params, idxs, flat)
         if dtype == torch.float32:
             reduced_meta = flat[flat.numel() - meta.numel() :]
-    flags = reduced_meta[: len(params)].tolist()
+    flags = reduced_meta[: len(params) + 1].tolist()
+    signals.agree(flags.pop())
     for p, flag in zip(params, flags):
         if flag == 0:
             p.grad = None

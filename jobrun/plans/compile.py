@@ -50,6 +50,7 @@ DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)\s*\Z")
 
 MAX_INSTANCES = 1024
 MAX_REPLICAS = 1024
+MAX_RESTARTS = 1000
 
 # The keys that only appear inside a control step (a step made of just `do:` lost its `loop:`).
 _INNER_KEYS = {
@@ -204,6 +205,8 @@ class _Compiler:
                 )
         else:
             replicas = self.int_(replicas, t.at("replicas"), "replicas", 1, MAX_REPLICAS)
+        max_restarts = self.int_(t.get("max_restarts", 0), t.at("max_restarts"), "max_restarts", 0,
+                                 MAX_RESTARTS)
         vars_ = t.get("vars") or {}
         max_epochs = t.get("max_epochs")
         if max_epochs is not None:
@@ -224,6 +227,7 @@ class _Compiler:
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
+            max_restarts=max_restarts,
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:

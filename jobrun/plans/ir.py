@@ -202,6 +202,7 @@ class Plan:
     source: str
     pos: Pos
     early_stop: EarlyStop | None = None
+    max_restarts: int = 0  # times the elastic agent restarts the ranks after one died
 
     @property
     def groups(self) -> tuple[Group, ...]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 
 TOP_KEYS = (
-    "job", "seed", "device", "replicas", "vars", "max_epochs", "stop_when", "early_stop",
-    "checkpoint", "init", "epoch", "download", "exit",
+    "job", "seed", "device", "replicas", "max_restarts", "vars", "max_epochs", "stop_when",
+    "early_stop", "checkpoint", "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
 CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "best", "include", "exclude")

@@ -231,6 +231,8 @@ class _TextPrinter(Visitor):
         add(f"seed: {plan.seed}")
         add(f"device: {plan.device}")
         add(f"replicas: {plan.replicas}")
+        if plan.max_restarts:
+            add(f"max_restarts: {plan.max_restarts}")
         if plan.vars:
             add(f"vars: {format_arg(to_plain(plan.vars))}")
         add(f"max_epochs: {format_value(plan.max_epochs)}")
@@ -381,6 +383,7 @@ class _JsonBuilder(Visitor):
             "seed": plan.seed,
             "device": plan.device,
             "replicas": plan.replicas,
+            "max_restarts": plan.max_restarts,
             "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,
             "stop_when": [r.name for r in plan.stop_when],
@@ -464,7 +467,7 @@ class _JsonBuilder(Visitor):
 # -- colour ----------------------------------------------------------------------------
 
 _KEYWORDS = "task|loop|if|elif|else|parallel|branch|report|stop_if|pass|init|do|exit|epoch|download"
-_HEADER_KEYS = "job|seed|device|replicas|vars|max_epochs|stop_when|early_stop|checkpoint"
+_HEADER_KEYS = "job|seed|device|replicas|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint"
 
 # Applied in order; a later match restyles an earlier one (strings and marks win).
 _HIGHLIGHTS = (

@@ -198,6 +198,9 @@ def _top_properties() -> dict[str, dict[str, Any]]:
             ],
             "default": 1,
         },
+        "max_restarts": _int(
+            "When a replica dies, restart every rank from the latest complete checkpoint, up to "
+            "this many times (default 0: the job stops).", 0, plan_compile.MAX_RESTARTS),
         "vars": {
             "description": (
                 'Values for "${name}" in any string of the plan; a value that is exactly '

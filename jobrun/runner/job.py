@@ -20,9 +20,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from jobrun import store
+from jobrun import signals, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
@@ -46,6 +46,8 @@ class JobConfig:
     resume_epoch: int | None = None
     resume_verified: bool = False  # the launcher hashed every rank of resume_epoch just now
     force: bool = False  # resume even when init built other things than when the run started
+    resume_world: int | None = None  # the ranks that saved resume_epoch (None: world_size)
+    restart: dict[str, Any] | None = None  # set when the elastic agent restarted the ranks
 
 
 @dataclass
@@ -124,11 +126,12 @@ class JobRunner:
                     stop = self._epoch(self.epoch + 1)
                 self._finish()
             except Interrupted as e:
-                stopped = self._interrupted(e.signum)
-                self._record("interrupted", stopped)
-                self.display.to_log(stopped.format_message())
-                raise stopped from None
+                self._stopped(e.signum)
             except JobrunError as e:
+                if self._peer_lost(e):
+                    raise  # another rank died: the launcher names it, and may restart
+                if signals.requested():  # a collective broke because the others stopped
+                    self._stopped(signals.requested())
                 self._record("failed", e)
                 self.display.to_log(e.format_message())
                 raise
@@ -138,6 +141,19 @@ class JobRunner:
                 self.tensorboard.close()
             self._summary()
         return 0
+
+    def _stopped(self, signum: int) -> NoReturn:
+        stopped = self._interrupted(signum)
+        self._record("interrupted", stopped)
+        self.display.to_log(stopped.format_message())
+        raise stopped from None
+
+    def _peer_lost(self, error: JobrunError) -> bool:
+        if self.cfg.world_size == 1:
+            return False
+        from jobrun.runner.group import lost_peer
+
+        return lost_peer(error)
 
     def _interrupted(self, signum: int) -> Interrupted:
         """The error for a signal: how to go on, when a checkpoint exists to go on from."""
@@ -154,10 +170,12 @@ class JobRunner:
         if resume is None:
             self._save(0, stop=False)
             self._resumable = True
+            self._agree_on_stop()
+            self._restarted(None)
             return False
         meta = self._restore(resume)
         self.epoch = self._last_saved = resume  # the checkpoint it resumed from is the newest
-        self.display.line(f"resumed from checkpoint epoch {resume}")
+        self._restarted(resume)
         early = self._restore_watch(meta)
         # The stop condition of this plan (a resume may have raised max_epochs), on the
         # outputs the epoch had; checkpoint 0 has none.
@@ -185,6 +203,7 @@ class JobRunner:
                                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
+        self._agree_on_stop()
         return stop
 
     def _restore_watch(self, meta: dict[str, Any]) -> bool:
@@ -219,6 +238,30 @@ class JobRunner:
         self._run_group("exit")
         if self.main_rank:
             self._record("finished")
+
+    def _agree_on_stop(self) -> None:
+        """With replicas: stop here, all ranks together, when any of them was signalled
+        (after the save: every rank finished it; see jobrun.signals)."""
+        if self.cfg.world_size > 1:
+            from jobrun.runner.group import agree_on_stop
+
+            agree_on_stop()
+
+    def _restarted(self, epoch: int | None) -> None:
+        """Say where the job goes on from: a resume, or a restart (which rank died, how)."""
+        restart = self.cfg.restart
+        if restart is None:
+            if epoch is not None:
+                self.display.line(f"resumed from checkpoint epoch {epoch}")
+            return
+        where = f"checkpoint epoch {epoch}" if epoch is not None else "the start (no checkpoint yet)"
+        who = f"rank {restart['rank']} died ({restart['how']})" if restart.get("rank") is not None \
+            else restart["how"]
+        self.display.line(f"restart {restart['restart']}: {who}; resumed from {where}")
+        if self.main_rank:
+            facts = {k: restart.get(k) for k in ("restart", "rank", "exitcode", "signal")}
+            self.metrics.write({"epoch": epoch or 0, "event": "restart", **facts, "from_epoch": epoch})
+            self.run_dir.record_restart({**facts, "from_epoch": epoch, "time": round(time.time(), 3)})
 
     def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
         if self.main_rank:
@@ -359,15 +402,22 @@ class JobRunner:
         meta: dict[str, Any] = {}
         hashes = not (self.cfg.resume_verified and epoch == self.cfg.resume_epoch)
         loaded: dict[str, tuple[dict[str, Any], float]] = {}
+        # A checkpoint of N ranks restored into another number (resume --replicas): a rank
+        # it has no files of restores rank 0's (see runner/pick.py).
+        world = self.cfg.resume_world or self.cfg.world_size
+        source = self.rank if self.rank < world else 0
         # Every node's checkpoint is read and checked before anything is restored.
         for name in self.nodes:
             t0 = time.perf_counter()
-            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=self.rank, verify_hashes=hashes)
+            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=source, verify_hashes=hashes)
             saved_world = meta.get("world_size") if isinstance(meta, dict) else None
-            if saved_world not in (None, self.cfg.world_size):
+            if saved_world not in (None, world):
+                from jobrun.runner.pick import replicas_text
+
                 raise CheckpointError(
-                    f"checkpoint epoch {epoch} was written by {saved_world} replicas; this run has "
-                    f"{self.cfg.world_size}", hint=f"resume with {saved_world} replicas")
+                    f"checkpoint epoch {epoch} was written by {replicas_text(saved_world)}; this run "
+                    f"has {self.cfg.world_size}",
+                    hint=f"resume with {replicas_text(saved_world)} (--replicas {saved_world})")
             self._check_init(name, meta, epoch)
             if found := rng.problems(blobs.get(rng.KEY)):
                 raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
@@ -418,15 +468,21 @@ class JobRunner:
             return
 
         def handler(signum: int, frame: Any) -> None:
+            # With replicas the ranks stop together where they agree (jobrun.signals),
+            # unless none comes within its grace.
+            if self.cfg.world_size > 1 and not signals.request(signum):
+                return
             if self._saving:
                 self._pending_signal = signum  # finish the save first: never a half checkpoint
                 return
             raise Interrupted(signum)
 
+        signals.reset()
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
+            signals.disarm()
             for s, h in old.items():
                 signal.signal(s, h)
 

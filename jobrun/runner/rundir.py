@@ -194,6 +194,18 @@ class RunDir:
             print(f"warning: the run's status ({status}) was not recorded: {e.message}",
                   file=sys.stderr, flush=True)
 
+    def record_restart(self, facts: dict[str, Any]) -> None:
+        """Add a restart to run.json: which rank died, how, and the epoch the job went on
+        from (rank 0 of the restarted ranks writes it; a full disk costs a warning)."""
+        self._info = None
+        try:
+            info = self.info()
+            self.write_info({**info, "status": "running", "error": None, "error_at": None,
+                             "restarts": [*info.get("restarts", []), facts]})
+        except JobrunError as e:
+            print(f"warning: the restart was not recorded in {self.info_file}: {e.message}",
+                  file=sys.stderr, flush=True)
+
     def _write(self, path: Path, data: bytes) -> None:
         try:
             safefs.write_atomic(path, data)

@@ -17,6 +17,7 @@ from jobrun.store.catalog import (
     latest_complete_epoch,
     list_checkpoints,
     prune,
+    saved_world_size,
     upload,
     verify,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "read_manifest",
     "restore",
     "save",
+    "saved_world_size",
     "upload",
     "verify",
     "verify_dir",

@@ -88,9 +88,10 @@ def _node_problems(
 
 def verify(
     ckpt_dir: str | os.PathLike[str], node: str, epoch: int, rank: int | None = None,
-    *, decode: bool = True,
+    *, hashes: bool = True, decode: bool = True,
 ) -> list[str]:
-    """Every problem of a saved epoch of one node ([] when valid), reading every byte.
+    """Every problem of a saved epoch of one node ([] when valid), reading every byte
+    (``hashes=False``: the cheap checks only, COMMIT, manifests and sizes).
 
     ``rank=None`` checks all ranks, expecting as many as the manifests' world size.
     ``decode``: also decode every value, as a load would (reads the data a second time).
@@ -99,11 +100,24 @@ def verify(
     if not edir.is_dir():
         return [f"no checkpoint of node {node!r} at epoch {epoch} in {ckpt_dir}"]
     if rank is None:
-        return _node_problems(edir, node, epoch, hashes=True, decode=decode)[2]
+        return _node_problems(edir, node, epoch, hashes=hashes, decode=decode)[2]
     rdir = edir / f"rank-{check_count('rank', rank)}"
     if not rdir.is_dir():
         return [missing_rank(edir, rank)]
-    return rank_problems(rdir, {"node": node, "epoch": epoch, "rank": rank}, hashes=True, decode=decode)
+    return rank_problems(rdir, {"node": node, "epoch": epoch, "rank": rank}, hashes=hashes, decode=decode)
+
+
+def saved_world_size(ckpt_dir: str | os.PathLike[str], nodes: list[str], epoch: int) -> int | None:
+    """How many ranks saved ``epoch``, as the manifests found here say (None: no readable
+    one). On a host without a shared disk, only its own ranks' manifests are here."""
+    sizes = set()
+    for node in nodes:
+        edir = epoch_dir(ckpt_dir, node, epoch)
+        for r in ranks_in(edir) if edir.is_dir() else ():
+            m = manifest_of(edir / f"rank-{r}")
+            if m is not None and type(m.get("world_size")) is int and m["world_size"] > 0:
+                sizes.add(m["world_size"])
+    return max(sizes) if sizes else None
 
 
 def _epoch_dirs(ckpt_dir: Path) -> Iterator[tuple[str, int, Path]]:
@@ -156,15 +170,16 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[EpochInfo]:
 
 
 def _epoch_reason(
-    ckpt_dir: Path, info: EpochInfo, nodes: list[str], world_size: int, hashes: bool
+    ckpt_dir: Path, info: EpochInfo, nodes: list[str], world_size: int | None, hashes: bool
 ) -> str | None:
     """Why an epoch cannot be resumed from (None when it can)."""
     for node in nodes:
         n = info.nodes.get(node)
         if n is None:
             return f"node {node!r} has no checkpoint"
-        if n.world_size is not None and n.world_size != world_size:
-            return f"node {node!r} was saved with world size {n.world_size}, not {world_size}"
+        if world_size is not None and n.world_size is not None and n.world_size != world_size:
+            return (f"node {node!r} was saved with world size {n.world_size}, not {world_size}: "
+                    f"resume with {n.world_size} replicas (--replicas {n.world_size})")
         if not n.ok:
             return f"node {node!r}: {n.problem}"
     if hashes:
@@ -178,15 +193,17 @@ def _epoch_reason(
 def latest_complete_epoch(
     ckpt_dir: str | os.PathLike[str],
     nodes: list[str],
-    world_size: int,
+    world_size: int | None,
     *,
     verify_hashes: bool = True,
     before: int | None = None,
 ) -> tuple[int | None, list[tuple[int, str]]]:
     """(the newest epoch where every node has every rank valid, [(newer epoch, why skipped)]).
 
-    Epochs where none of ``nodes`` saved anything are ignored silently, and so are
-    epochs ``before`` or later when it is given.
+    ``world_size``: the number of ranks an epoch must have been saved by (None: any, each
+    epoch complete with the ranks its manifests name). Epochs where none of ``nodes``
+    saved anything are ignored silently, and so are epochs ``before`` or later when it
+    is given.
     """
     for node in nodes:
         check_node(node)

@@ -1,0 +1,146 @@
+"""The process group of a data-parallel job: start it, share facts, agree on a stop.
+
+Every rank of a job joins one torch.distributed process group (gloo on CPU, nccl on
+CUDA). Besides the training collectives (:mod:`jobrun.ops.dist`), the runner uses it to
+
+- hand rank 0's plan and run settings to the other ranks, through the rendezvous store
+  before the process group exists (:func:`publish`, :func:`fetch`), so that hosts need no
+  shared filesystem;
+- let every rank tell the others what it found (:func:`gather`), e.g. which checkpoint
+  epochs it can restore, so that all pick the same one;
+- agree on a SIGINT/SIGTERM that reached some ranks (:func:`agree_on_stop`), so that all
+  stop at the same point and none waits in a collective for one that left.
+
+Facts travel as JSON (in the store, or in uint8 tensors), never as pickles: a peer's
+bytes are decoded as data only. torch is imported inside the functions (the CLI imports this module lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+from jobrun import signals
+
+
+def timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("JOBRUN_DIST_TIMEOUT", "300")))
+
+
+def start(device: str, store: Any = None) -> None:
+    """Join the job's process group, through the rendezvous store (``store``: the caller
+    has connected to it already)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend=backend, timeout=timeout(), store=store or rendezvous_store(),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def stop() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - shutting down anyway
+        pass
+
+
+def _device() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    # nccl moves CUDA tensors only; gloo CPU ones.
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+
+
+def _encode(obj: Any) -> Any:
+    import torch
+
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(t: Any) -> Any:
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
+
+
+def rendezvous_store() -> Any:
+    """A client of the store of the job's rendezvous: torchrun's (or our launcher's)
+    elastic agent hosts it at MASTER_ADDR:MASTER_PORT; without an agent, rank 0 does
+    (as torch.distributed.rendezvous does for init_process_group).
+
+    The agent keeps one store for all the restarts of its workers, where the keys of the
+    ranks that died are still found: the process group of a restarted set of ranks must
+    not read them (gloo would connect to a dead rank's address), so each restart uses
+    keys of its own."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    first = int(os.environ["RANK"]) == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=first and not agent,
+                          timeout=timeout(), wait_for_workers=False)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"jobrun/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{restart}/", store)
+
+
+def publish(store: Any, name: str, obj: Any) -> None:
+    """Put JSON data in the rendezvous store (rank 0, for the others to :func:`fetch`)."""
+    store.set(name, json.dumps(obj))
+
+
+def fetch(store: Any, name: str) -> Any:
+    """What rank 0 published under ``name``, once it is there (up to the timeout)."""
+    return json.loads(store.get(name).decode())
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (JSON data), in rank order, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    mine = _encode(obj).to(dev)
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=dev))
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[: mine.numel()] = mine
+    slots = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(slots, padded)
+    return [_decode(slot[: int(n.item())]) for slot, n in zip(slots, sizes)]
+
+
+def agree_on_stop() -> None:
+    """Raise Interrupted on every rank when a signal reached any of them (one all-reduce
+    of one number; called where all ranks pass together, e.g. after each save)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([signals.flag()], dtype=torch.float32, device=_device())
+    dist.all_reduce(flag)
+    signals.agree(float(flag.item()))
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` comes from a collective that broke because another rank is gone
+    (gloo: its connection closed; nccl: a remote error). The launcher names that rank."""
+    import torch.distributed as dist
+
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain of causes: an op's error wraps torch's
+        if seen is None:
+            return False
+        if isinstance(seen, dist.DistNetworkError) or any(
+                what in str(seen) for what in ("closed by peer", "reset by peer", "Broken pipe")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -1,0 +1,362 @@
+"""The processes of a job: the worker each rank runs, and the launcher that starts them.
+
+With ``replicas: N`` (or ``max_restarts``) on one host, the workers are started by
+torch's elastic launcher (the machinery behind torchrun): it runs the rendezvous, sets
+RANK/WORLD_SIZE/MASTER_* for each worker, watches them, and when one dies stops the rest.
+With restarts left it starts them all again (TORCHELASTIC_RESTART_COUNT tells them), and
+each resumes from the latest complete checkpoint; otherwise the launcher names the rank
+that failed. Under `torchrun` (several hosts) jobrun's worker runs in the process
+torchrun started, and a restart by torchrun's agent is resumed the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jobrun import safefs, signals, store
+from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, UsageError
+from jobrun.plans import ir
+from jobrun.runner import group
+from jobrun.runner.pick import pick_epoch
+from jobrun.runner.rundir import CONSOLE_FILE, RunDir
+
+# How long a rank whose peer is gone waits for the launcher to stop it (so that the
+# launcher names the rank that died, not the ones that lost it) before it reports.
+PEER_LOST_WAIT_S = 5.0
+
+
+@dataclass
+class Launch:
+    """What every worker process of a run needs to start."""
+
+    run_dir: Path
+    plan_dir: Path
+    device: str  # as asked for (auto, cpu, cuda, cuda:N); each worker picks its own
+    resume_epoch: int | None
+    replicas: int
+    max_restarts: int = 0
+    resume_world: int | None = None  # the ranks that wrote resume_epoch (resume --replicas)
+    force: bool = False  # resume although init built other things (job.py, _check_init)
+    spawned: bool = False  # started by the elastic launcher here (not the CLI's own process)
+    # The ranks that died so far, as the launcher saw them (rank, exitcode, signal, time);
+    # a restarted worker reports the last one.
+    deaths: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        """Whether resume_epoch is checksummed: a Launch with one comes from `resume`
+        or a restart, which has just checked it (every rank, or this process's own)."""
+        return self.resume_epoch is not None
+
+
+def restart_count() -> int:
+    """How often the elastic agent (ours or torchrun's) has restarted this job's ranks."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+def start(launch: Launch, torchrun: bool, plan: ir.Plan) -> int:
+    """Run the job in this process (one replica, or one torchrun rank) with the plan
+    already compiled, or start the workers (each compiles the run's own plan)."""
+    if torchrun or (launch.replicas <= 1 and launch.max_restarts == 0):
+        return worker(launch, plan)
+    return _elastic(replace(launch, spawned=True))
+
+
+# -- the launcher ------------------------------------------------------------------------------
+
+
+def _elastic(launch: Launch) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=launch.replicas, run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
+        monitor_interval=0.2, start_method="spawn", shutdown_timeout=5,
+    )
+    try:
+        with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log):
+            results = elastic_launch(config, worker)(launch)
+    except ChildFailedError as e:
+        rank, failure = _culprit(e.failures)
+        code = failure.exitcode
+        if code in (130, 143):
+            return code
+        if code < 0:
+            detail = f"killed by signal {-code}"
+        else:
+            detail = failure.message if isinstance(failure.message, str) else ""
+        others = sorted(r for r in e.failures if r != rank)
+        stopped = f"; ranks {', '.join(map(str, others))} stopped with it" if others else ""
+        tried = (f" (after {launch.max_restarts} restart{'s' * (launch.max_restarts > 1)})"
+                 if launch.max_restarts else "")
+        error = RunError(
+            f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}{tried}",
+            hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
+                 f"`jobrun resume --run-dir {launch.run_dir}`",
+        )
+        RunDir(launch.run_dir).record_end("failed", error, keep_ended=True)
+        raise error from None
+    except SignalException as e:
+        RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
+        return 128 + int(e.sigval)
+    codes = [c for c in results.values() if c]
+    return max(codes) if codes else 0
+
+
+@contextmanager
+def _torch_logs_to(path: Path) -> Iterator[Any]:
+    """Send torch's own log lines (the elastic agent's warnings, a dead worker's traceback)
+    to the run's log file instead of the console, where jobrun's message says what
+    happened. torch gives many of its loggers their own stderr handler. Yields the log
+    file's stream (None when it cannot be written)."""
+    try:
+        stream = os.fdopen(safefs.open_write(path, append=True), "a", buffering=1)
+    except OSError:
+        yield None  # no log file: the lines stay on the console
+        return
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    swapped: list[tuple[logging.Logger, list[logging.Handler]]] = []
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            consoles = [h for h in logger.handlers if getattr(h, "stream", None) is sys.stderr]
+            if consoles:
+                swapped.append((logger, logger.handlers[:]))
+                logger.handlers = [h for h in logger.handlers if h not in consoles] + [handler]
+    try:
+        yield stream
+    finally:
+        for logger, handlers in swapped:
+            logger.handlers = handlers
+        stream.close()
+
+
+class _Deaths(logging.Handler):
+    """Learns which worker died and how from the exception torch's process context logs
+    when it finds one dead (the agent keeps that to itself when it restarts the group):
+    the launcher says so at once, and the restarted workers report it."""
+
+    def __init__(self, launch: Launch, log: Any) -> None:
+        super().__init__(logging.ERROR)
+        self.launch, self.log = launch, log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, ProcessExitedException | ProcessRaisedException):
+            return
+        code = getattr(error, "exit_code", 1)
+        death = {"rank": error.error_index, "exitcode": code, "time": round(time.time(), 3),
+                 "signal": signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None}
+        self.launch.deaths.append(death)
+        restart = len(self.launch.deaths)
+        if restart <= self.launch.max_restarts:
+            line = (f"rank {death['rank']} died ({describe_death(death)}); restarting every rank "
+                    f"from the latest complete checkpoint (restart {restart} of {self.launch.max_restarts})")
+            print(line, flush=True)
+            if self.log is not None:
+                self.log.write(line + "\n")
+
+
+def describe_death(death: dict[str, Any] | None) -> str:
+    if not death:
+        return "a rank failed"
+    if death.get("signal"):
+        return f"killed by {death['signal']}"
+    return f"exit code {death.get('exitcode')}"
+
+
+@contextmanager
+def _deaths_seen(launch: Launch, log: Any) -> Iterator[None]:
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    handler = _Deaths(launch, log)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _culprit(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that caused the failure: one killed by a signal (not the launcher's
+    SIGTERM) before ranks that merely saw a collective break, then the earliest."""
+
+    def order(item: tuple[int, Any]) -> tuple[int, float, int]:
+        rank, f = item
+        killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+        return (0 if killed else 1, float(getattr(f, "timestamp", 0) or 0), rank)
+
+    return min(failures.items(), key=order)
+
+
+# -- the worker --------------------------------------------------------------------------------
+
+
+def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
+    """One process of the job (also the whole job when there is one replica). ``plan``:
+    the compiled plan when this process has it; a spawned worker compiles the run's own.
+
+    In the CLI's own process errors and signals propagate (the CLI prints them). A
+    worker under a launcher prints its own message and exits: a rank interrupted with
+    the others exits 128+signal (rather than returning: the elastic agent that is
+    stopping its workers waits for them to exit), a rank whose collective broke because
+    another rank is gone waits for the launcher to stop it.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    alone = world == 1 and not launch.spawned
+    try:
+        return _run(launch, plan, rank, world)
+    except Interrupted as e:
+        if alone:
+            raise  # the CLI prints it
+        if rank == 0:
+            print(e.format_message(), file=sys.stderr, flush=True)
+        _leave(launch, e.exit_code)
+    except JobrunError as e:
+        if alone:
+            raise
+        if world > 1 and group.lost_peer(e):
+            _await_stop(launch)
+        print(f"[rank {rank}] {e.format_message()}" if world > 1 else e.format_message(),
+              file=sys.stderr, flush=True)
+        _leave(launch, e.exit_code)
+    finally:
+        group.stop()
+
+
+def _leave(launch: Launch, code: int) -> NoReturn:
+    """End this worker with ``code``. A worker the elastic launcher spawned has finished
+    (its files closed): it leaves the process group and exits at once, because the
+    teardown of an interpreter that imported torch takes a second or more, which a
+    Ctrl-C would wait for."""
+    if launch.spawned:
+        group.stop()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
+def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
+    from jobrun.runner.job import JobConfig, JobRunner, seed_everything
+
+    if plan is None:
+        plan = RunDir(launch.run_dir).plan()
+    # Model classes and functions next to the plan are importable by `build`/`call`.
+    if str(launch.plan_dir) not in sys.path:
+        sys.path.insert(0, str(launch.plan_dir))
+    device = device_for(launch.device, world)
+    if world > 1:
+        group.start(device)
+    restart = restart_count()
+    if restart:
+        launch = _restarted(launch, plan, rank, world, restart)
+    seed_everything(plan.seed)
+    _set_threads()
+    cfg = JobConfig(plan=plan, run_dir=launch.run_dir.resolve(), plan_dir=launch.plan_dir,
+                    device=device, rank=rank, world_size=world,
+                    resume_epoch=launch.resume_epoch, resume_verified=launch.verified,
+                    resume_world=launch.resume_world, force=launch.force,
+                    restart=_restart_facts(launch, restart) if restart else None)
+    return JobRunner(cfg).run()
+
+
+def _restarted(launch: Launch, plan: ir.Plan, rank: int, world: int, restart: int) -> Launch:
+    """The Launch of a restarted rank: it resumes from the latest complete checkpoint,
+    picked as `resume` picks it (checksummed, each rank its own files, all agreeing), or
+    starts again from init when there is none yet."""
+    run = RunDir(launch.run_dir, plan)
+    ckpt = run.checkpoints
+    epoch = saved = None
+    if ckpt is not None:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            store.clean(ckpt)  # what the killed saves left
+        gather = group.gather if world > 1 else None
+        if gather:
+            gather(None)  # nobody lists the checkpoints while they are cleaned
+        try:
+            epoch, saved = pick_epoch(ckpt, plan, world, None, change_ok=True,
+                                      rank=rank if gather else None, gather=gather)
+        except CheckpointError as e:
+            if "no complete checkpoint" not in e.message:
+                raise
+    if rank == 0:
+        run.truncate_metrics(-1 if epoch is None else epoch)
+    return replace(launch, resume_epoch=epoch, resume_world=saved)
+
+
+def _restart_facts(launch: Launch, restart: int) -> dict[str, Any]:
+    death = launch.deaths[restart - 1] if len(launch.deaths) >= restart else {}
+    return {"restart": restart, "rank": death.get("rank"), "exitcode": death.get("exitcode"),
+            "signal": death.get("signal"), "from_epoch": launch.resume_epoch,
+            "how": describe_death(death) if death else "a rank failed"}
+
+
+def _await_stop(launch: Launch) -> None:
+    """Wait (a while) for the launcher to stop this rank, which ends it quietly (at once
+    when the launcher's signal came already)."""
+    if signals.requested():
+        _leave(launch, 128 + signals.requested())
+
+    def leave(signum: int, frame: Any) -> None:
+        _leave(launch, 128 + signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, leave)
+    time.sleep(PEER_LOST_WAIT_S)
+
+
+def _set_threads() -> None:
+    # Float results depend on the thread count (reductions split differently): a resume
+    # is bit-exact on the same machine with the same count; JOBRUN_THREADS pins it.
+    threads = os.environ.get("JOBRUN_THREADS")
+    if threads:
+        import torch
+
+        try:
+            torch.set_num_threads(max(1, int(threads)))
+        except ValueError:
+            raise UsageError(f"JOBRUN_THREADS={threads!r} is not a number",
+                             hint="set it to the number of CPU threads torch may use") from None
+
+
+def device_for(wanted: str, world: int, select: bool = True) -> str:
+    """The device this process uses; an unusable one is refused. ``select``: make it
+    the current CUDA device (a worker), or only check it (before anything is written)."""
+    if not select and not wanted.startswith("cuda"):
+        return wanted  # cpu and auto are always usable: no need to import torch yet
+    import torch
+
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {wanted!r} was asked for, but CUDA is not available here",
+                             hint="use --device cpu")
+        count = torch.cuda.device_count()
+        if ":" in wanted and int(wanted.split(":")[1]) >= count:
+            raise UsageError(f"device {wanted!r} was asked for, but this machine has {count} "
+                             "CUDA device(s)", hint=f"use cuda:0 .. cuda:{count - 1}, or cpu")
+        if world > 1 and wanted == "cuda":
+            wanted = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        if select:
+            torch.cuda.set_device(torch.device(wanted))
+    return wanted
+

@@ -1,0 +1,312 @@
+"""Replicas that die, stop and change in number: automatic restarts, Ctrl-C with replicas,
+resume with another number of replicas (real processes through torch's elastic launcher)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runner_util import ckpt_values, jobrun, jobrun_proc, logged, metrics
+
+pytestmark = pytest.mark.slow
+
+# A 2-replica job of 4 epochs of 8 steps; a step takes at least 30 ms (the sleep), so that
+# a signal or a death lands in the middle of an epoch. `die_once` kills rank 1 at step 4
+# of epoch 3 (once, or `times` times: its file counts the deaths).
+PLAN = """
+job: elastic
+seed: 5
+max_epochs: 4
+vars: {times: 1, deaths: ""}
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 6, classes: 3, noise: 1.0}
+      - reader: {in: [x, y], out: data, batch_size: 12, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [6, 16, 3]}
+      - optimizer: {in: model, out: opt, lr: 0.1, momentum: 0.9}
+      - const: {out: epoch_no, value: 0}
+epoch:
+  - task: train
+    do:
+      - add: {in: [epoch_no, 1], out: epoch_no}
+      - loop: 8
+        as: i
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: data, out: [xb, yb, end]}}]
+          - call: {fn: "jobrun_test_helpers:die_once", in: [epoch_no, i], path: "${deaths}", times: "${times}"}
+          - call: {fn: "jobrun_test_helpers:sleep", in: [0.03]}
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - log: {in: [loss]}
+    outputs: [loss]
+"""
+
+
+def _weights(run_dir: Path, epoch: int = 4) -> dict:
+    return ckpt_values(run_dir, epoch)["model"]["state"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The 2-replica job, never interrupted."""
+    root = tmp_path_factory.mktemp("elastic")
+    plan = root / "plan.yaml"
+    plan.write_text(PLAN)
+    r = jobrun_proc("train", plan, "--run-dir", root / "run", "--replicas", "2", timeout=180)
+    assert r.code == 0, r.text
+    return root / "run"
+
+
+# -- automatic restarts ---------------------------------------------------------------------------
+
+
+def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_killed(reference, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run, deaths = tmp_path / "run", tmp_path / "deaths"
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", "--max-restarts", "1",
+                    f"vars.deaths={deaths}", timeout=240)
+    assert r.code == 0, r.text
+    assert len(deaths.read_text().splitlines()) == 1  # it did die, once
+    assert "rank 1 died (killed by SIGKILL); restarting every rank" in r.out
+    assert "restart 1: rank 1 died (killed by SIGKILL); resumed from checkpoint epoch 2" in r.out
+    assert "Traceback" not in r.text and "error" not in r.err
+    assert _weights(run) == _weights(reference)
+    events = [m for m in metrics(run) if m.get("event") == "restart"]
+    assert events == [{"epoch": 2, "event": "restart", "restart": 1, "rank": 1, "exitcode": -9,
+                       "signal": "SIGKILL", "from_epoch": 2, "time": events[0]["time"]}]
+    # metrics.jsonl reads as an uninterrupted run's (plus the restart): one line an epoch
+    assert [x["_epoch"] for x in logged(run)] == [1, 2, 3, 4]
+    assert [x["loss"] for x in logged(run)] == [x["loss"] for x in logged(reference)]
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["max_restarts"] == 1
+    assert [(x["restart"], x["rank"], x["signal"], x["from_epoch"]) for x in info["restarts"]] == \
+        [(1, 1, "SIGKILL", 2)]
+
+
+def test_a_rank_that_dies_more_often_than_allowed_stops_the_job_cleanly(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("max_epochs: 4", "max_epochs: 3\nmax_restarts: 1"))
+    run, deaths = tmp_path / "run", tmp_path / "deaths"
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", f"vars.deaths={deaths}",
+                    "vars.times=5", timeout=240)
+    assert r.code == 1, r.text
+    assert len(deaths.read_text().splitlines()) == 2, r.text  # the first try and the one restart
+    assert r.out.count("restarting every rank") == 1
+    assert "replica rank 1 failed (exit code -9): killed by signal 9" in r.err
+    assert "(after 1 restart)" in r.err and f"jobrun resume --run-dir {run}" in r.err
+    assert "Traceback" not in r.text and "torch.distributed" not in r.text
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed" and len(info["restarts"]) == 1
+
+
+# -- Ctrl-C with replicas --------------------------------------------------------------------------
+
+
+def _start(plan: Path, run: Path) -> subprocess.Popen:
+    # A session of its own: the test can signal its whole process group, as a terminal does.
+    return subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run),
+                             "--replicas", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.parametrize("to,sig", [("launcher", signal.SIGINT), ("group", signal.SIGINT),
+                                    ("launcher", signal.SIGTERM)])
+def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(reference, tmp_path, to, sig):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    p = _start(plan, run)
+    deadline = time.monotonic() + 120
+    while not (run / "ckpt" / "local.1" / "rank-1" / "COMMIT").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.02)
+    time.sleep(0.1)  # in the middle of epoch 2
+    t0 = time.monotonic()
+    os.killpg(p.pid, sig) if to == "group" else p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 128 + sig, (out, err)
+    assert elapsed < 5, elapsed  # torch's agent would SIGKILL the workers after 5 s
+    log = (run / "console.log").read_text()
+    assert "forcefully" not in log and "SIGKILL" not in log + out + err
+    assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in out + err
+    # Both ranks stopped at the same point: the same checkpoints, none half written.
+    saved = sorted(p.name for p in (run / "ckpt").iterdir())
+    assert all(sorted(x.name for x in (run / "ckpt" / e).iterdir()) == ["rank-0", "rank-1"] for e in saved)
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    if to == "launcher" and sig == signal.SIGINT:
+        again = jobrun_proc("resume", "--run-dir", run, timeout=180)
+        assert again.code == 0, again.text
+        assert _weights(run) == _weights(reference)
+
+
+# -- resume with another number of replicas ----------------------------------------------------------
+
+# The MLP example's job with ids beside the data: `record_ids` logs which records each rank
+# reads at each step. 240 records in global batches of 32 (a pass is 8 steps, the last
+# one 16 records) and 5 steps an epoch, so passes straddle epochs.
+MLP = """
+job: mlp-ids
+seed: 0
+max_epochs: 4
+vars: {ids: ids.jsonl}
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 240, features: 16, classes: 4, noise: 1.5}
+      - call: {fn: "torch:arange", in: [240], out: ids}
+      - reader: {in: [x, y, ids], out: train_data, batch_size: 32, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [16, 32, 32, 4]}
+      - optimizer: {in: model, out: opt, lr: 0.1, momentum: 0.9}
+      - const: {out: epoch_no, value: 0}
+epoch:
+  - task: train
+    do:
+      - add: {in: [epoch_no, 1], out: epoch_no}
+      - loop: 5
+        do:
+          - read: {in: train_data, out: [xb, yb, ib, end]}
+          - if: end
+            then: [{read: {in: train_data, out: [xb, yb, ib, end]}}]
+          - call: {fn: "jobrun_test_helpers:record_ids", in: [ib, epoch_no], path: "${ids}"}
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - log: {in: [loss]}
+    outputs: [loss]
+"""
+
+
+def _global_batches(path: Path) -> list[list[int]]:
+    """The records of each global batch, in order: step k of an epoch is every rank's k-th
+    line of that epoch (ranks read slices of one global batch)."""
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    batches = []
+    for epoch in sorted({x["epoch"] for x in lines}):
+        ranks = {}
+        for x in lines:
+            if x["epoch"] == epoch:
+                ranks.setdefault(x["rank"], []).append(x["ids"])
+        steps = {len(v) for v in ranks.values()}
+        assert len(steps) == 1, ranks
+        batches += [sum((ranks[r][k] for r in sorted(ranks)), []) for k in range(steps.pop())]
+    return batches
+
+
+def _close(a, b, tol):
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol * max(1.0, abs(a))
+
+
+@pytest.fixture(scope="module")
+def mlp_runs(tmp_path_factory) -> Path:
+    """The job never interrupted (1 replica), and its first 2 epochs with 1 and 2 replicas."""
+    root = tmp_path_factory.mktemp("mlp")
+    plan = root / "plan.yaml"
+    plan.write_text(MLP)
+    for name, replicas, epochs in (("whole", 1, 4), ("one", 1, 2), ("two", 2, 2)):
+        r = jobrun_proc("train", plan, "--run-dir", root / name, "--replicas", str(replicas),
+                        f"max_epochs={epochs}", f"vars.ids={root / name}.ids", timeout=180)
+        assert r.code == 0, r.text
+    return root
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_resume_with_another_number_of_replicas(mlp_runs, tmp_path, before, after):
+    name = {1: "one", 2: "two"}[before]
+    run, ids = tmp_path / name, tmp_path / f"{name}.ids"
+    shutil.copytree(mlp_runs / name, run)
+    shutil.copy(mlp_runs / f"{name}.ids", ids)
+    r = jobrun_proc("resume", "--run-dir", run, "--replicas", str(after), "max_epochs=4",
+                    f"vars.ids={ids}", timeout=180)
+    assert r.code == 0, r.text
+    assert f"resuming with {after} replica" in r.err and "resumed from checkpoint epoch 2" in r.out
+    # The global position in the pass is kept: the same global batches as the run never
+    # interrupted, each pass a permutation of all 240 records (every sample once).
+    batches = _global_batches(ids)
+    assert [sorted(b) for b in batches] == [sorted(b) for b in _global_batches(mlp_runs / "whole.ids")]
+    flat = [i for b in batches for i in b]
+    assert sorted(flat[:240]) == sorted(flat[240:480]) == list(range(240))
+    assert len(set(flat[480:])) == len(flat[480:]) == 4 * 32
+    # ... and each rank read its share of every global batch after the change.
+    lines = [json.loads(x) for x in ids.read_text().splitlines()]
+    assert {x["world"] for x in lines if x["epoch"] > 2} == {after}
+    # The loss goes on as the uninterrupted run's, up to float rounding of the sums.
+    assert _close([x["loss"] for x in logged(run)], [x["loss"] for x in logged(mlp_runs / "whole")], 1e-4)
+    assert _close(list(_weights(run).values()), list(_weights(mlp_runs / "whole").values()), 1e-5)
+    info = json.loads((run / "run.json").read_text())
+    assert info["replicas"] == after
+    assert info["replica_changes"] == [{"from_epoch": 2, "from": before, "to": after}]
+
+
+def test_resume_without_replicas_says_how_many_the_checkpoint_needs(mlp_runs, tmp_path):
+    run = tmp_path / "two"
+    shutil.copytree(mlp_runs / "two", run)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "replicas": 1, "status": "running"}))
+    for args in ((), ("--epoch", "1")):
+        r = jobrun("resume", "--run-dir", run, *args)
+        assert r.code == 1, r.text
+        assert "was written by 2 replicas; this run has 1" in r.err
+        assert "resume with 2 replicas (--replicas 2)" in r.err
+        assert "train again" not in r.text and "Traceback" not in r.text
+
+
+# -- several hosts without a shared filesystem --------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[str]) -> list[subprocess.CompletedProcess]:
+    """`command` on two "hosts": two torchrun launches of one rank each, each in its own
+    directory (its cwd and run directory), meeting at one master port."""
+    port = str(_free_port())
+    procs = []
+    for node, (cwd, plan) in enumerate(zip(dirs, plans)):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                "-m", "jobrun", *command, *([plan] if plan else []), "--run-dir", "run", *extra]
+        procs.append(subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=240), *p.communicate()) for p in procs]
+
+
+def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_path):
+    host0, host1 = tmp_path / "host0", tmp_path / "host1"
+    host0.mkdir()
+    host1.mkdir()
+    (host0 / "plan.yaml").write_text(PLAN)
+    deaths = tmp_path / "deaths"
+    # Host 1 has no plan file: rank 0's plan is used. Rank 1 is killed in epoch 3.
+    first = _hosts(["train"], [host0, host1], ["plan.yaml", "missing.yaml"], [f"vars.deaths={deaths}"])
+    assert [p.returncode != 0 for p in first] == [True, True], [p.stdout + p.stderr for p in first]
+    assert deaths.read_text().count("\n") == 1
+    # Each host holds its own rank's checkpoints (epochs 0-2) and a copy of the plan.
+    assert {p.name for p in (host0 / "run" / "ckpt" / "local.2").iterdir()} == {"rank-0"}
+    assert {p.name for p in (host1 / "run" / "ckpt" / "local.2").iterdir()} == {"rank-1"}
+    assert (host1 / "run" / "plan.yaml").read_text() == (host0 / "run" / "plan.yaml").read_text()
+    assert not (host1 / "run" / "metrics.jsonl").exists()  # rank 0 keeps the run's records
+    again = _hosts(["resume"], [host0, host1], [None, None], [])
+    assert [p.returncode for p in again] == [0, 0], [p.stdout + p.stderr for p in again]
+    assert "resumed from checkpoint epoch 2" in again[0].stdout
+    assert _weights(host0 / "run") == _weights(reference)
+    rank1 = jobrun("ckpt", "show", host1 / "run", "--epoch", "4", "--rank", "1", "--json")
+    assert rank1.code == 0, rank1.text
+    assert json.loads(rank1.out)["nodes"]["local"]["model"]["state"] == _weights(reference)
