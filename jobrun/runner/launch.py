@@ -28,7 +28,7 @@ from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
-from jobrun.runner.pick import pick_epoch
+from jobrun.runner.pick import pick_epoch, replicas_text
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.workers import Launch, device_for, start
 
@@ -186,7 +186,7 @@ def record_resume(run: RunDir, epoch: int, sets: tuple[str, ...], changes: list[
                  "changes": [*info.get("changes", []), {"from_epoch": epoch, "sets": list(sets),
                                                          "changed": changes}]}
     if saved != replicas:
-        print(f"resuming with {replicas} replicas from a checkpoint of {saved}", file=sys.stderr)
+        print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
         facts["replica_changes"] = [*info.get("replica_changes", []),
                                     {"from_epoch": epoch, "from": saved, "to": replicas}]
     run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
