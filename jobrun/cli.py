@@ -218,7 +218,7 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 
     KEY=VALUE overrides after the plan mean what --set means (vars.lr=0.05 max_epochs=3).
     """
-    from jobrun.plans.compile import DEVICE
+    from jobrun.plans.keys import DEVICE
     from jobrun.runner.launch import train as run_train
 
     if device is not None and not DEVICE.match(device):

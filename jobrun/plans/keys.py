@@ -39,3 +39,16 @@ OP_IO_KEYS = ("in", "out")
 # (`epoch.train.step.clip_grad_norm=1`): no dots (they separate the parts of a path), and
 # it must not read as a list index or a task key.
 STEP_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}\Z")
+
+# Names and limits of what a plan holds (the compiler checks them, the schema states them).
+BLOB_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:/[A-Za-z_][A-Za-z0-9_]*)*\Z")
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+DEVICE = re.compile(r"(auto|cpu|cuda|cuda:\d{1,3})\Z")
+DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)\s*\Z")
+NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit, without '..'"
+BLOB_RULE = "letters, digits and _ (not starting with a digit); scopes joined by '/', e.g. enc/w"
+
+MAX_INSTANCES = 1024
+MAX_REPLICAS = 1024
+MAX_RESTARTS = 1000

@@ -22,7 +22,6 @@ from typing import Any
 
 from jobrun import __version__
 from jobrun.ops.spec import REQUIRED, ArgSpec, ArgType, OpSpec
-from jobrun.plans import compile as plan_compile
 from jobrun.plans import keys as plan_keys
 from jobrun.plans.resolve import BUILTINS, VAR_NAME
 
@@ -137,7 +136,7 @@ def _name_defs() -> dict[str, Any]:
             ),
             "type": "string",
             "anyOf": [
-                {"pattern": _anchored(plan_compile.BLOB_NAME)},
+                {"pattern": _anchored(plan_keys.BLOB_NAME)},
                 {"pattern": VAR_INSIDE},
             ],
         },
@@ -148,14 +147,14 @@ def _name_defs() -> dict[str, Any]:
             ),
             "type": "string",
             "anyOf": [
-                {"pattern": _anchored(plan_compile.NODE_NAME), **no_dots},
+                {"pattern": _anchored(plan_keys.NODE_NAME), **no_dots},
                 {"pattern": VAR_INSIDE},
             ],
         },
         "duration": {
             "description": "A duration with its unit: 500ms, 2s, 1.5s.",
             "type": "string",
-            "anyOf": [{"pattern": _anchored(plan_compile.DURATION)}, {"pattern": VAR_INSIDE}],
+            "anyOf": [{"pattern": _anchored(plan_keys.DURATION)}, {"pattern": VAR_INSIDE}],
         },
     }
 
@@ -179,20 +178,20 @@ def _top_properties() -> dict[str, dict[str, Any]]:
         "job": {
             "description": "The job's name (also the default run directory, runs/<job>).",
             "type": "string",
-            "pattern": _anchored(plan_compile.NODE_NAME),
+            "pattern": _anchored(plan_keys.NODE_NAME),
             "not": {"pattern": r"\.\."},  # vars are not substituted in the job name
         },
         "seed": _int("Seeds torch, numpy and random on every node and rank (default 0).", 0, 2**63 - 1),
         "device": {
             "description": "auto (cuda if available), cpu, cuda or cuda:N (default auto).",
             "type": "string",
-            "anyOf": [{"pattern": _anchored(plan_compile.DEVICE)}, {"pattern": VAR_INSIDE}],
+            "anyOf": [{"pattern": _anchored(plan_keys.DEVICE)}, {"pattern": VAR_INSIDE}],
             "default": "auto",
         },
         "replicas": {
             "description": "Data-parallel processes on this host; auto = one per GPU, else 1.",
             "anyOf": [
-                {"type": "integer", "minimum": 1, "maximum": plan_compile.MAX_REPLICAS},
+                {"type": "integer", "minimum": 1, "maximum": plan_keys.MAX_REPLICAS},
                 {"const": "auto"},
                 VAR,
             ],
@@ -200,7 +199,7 @@ def _top_properties() -> dict[str, dict[str, Any]]:
         },
         "max_restarts": _int(
             "When a replica dies, restart every rank from the latest complete checkpoint, up to "
-            "this many times (default 0: the job stops).", 0, plan_compile.MAX_RESTARTS),
+            "this many times (default 0: the job stops).", 0, plan_keys.MAX_RESTARTS),
         "vars": {
             "description": (
                 'Values for "${name}" in any string of the plan; a value that is exactly '
@@ -251,7 +250,7 @@ def _task() -> dict[str, Any]:
         "instances": _int(
             "Concurrent copies of `do` sharing the task's workspace (default 1).",
             1,
-            plan_compile.MAX_INSTANCES,
+            plan_keys.MAX_INSTANCES,
         ),
         "init": {**BLOCK, "description": "Steps run once before `do` (before all instances)."},
         "do": {**BLOCK, "description": "The task's steps."},

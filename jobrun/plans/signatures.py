@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
-from jobrun.plans.compile import DURATION
+from jobrun.plans.keys import DURATION
 
 MAX_SHAPE_ELEMENTS = 2**34
 
