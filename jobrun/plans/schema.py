@@ -16,22 +16,18 @@ stop conditions) is not.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 from jobrun import __version__
-from jobrun.ops.spec import REQUIRED, ArgSpec, ArgType, OpSpec
 from jobrun.plans import keys as plan_keys
 from jobrun.plans.resolve import BUILTINS, VAR_NAME
+from jobrun.plans.schema_ops import BLOB, STEP_ID, VAR, anchored, op_call, op_def, op_schema
 
 SCHEMA_ID = "urn:jobrun:plan-schema"
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 VAR_EXACT = r"^\$\{[^}]+\}$"  # takes the var's type after substitution
 VAR_INSIDE = r"\$\{[^}]+\}"  # a string built from vars: only its result can be checked
 
-VAR = {"$ref": "#/$defs/var"}
-BLOB = {"$ref": "#/$defs/blob"}
 BLOCK = {"$ref": "#/$defs/block"}
 NAME = {"$ref": "#/$defs/name"}
 
@@ -70,12 +66,12 @@ def plan_schema() -> dict[str, Any]:
         },
         "step": _step(),
         **_control_defs(),
-        "op_call": _op_call(ops),
+        "op_call": op_call(ops),
         "input": {
             "description": "A blob name, or a number or boolean literal.",
             "anyOf": [BLOB, {"type": ["number", "boolean"]}, VAR],
         },
-        **{_op_def(name): op_schema(spec) for name, spec in ops.items()},
+        **{op_def(name): op_schema(spec) for name, spec in ops.items()},
     }
     return {
         "$schema": DRAFT,
@@ -98,12 +94,6 @@ def _keyed(keys: tuple[str, ...], known: dict[str, dict[str, Any]]) -> dict[str,
     # The compiler's key list is the truth: a key it gains before this module learns about
     # it is still allowed (with no checks), never refused.
     return {key: known.get(key, {"description": f"`{key}` (not described yet)"}) for key in keys}
-
-
-def _anchored(rx: re.Pattern[str]) -> str:
-    """A compiler regex (used with .match and ending in \\Z) as an ECMA-262 pattern."""
-    body = rx.pattern.removesuffix(r"\Z")
-    return f"^{body}$"
 
 
 def _int(description: str, minimum: int | None = None, maximum: int | None = None) -> dict[str, Any]:
@@ -136,7 +126,7 @@ def _name_defs() -> dict[str, Any]:
             ),
             "type": "string",
             "anyOf": [
-                {"pattern": _anchored(plan_keys.BLOB_NAME)},
+                {"pattern": anchored(plan_keys.BLOB_NAME)},
                 {"pattern": VAR_INSIDE},
             ],
         },
@@ -147,14 +137,14 @@ def _name_defs() -> dict[str, Any]:
             ),
             "type": "string",
             "anyOf": [
-                {"pattern": _anchored(plan_keys.NODE_NAME), **no_dots},
+                {"pattern": anchored(plan_keys.NODE_NAME), **no_dots},
                 {"pattern": VAR_INSIDE},
             ],
         },
         "duration": {
             "description": "A duration with its unit: 500ms, 2s, 1.5s.",
             "type": "string",
-            "anyOf": [{"pattern": _anchored(plan_keys.DURATION)}, {"pattern": VAR_INSIDE}],
+            "anyOf": [{"pattern": anchored(plan_keys.DURATION)}, {"pattern": VAR_INSIDE}],
         },
     }
 
@@ -178,14 +168,14 @@ def _top_properties() -> dict[str, dict[str, Any]]:
         "job": {
             "description": "The job's name (also the default run directory, runs/<job>).",
             "type": "string",
-            "pattern": _anchored(plan_keys.NODE_NAME),
+            "pattern": anchored(plan_keys.NODE_NAME),
             "not": {"pattern": r"\.\."},  # vars are not substituted in the job name
         },
         "seed": _int("Seeds torch, numpy and random on every node and rank (default 0).", 0, 2**63 - 1),
         "device": {
             "description": "auto (cuda if available), cpu, cuda or cuda:N (default auto).",
             "type": "string",
-            "anyOf": [{"pattern": _anchored(plan_keys.DEVICE)}, {"pattern": VAR_INSIDE}],
+            "anyOf": [{"pattern": anchored(plan_keys.DEVICE)}, {"pattern": VAR_INSIDE}],
             "default": "auto",
         },
         "replicas": {
@@ -207,7 +197,7 @@ def _top_properties() -> dict[str, dict[str, Any]]:
                 + ", ".join(f"${{{b}}}" for b in BUILTINS) + "."
             ),
             "type": ["object", "null"],
-            "propertyNames": {"pattern": _anchored(VAR_NAME), "not": {"enum": list(BUILTINS)}},
+            "propertyNames": {"pattern": anchored(VAR_NAME), "not": {"enum": list(BUILTINS)}},
         },
         "max_epochs": {
             "description": "Stop after this epoch. A plan needs max_epochs, stop_when or early_stop.",
@@ -330,15 +320,6 @@ def _watch(description: str, keys: tuple[str, ...], own: dict[str, Any]) -> dict
 # -- steps -----------------------------------------------------------------------------
 
 
-STEP_ID = {
-    "description": (
-        "A name for this step, unique in its task, that overrides can address "
-        "(`epoch.TASK.ID.ARG=VALUE`): letters, digits, '_' and '-', no dots."
-    ),
-    "type": "string",
-    "pattern": _anchored(plan_keys.STEP_ID),
-    "not": {"enum": list(plan_keys.TASK_KEYS)},
-}
 
 
 def _step() -> dict[str, Any]:
@@ -452,135 +433,3 @@ def _control(description: str, properties: dict[str, Any], required: list[str]) 
         "required": required,
         "additionalProperties": False,
     }
-
-
-# -- ops -------------------------------------------------------------------------------
-
-
-def _op_def(name: str) -> str:
-    return f"op:{name}"
-
-
-def _op_call(ops: dict[str, OpSpec]) -> dict[str, Any]:
-    return {
-        "description": "An op call: one key, the op's name, holding its arguments (and an `id`).",
-        "type": "object",
-        "minProperties": 1,
-        "properties": {**{name: {"$ref": f"#/$defs/{_op_def(name)}"} for name in ops}, "id": STEP_ID},
-        "additionalProperties": False,  # an unknown op
-        # the op's name and, maybe, an id beside it
-        "if": {"required": ["id"]},
-        "then": {"minProperties": 2, "maxProperties": 2},
-        "else": {"maxProperties": 1},
-    }
-
-
-def op_schema(spec: OpSpec) -> dict[str, Any]:
-    """The schema of one op's mapping: `in`, `out` and its typed arguments."""
-    in_lo, in_hi = spec.input_bounds
-    out_lo, out_hi = spec.output_bounds
-    properties = {
-        "in": _slots("in", spec.inputs, in_lo, in_hi, {"$ref": "#/$defs/input"}),
-        "out": _slots("out", spec.outputs, out_lo, out_hi, BLOB),
-        **{a.name: arg_schema(a) for a in spec.args},
-    }
-    required = [k for k, lo in (("in", in_lo), ("out", out_lo)) if lo > 0]
-    required += [a.name for a in spec.args if a.required]
-    schema: dict[str, Any] = {
-        "title": spec.name,
-        "description": spec.doc + (f"\nExample: {spec.example}" if spec.example else ""),
-        # `- copy:` with nothing after it is an empty call, unless something is required.
-        "type": "object" if required else ["object", "null"],
-        "properties": properties,
-        "additionalProperties": spec.extra_args,
-    }
-    if required:
-        schema["required"] = required
-    return schema
-
-
-def _slots(
-    key: str, names: tuple[str, ...], lo: int, hi: int | None, item: dict[str, Any]
-) -> dict[str, Any]:
-    """`in`/`out`: one item or a list of them, as many as the op takes (null: none)."""
-    if hi == 0:
-        return {"description": f"This op takes no `{key}`.", "type": ["array", "null"], "maxItems": 0}
-    many: dict[str, Any] = {"type": "array", "items": item, "minItems": lo}
-    if hi is not None:
-        many["maxItems"] = hi
-    shown = ", ".join(names) + (", ..." if hi is None else "")
-    count = f"{lo}" if lo == hi else f"{lo} or more" if hi is None else f"{lo} to {hi}"
-    alternatives = [many]
-    if lo <= 1 and (hi is None or hi >= 1):
-        alternatives.append(item)
-    if lo == 0:
-        alternatives.append({"type": "null"})
-    return {"description": f"{count}: {shown}", "anyOf": alternatives}
-
-
-def arg_schema(a: ArgSpec) -> dict[str, Any]:
-    """One argument's schema from its ArgSpec type, with its doc and default."""
-    schema = type_schema(a.type)
-    note = f"{type_text(a.type)}" + ("; required" if a.required else f"; default {_json(a.default)}")
-    schema["description"] = f"{a.doc} ({note})" if a.doc else note
-    if not a.required and _is_json(a.default):
-        schema["default"] = json.loads(json.dumps(a.default))  # tuples become lists
-    return schema
-
-
-def type_schema(t: ArgType) -> dict[str, Any]:
-    """An ArgSpec type (see jobrun.ops.spec) as a schema that also accepts "${var}"."""
-    alternatives = _alternatives(t)
-    if any(not alt for alt in alternatives):
-        return {}  # "any" among them
-    if not any(alt.get("type") == "string" and "pattern" not in alt for alt in alternatives):
-        alternatives.append(VAR)  # a plain string already accepts "${var}"
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-
-
-_SIMPLE: dict[str, dict[str, Any]] = {
-    "int": {"type": "integer"},
-    "float": {"type": "number"},
-    "number": {"type": "number"},
-    "bool": {"type": "boolean"},
-    "str": {"type": "string"},
-    "list": {"type": "array"},
-    "dict": {"type": "object"},
-    "shape": {"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 0}, VAR]}},
-    "any": {},
-    "null": {"type": "null"},
-    "duration": {"$ref": "#/$defs/duration"},
-}
-
-
-def _alternatives(t: ArgType) -> list[dict[str, Any]]:
-    if isinstance(t, tuple) and t and t[0] == "or":
-        return [alt for sub in t[1:] for alt in _alternatives(sub)]
-    if isinstance(t, tuple) and t and t[0] == "choice":
-        return [{"enum": list(t[1:])}]
-    if isinstance(t, str) and t in _SIMPLE:
-        return [dict(_SIMPLE[t])]
-    return [{}]  # a type this module does not know (a plug-in's): accept anything
-
-
-def type_text(t: ArgType) -> str:
-    """An ArgSpec type in words: `int`, `relu|gelu|tanh`, `number or null`."""
-    if isinstance(t, tuple) and t and t[0] == "or":
-        return " or ".join(type_text(sub) for sub in t[1:])
-    if isinstance(t, tuple) and t and t[0] == "choice":
-        return "|".join(str(c) for c in t[1:])
-    return str(t)
-
-
-def _is_json(value: Any) -> bool:
-    if value is REQUIRED:
-        return False
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value) if _is_json(value) else repr(value)
