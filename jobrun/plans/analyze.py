@@ -112,8 +112,7 @@ class _Analyzer(Visitor):
             )
         for group in plan.groups:
             self.visit(group)
-        self._check_stop_when(plan)
-        self._check_monitors(plan)
+        self._check_watched(plan)
         self._check_output_clash(plan.epoch)
         self._resolve_reads()
 
@@ -450,31 +449,23 @@ class _Analyzer(Visitor):
             "through `outputs`",
         )
 
-    def _check_stop_when(self, plan: ir.Plan) -> None:
+    def _check_watched(self, plan: ir.Plan) -> None:
+        """`stop_when`, `early_stop` and `checkpoint.best` name epoch-task outputs."""
         outputs = [o.name for t in plan.epoch.tasks for o in t.outputs]
-        for ref in plan.stop_when:
+        best = plan.checkpoint.best if plan.checkpoint is not None else None
+        watched = [("stop-when", "stop_when names", ref) for ref in plan.stop_when] + [
+            ("monitor", f"{what} monitors", watch.monitor.name)
+            for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best))
+            if watch is not None
+        ]
+        for code, what, ref in watched:
             if ref.name not in outputs:
                 self._emit(
-                    "error", "stop-when", ref.pos,
-                    f"stop_when names {ref.name!r}, which is not an output of any epoch task",
+                    "error", code, ref.pos,
+                    f"{what} {ref.name!r}, which is not an output of any epoch task",
                     did_you_mean(ref.name, outputs)
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
                 )
-
-    def _check_monitors(self, plan: ir.Plan) -> None:
-        """`early_stop` and `checkpoint.best` watch an epoch-task output."""
-        outputs = [o.name for t in plan.epoch.tasks for o in t.outputs]
-        best = plan.checkpoint.best if plan.checkpoint is not None else None
-        for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best)):
-            if watch is None or watch.monitor.name.name in outputs:
-                continue
-            ref = watch.monitor.name
-            self._emit(
-                "error", "monitor", ref.pos,
-                f"{what} monitors {ref.name!r}, which is not an output of any epoch task",
-                did_you_mean(ref.name, outputs)
-                or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
-            )
 
     def _check_output_clash(self, group: ir.Group) -> None:
         owner: dict[str, ir.Task] = {}
