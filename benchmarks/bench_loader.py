@@ -114,7 +114,7 @@ class HandLoop:
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             opt.step()
-        self.losses.append(float(loss) if loss is not None else float("nan"))
+        self.losses.append(loss.item() if loss is not None else float("nan"))
         return time.perf_counter() - t0
 
     def close(self) -> None:
