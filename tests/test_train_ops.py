@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -371,20 +370,6 @@ def test_evaluate_sums_on_the_host_equal_the_device_tensor_sums(kind):
     assert train.evaluate(ctx, model, reader, loss=loss) == (
         loss_sum / count, correct / classified if classified else None
     )
-
-
-def test_amp_on_cpu_is_ignored_with_one_warning(monkeypatch):
-    monkeypatch.setattr(train, "_warned_amp_on_cpu", False)
-    ctx = OpContext()
-    model = models.model_mlp(ctx, sizes=[2, 2])
-    opt = models.optimizer(ctx, model, lr=0.1)
-    x, y = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            train.train_step(ctx, model, opt, x, y, amp="fp16")
-    assert len([w for w in caught if "amp=fp16 is ignored" in str(w.message)]) == 1
-    assert not hasattr(opt, "_jobrun_scaler")
 
 
 def test_export_round_trip(tmp_path: Path):

@@ -11,6 +11,7 @@ issued by every rank in the same order, also by a rank whose slice is empty.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,8 @@ class GlobalCount:
         return self._value
 
 
-def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tensor) -> float:
+def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tensor,
+                    sparse: frozenset[int] = frozenset()) -> float:
     """Sum gradients (one flat bucket per dtype) and the loss over ranks.
 
     A rank whose slice was empty has no gradients; a per-parameter "has a gradient" flag
@@ -74,6 +76,11 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
     grad=None as in a single process (optimizers skip those), at no extra collective.
     So does the rank's stop flag (a SIGINT/SIGTERM it got): when any rank was signalled,
     every rank raises Interrupted here, at the same step (see jobrun.signals).
+
+    ``sparse``: the ids of parameters whose gradients are sparse (see
+    :func:`sparse_params`); their rows are gathered from every rank instead (see
+    :func:`_allreduce_sparse`). Every rank must pass the same set, which is why it comes
+    from the model's structure and not from the gradients one rank happens to have.
     """
     dev = comm_device(ctx)
     has = [p.grad is not None for p in params]
@@ -82,7 +89,17 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
         loss.float().reshape(1).to(dev),
     ])
     reduced_meta = meta
-    groups = _flat_buckets(params)
+    dense = [i for i, p in enumerate(params) if id(p) not in sparse] if sparse else range(len(params))
+    groups: dict[torch.dtype, list[int]] = {}
+    for i in dense:
+        if has[i] and params[i].grad.is_sparse:
+            raise RunError(
+                f"train.step: a parameter of shape {tuple(params[i].shape)} got a sparse gradient, "
+                "but its module is not marked sparse",
+                hint="replicas gather sparse gradients of modules with `sparse=True` (nn.Embedding, "
+                     "nn.EmbeddingBag); make the module one of those, or its gradient dense",
+            )
+        groups.setdefault(params[i].dtype, []).append(i)
     groups.setdefault(torch.float32, [])
     for dtype, idxs in groups.items():
         parts = [(params[i].grad if has[i] else torch.zeros_like(params[i])) for i in idxs]
@@ -94,12 +111,73 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
         _scatter_grads(params, idxs, flat)
         if dtype == torch.float32:
             reduced_meta = flat[flat.numel() - meta.numel() :]
+    if sparse:
+        _allreduce_sparse(dev, [p for p in params if id(p) in sparse])
     flags = reduced_meta[: len(params) + 1].tolist()
     signals.agree(flags.pop())
     for p, flag in zip(params, flags):
         if flag == 0:
             p.grad = None
     return float(reduced_meta[-1].item())
+
+
+_sparse_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def sparse_params(model: Any) -> frozenset[int]:
+    """The ids of the parameters of a model's modules that make sparse gradients
+    (`sparse=True`: nn.Embedding, nn.EmbeddingBag); empty for anything but a Module."""
+    if not isinstance(model, nn.Module):
+        return frozenset()
+    found = _sparse_cache.get(model)
+    if found is None:
+        found = frozenset(id(p) for m in model.modules() if getattr(m, "sparse", False) is True
+                          for p in m.parameters(recurse=False))
+        _sparse_cache[model] = found
+    return found
+
+
+def _allreduce_sparse(dev: torch.device, params: list[torch.Tensor]) -> None:
+    """Sum sparse (row) gradients over ranks: every rank gathers the others' rows (indices
+    and values, padded to the longest) and coalesces them, so that the gradient stays
+    sparse for optimizers that need it (SparseAdam) and costs rows, not the whole table."""
+    world = torch.distributed.get_world_size()
+    grads = [_rows(p) for p in params]
+    counts = torch.tensor([0 if g is None else g._nnz() for g in grads], dtype=torch.int64, device=dev)
+    every = [torch.empty_like(counts) for _ in range(world)]
+    torch.distributed.all_gather(every, counts)
+    per_rank = torch.stack(every).tolist()  # [rank][param]
+    for j, (p, g) in enumerate(zip(params, grads)):
+        sizes = [row[j] for row in per_rank]
+        longest = max(sizes)
+        if longest == 0:
+            continue  # no rank has rows: the "has a gradient" flags decide grad=None
+        idx = torch.zeros((1, longest), dtype=torch.int64, device=dev)
+        val = torch.zeros((longest, *p.shape[1:]), dtype=p.dtype, device=dev)
+        if g is not None and g._nnz():
+            idx[:, : g._nnz()] = g._indices().to(dev)
+            val[: g._nnz()] = g._values().to(dev)
+        idxs = [torch.empty_like(idx) for _ in range(world)]
+        vals = [torch.empty_like(val) for _ in range(world)]
+        torch.distributed.all_gather(idxs, idx)
+        torch.distributed.all_gather(vals, val)
+        summed = torch.sparse_coo_tensor(
+            torch.cat([t[:, :n] for t, n in zip(idxs, sizes)], dim=1),
+            torch.cat([t[:n] for t, n in zip(vals, sizes)]),
+            p.shape,
+        ).coalesce()
+        p.grad = summed.to(p.device)
+
+
+def _rows(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as coalesced sparse rows (sparse_dim 1), or None."""
+    g = p.grad
+    if g is None:
+        return None
+    if not g.is_sparse:
+        return g.to_sparse(1)
+    g = g.coalesce()
+    return g if g.sparse_dim() == 1 else g.to_dense().to_sparse(1)
 
 
 def _scatter_grads(params: list[torch.Tensor], idxs: list[int], flat: torch.Tensor) -> None:

@@ -8,7 +8,6 @@ Both ops give the same numbers with one process and with replicas (see
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,13 @@ from torch import nn
 from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
-from jobrun.ops.dist import GlobalCount, allreduce_grads, broadcast_tensors, comm_device
+from jobrun.ops.dist import (
+    GlobalCount,
+    allreduce_grads,
+    broadcast_tensors,
+    comm_device,
+    sparse_params,
+)
 from jobrun.ops.imports import resolve
 from jobrun.ops.models import require_optimizer
 from jobrun.ops.reader import Reader
@@ -99,7 +104,9 @@ def train_step(
         [clip the gradient norm]; optimizer step; [buffers follow rank 0]
 
     With one process, one micro-batch and no amp that is exactly a hand-written loop's
-    calls. The weights make the summed gradients those of one process reading the whole
+    calls. ``amp`` autocasts the forward and the loss to bf16 or fp16 on the run's device
+    (CPU or CUDA, the same code); fp16 scales the loss with a GradScaler whose state is
+    kept in the optimizer's first param group, so that checkpoints hold it. The weights make the summed gradients those of one process reading the whole
     global batch. The returned loss is the float32 value of the global-batch mean as a
     Python float, identical on every rank (replicas sum float32 values; a float64 loss is
     rounded to float32 too, so that one process and replicas report the same numbers).
@@ -114,7 +121,7 @@ def train_step(
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise RunError(f"train.step: clip_grad_norm must be > 0, got {clip_grad_norm}")
     loss_fn = _LOSSES[loss] if loss in _LOSSES else _loss_fn(loss, "train.step")
-    dtype = None if amp is None else _amp_dtype(ctx, amp)
+    dtype = None if amp is None else _amp_dtype(amp)
     device = ctx.device
     if not (
         x.__class__ is _Tensor and y.__class__ is _Tensor
@@ -126,7 +133,7 @@ def train_step(
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
     count = GlobalCount(ctx, local) if replicas else None  # overlaps with the first forward
-    scaler = _scaler(opt) if dtype is _FLOAT16 else None
+    scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
@@ -136,7 +143,7 @@ def train_step(
         if dtype is None:
             part = loss_fn(model(xb), yb)
         else:
-            with torch.autocast("cuda", dtype=dtype):
+            with torch.autocast(torch.device(device).type, dtype=dtype):
                 part = loss_fn(model(xb), yb)
         n_all = local if count is None else count.value
         if n != n_all:
@@ -151,7 +158,7 @@ def train_step(
     if value is None:
         value = torch.zeros((), device=device)
     params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
-    mean = allreduce_grads(ctx, params, value.detach()) if replicas else None
+    mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model)) if replicas else None
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
@@ -177,29 +184,39 @@ _last_loss: list[Any] = [None]
 
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_warned_amp_on_cpu = False
 
 
-def _amp_dtype(ctx: OpContext, amp: str) -> torch.dtype | None:
-    """The autocast dtype, or None where amp does nothing (off CUDA: warned once)."""
-    global _warned_amp_on_cpu
+def _amp_dtype(amp: str) -> torch.dtype:
     if amp not in _AMP:
         raise RunError(f"train.step: unknown amp {amp!r}", hint="amp is null, bf16 or fp16")
-    if torch.device(ctx.device).type != "cuda":
-        if not _warned_amp_on_cpu:  # once per process: the hot loop must not spam
-            warnings.warn(f"amp={amp} is ignored on {ctx.device}", RuntimeWarning, stacklevel=3)
-            _warned_amp_on_cpu = True
-        return None
     return _AMP[amp]
 
 
-def _scaler(opt: Any) -> Any:
-    # Kept on the optimizer so that it lives (and is checkpointed) with it.
+# The fp16 loss scaler's state (scale, growth tracker, factors) lives in the optimizer's
+# first param group under this key: torch's Optimizer.state_dict() saves param groups and
+# load_state_dict() restores them, so a checkpoint of the optimizer holds the scaler too,
+# whoever built the optimizer, and `ckpt show` shows it.
+SCALER_KEY = "jobrun_grad_scaler"
+
+
+def _scaler(opt: Any, device: str) -> Any:
+    """The optimizer's GradScaler: made on the first fp16 step, from the state its param
+    group holds after a resume."""
     scaler = getattr(opt, "_jobrun_scaler", None)
     if scaler is None:
-        scaler = torch.amp.GradScaler("cuda")
+        scaler = torch.amp.GradScaler(torch.device(device).type)
+        saved = opt.param_groups[0].get(SCALER_KEY)
+        if saved:
+            scaler.load_state_dict(saved)
         opt._jobrun_scaler = scaler
+        # Read only when the optimizer is saved, not at every step (get_scale() waits for
+        # the device).
+        opt.register_state_dict_pre_hook(_keep_scaler_state)
     return scaler
+
+
+def _keep_scaler_state(opt: Any) -> None:
+    opt.param_groups[0][SCALER_KEY] = opt._jobrun_scaler.state_dict()
 
 
 def _micro_batches(x: torch.Tensor, y: torch.Tensor, accumulate: int) -> list[tuple]:

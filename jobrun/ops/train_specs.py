@@ -141,7 +141,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
                 "amp",
                 ("or", ("choice", "bf16", "fp16"), "null"),
                 None,
-                "mixed precision, CUDA only",
+                "mixed precision: autocast on the run's device (CPU or CUDA)",
             ),
         ),
     ),
