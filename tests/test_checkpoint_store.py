@@ -767,3 +767,15 @@ def test_list_verify_and_numpy_load_do_not_import_torch(tmp_path: Path) -> None:
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_epoch_saved_again_by_fewer_ranks_drops_the_others(tmp_path: Path) -> None:
+    # resume --replicas 1 of a 2-rank run saves epoch 2 again: rank 1's old files would
+    # make the epoch a mix of two checkpoints (the ranks' world sizes disagree).
+    for r in (0, 1):
+        ck.save({"w": np.full(3, float(r))}, {}, tmp_path, "n", 2, rank=r, world_size=2)
+    assert ck.verify(tmp_path, "n", 2) == []
+    ck.save({"w": np.zeros(3)}, {}, tmp_path, "n", 2, rank=0, world_size=1)
+    assert sorted(p.name for p in (tmp_path / "n.2").iterdir()) == ["rank-0"]
+    assert ck.verify(tmp_path, "n", 2) == []
+    assert ck.latest_complete_epoch(tmp_path, ["n"], 1)[0] == 2

@@ -23,6 +23,7 @@ class OpContext:
     world_size: int = 1
     seed: int = 0
     device: str = "cpu"  # a torch device string: "cpu", "cuda", "cuda:1"
+    parallel: str = "ddp"  # how replicas hold models: ddp (full copies) or fsdp (shards)
     plan_dir: Path = field(default_factory=Path.cwd)
     run_dir: Path = field(default_factory=Path.cwd)
     epoch: int = 0

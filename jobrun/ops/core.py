@@ -190,6 +190,10 @@ def _state_of(value: Any) -> Any:
 
 
 def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) -> None:
+    if ctx.distributed and ctx.parallel == "fsdp":
+        from jobrun.ops.fsdp import gathered
+
+        values = gathered(values, ctx.rank)  # every rank sends its shards; rank 0 writes
     if ctx.rank != 0:
         return  # replicas hold the same values; one writer, no race on the file
     target = ctx.resolve_write(path)

@@ -121,6 +121,17 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
     return float(reduced_meta[-1].item())
 
 
+def allreduce_loss(ctx: OpContext, loss: torch.Tensor) -> float:
+    """The loss summed over ranks, with the stop flags (for sharded models, whose
+    gradients FSDP reduces itself)."""
+    both = torch.cat([torch.tensor([signals.flag()], dtype=torch.float32, device=comm_device(ctx)),
+                      loss.float().reshape(1).to(comm_device(ctx))])
+    torch.distributed.all_reduce(both)
+    flag, total = both.tolist()
+    signals.agree(flag)
+    return total
+
+
 _sparse_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
@@ -278,11 +289,15 @@ def _broadcast_header(x: Any) -> torch.Tensor:
 def model_gather(ctx: OpContext, model: Any) -> dict[str, torch.Tensor] | None:
     """`model.gather`: a CPU copy of the full state dict on rank 0, None elsewhere.
 
-    Data-parallel replicas hold identical full parameters, so no communication is
-    needed; the op marks where a sharded strategy would gather.
+    With ddp the replicas hold identical full parameters, so no communication is
+    needed; with fsdp every rank sends its shards (all ranks must run the op).
     """
     if not isinstance(model, nn.Module):
         raise RunError(f"model.gather expects an nn.Module, got a {type(model).__name__}")
+    if ctx.parallel == "fsdp" and ctx.distributed:
+        from jobrun.ops.fsdp import full_state
+
+        return full_state(model, ctx.rank)  # every rank takes part
     if ctx.rank != 0:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -40,6 +40,10 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
     if ctx.distributed:  # cheap insurance: parameters start identical on every rank
         with torch.no_grad():
             broadcast_tensors(ctx, [*module.parameters(), *module.buffers()], src=0)
+        if ctx.parallel == "fsdp":
+            from jobrun.ops.fsdp import shard
+
+            shard(module)
     return module
 
 

@@ -21,6 +21,7 @@ from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import (
     GlobalCount,
     allreduce_grads,
+    allreduce_loss,
     broadcast_tensors,
     comm_device,
     sparse_params,
@@ -132,6 +133,7 @@ def train_step(
     shape = y.shape
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
+    sharded = replicas and ctx.parallel == "fsdp"
     count = GlobalCount(ctx, local) if replicas else None  # overlaps with the first forward
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
     opt.zero_grad(set_to_none=True)
@@ -139,6 +141,8 @@ def train_step(
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
     for xb, yb, n in batches:
         if not n:
+            if sharded:  # every rank's forward and backward take part in FSDP's collectives
+                (model(xb).sum() * 0.0).backward()
             continue  # an empty slice of a short global batch contributes nothing
         if dtype is None:
             part = loss_fn(model(xb), yb)
@@ -158,7 +162,12 @@ def train_step(
     if value is None:
         value = torch.zeros((), device=device)
     params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
-    mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model)) if replicas else None
+    if sharded:  # FSDP has summed the gradients into each rank's shards already
+        mean = allreduce_loss(ctx, value.detach())
+    elif replicas:
+        mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model))
+    else:
+        mean = None
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:

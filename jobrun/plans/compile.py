@@ -23,6 +23,7 @@ from jobrun.plans.keys import (
     MODES,
     NAME_RULE,
     NODE_NAME,
+    PARALLEL,
     TOP_KEYS,
 )
 from jobrun.plans.load import (
@@ -119,6 +120,14 @@ class _Compiler(StepCompiler):
                 )
         else:
             replicas = self.int_(replicas, t.at("replicas"), "replicas", 1, MAX_REPLICAS)
+        parallel = t.get("parallel", "ddp")
+        if parallel not in PARALLEL:
+            raise PlanError(
+                f"parallel must be ddp or fsdp, not {show(parallel) if isinstance(parallel, str) else kind_of(parallel)}",
+                t.at("parallel"),
+                "ddp keeps a full model on every replica; fsdp shards parameters, gradients and "
+                "optimizer state over the replicas (FSDP2)",
+            )
         max_restarts = self.int_(t.get("max_restarts", 0), t.at("max_restarts"), "max_restarts", 0,
                                  MAX_RESTARTS)
         vars_ = t.get("vars") or {}
@@ -141,7 +150,7 @@ class _Compiler(StepCompiler):
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
-            max_restarts=max_restarts,
+            max_restarts=max_restarts, parallel=parallel,
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:

@@ -203,6 +203,7 @@ class Plan:
     pos: Pos
     early_stop: EarlyStop | None = None
     max_restarts: int = 0  # times the elastic agent restarts the ranks after one died
+    parallel: str = "ddp"  # ddp: a full model on every rank; fsdp: sharded with FSDP2
 
     @property
     def groups(self) -> tuple[Group, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 TOP_KEYS = (
-    "job", "seed", "device", "replicas", "max_restarts", "vars", "max_epochs", "stop_when",
+    "job", "seed", "device", "replicas", "parallel", "max_restarts", "vars", "max_epochs", "stop_when",
     "early_stop", "checkpoint", "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
@@ -18,6 +18,8 @@ CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "best", "include",
 EARLY_STOP_KEYS = ("monitor", "mode", "patience", "min_delta")
 BEST_KEYS = ("monitor", "mode", "keep")
 MODES = ("min", "max")
+# How replicas hold the model: each a full copy (ddp), or each a shard (fsdp: FSDP2).
+PARALLEL = ("ddp", "fsdp")
 
 # The keys that make a step a control step, in the order they are recognised, and the
 # keys each kind of step takes. Any step may also have an `id` (see STEP_ID).

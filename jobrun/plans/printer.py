@@ -231,6 +231,8 @@ class _TextPrinter(Visitor):
         add(f"seed: {plan.seed}")
         add(f"device: {plan.device}")
         add(f"replicas: {plan.replicas}")
+        if plan.parallel != "ddp":
+            add(f"parallel: {plan.parallel}")
         if plan.max_restarts:
             add(f"max_restarts: {plan.max_restarts}")
         if plan.vars:
@@ -383,6 +385,7 @@ class _JsonBuilder(Visitor):
             "seed": plan.seed,
             "device": plan.device,
             "replicas": plan.replicas,
+            "parallel": plan.parallel,
             "max_restarts": plan.max_restarts,
             "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,
@@ -467,7 +470,7 @@ class _JsonBuilder(Visitor):
 # -- colour ----------------------------------------------------------------------------
 
 _KEYWORDS = "task|loop|if|elif|else|parallel|branch|report|stop_if|pass|init|do|exit|epoch|download"
-_HEADER_KEYS = "job|seed|device|replicas|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint"
+_HEADER_KEYS = "job|seed|device|replicas|parallel|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint"
 
 # Applied in order; a later match restyles an earlier one (strings and marks win).
 _HIGHLIGHTS = (

@@ -187,6 +187,12 @@ def _top_properties() -> dict[str, dict[str, Any]]:
             ],
             "default": 1,
         },
+        "parallel": {
+            "description": "How replicas hold the model: ddp (default) a full copy each; fsdp "
+                           "shards parameters, gradients and optimizer state over them (FSDP2).",
+            "enum": list(plan_keys.PARALLEL),
+            "default": "ddp",
+        },
         "max_restarts": _int(
             "When a replica dies, restart every rank from the latest complete checkpoint, up to "
             "this many times (default 0: the job stops).", 0, plan_keys.MAX_RESTARTS),

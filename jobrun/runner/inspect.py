@@ -19,7 +19,7 @@ from jobrun.runner import rng
 from jobrun.runner.display import human_size
 from jobrun.runner.monitor import best_epoch, epoch_value, ranked_epochs
 from jobrun.runner.rundir import RunDir
-from jobrun.store import SavedState
+from jobrun.store import SavedState, shards
 
 Epoch = int | str  # a number, or "best"
 _CUT = 200  # characters of a value shown in text
@@ -60,6 +60,11 @@ class _Run:
             )
         blobs, _meta = store.load(self.ckpt_dir, node, epoch, rank=rank, as_numpy=True)
         blobs.pop("jobrun:rng", None)
+        if shards.holds_shards(blobs):  # parallel: fsdp: every rank's part makes the whole
+            trees = [blobs if r == rank else store.load(self.ckpt_dir, node, epoch, rank=r, as_numpy=True,
+                                                         blobs=list(blobs))[0]
+                     for r in range(store.read_manifest(self.ckpt_dir, node, epoch)["world_size"])]
+            blobs = shards.whole(trees)
         return blobs
 
 

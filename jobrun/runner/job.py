@@ -32,7 +32,7 @@ from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
-from jobrun.store import SavedState, UnsupportedValue
+from jobrun.store import SavedState, UnsupportedValue, shards
 
 
 @dataclass
@@ -97,6 +97,7 @@ class JobRunner:
         c = self.cfg
         ctx = OpContext(
             node=name, rank=c.rank, world_size=c.world_size, seed=self.plan.seed, device=c.device,
+            parallel=self.plan.parallel,
             plan_dir=c.plan_dir, run_dir=c.run_dir, progress=self.display.progress,
         )
         _ = ctx.generator  # created now so every task's context shares it
@@ -422,6 +423,8 @@ class JobRunner:
             if found := rng.problems(blobs.get(rng.KEY)):
                 raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
                                       hint="resume from another epoch (see `jobrun ckpt list`)")
+            if world != self.cfg.world_size and shards.holds_shards(blobs):
+                blobs = self._unsharded(name, epoch, world, source, blobs, hashes)
             loaded[name] = blobs, time.perf_counter() - t0
         for name, (blobs, seconds) in loaded.items():
             node = self.nodes[name]
@@ -433,6 +436,16 @@ class JobRunner:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6)})
         return meta
+
+    def _unsharded(self, node: str, epoch: int, world: int, source: int, blobs: dict[str, Any],
+                   hashes: bool) -> dict[str, Any]:
+        """A sharded checkpoint going to another number of ranks: every saved rank's
+        shards, made whole (each rank then takes its part; see shards.relive)."""
+        names = [b for b in blobs if b != rng.KEY]
+        trees = [{b: blobs[b] for b in names} if r == source else
+                 store.load(self.ckpt_dir, node, epoch, rank=r, verify_hashes=hashes, blobs=names)[0]
+                 for r in range(world)]
+        return {**blobs, **shards.whole(trees)}
 
     def _restore_blob(self, node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
         live = node.globals.get(blob)

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jobrun.errors import CheckpointError
+from jobrun.store import shards
 from jobrun.store.modules import apply_module_flags, module_flags
 
 TAG = "__jobrun__"
@@ -109,7 +110,7 @@ def restore(live: Any, saved: SavedState) -> None:
             f"cannot restore saved {saved.type_name} state into a {type_name_of(live)}",
             hint="the object has no load_state_dict(); did the plan change since the save?",
         )
-    load(saved.state)
+    load(shards.relive(saved.state, live))  # a sharded model's parts back on its mesh
     if saved.module is not None:
         apply_module_flags(live, saved.module, saved.type_name)
 
@@ -258,6 +259,8 @@ class _Encoder:
     def tensor(self, t: Any, path: str) -> dict[str, Any]:
         import torch
 
+        if shards.is_dtensor(t):  # this rank's shard, and how the whole is split
+            return {**self.tensor(t.to_local(), path), "shard": shards.facts(t)}
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             self.unsupported(t, path, f"torch.Tensor ({t.layout}, {t.dtype}, {t.device.type})")
         out: dict[str, Any] = {TAG: "tensor"}
@@ -426,6 +429,8 @@ class _Decoder:
         return self.tensors[key]
 
     def tensor(self, v: dict[str, Any]) -> Any:
+        if "shard" in v:
+            return shards.saved(self.tensor({k: x for k, x in v.items() if k != "shard"}), v["shard"])
         t = self.lookup(v)
         if isinstance(t, np.ndarray):  # as_numpy: no torch, no Parameter
             return _numpy_complex(t) if v.get("complex") else t

@@ -230,7 +230,21 @@ def write(
     except OSError as e:
         raise write_error(e, final, Path(ckpt_dir)) from e
     size += (final / COMMIT_FILE).stat().st_size
+    if rank == 0:
+        _drop_ranks_beyond(final.parent, world_size)
     return SaveResult(final, size, time.perf_counter() - start)
+
+
+def _drop_ranks_beyond(edir: Path, world_size: int) -> None:
+    """Rank directories an earlier save of this epoch by more ranks left (a resume with
+    fewer replicas that saves the epoch again): they would make it two checkpoints in one."""
+    for r in ranks_in(edir):
+        if r >= world_size:
+            stale = edir / f"rank-{r}"
+            gone = edir / f".deleting-rank-{r}-{secrets.token_hex(4)}"
+            with contextlib.suppress(OSError):
+                os.replace(stale, gone)
+                shutil.rmtree(gone, ignore_errors=True)
 
 
 def _check_ids(node: Any, epoch: Any, rank: Any = 0, world_size: Any = 1) -> None:

@@ -1,0 +1,55 @@
+"""`parallel: fsdp`: models sharded over the replicas with FSDP2 (``fully_shard``).
+
+Each rank holds a shard (dim 0) of every parameter, its gradient and its optimizer
+state; a forward gathers a layer's parameters just before it and frees them after. The
+layers are the model's direct children that hold parameters, each its own unit, then the
+root. Sharding happens when the model is built (after rank 0's parameters are broadcast,
+so every rank starts equal) and before the optimizer is made over it, so the optimizer's
+state is sharded too.
+
+Gradients are summed over ranks, not averaged (a divide factor of 1, plain SUM):
+`train.step` weights each rank's loss by its share of the global batch, as for ddp, so
+fsdp and ddp compute the same update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def shard(module: nn.Module) -> nn.Module:
+    """Shard ``module`` in place: each direct child with parameters, then the root."""
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(module)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # A plain SUM (gloo has no PREMUL_SUM; NCCL sums the same way).
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+def is_sharded(model: Any) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def gathered(values: tuple[Any, ...], rank: int) -> tuple[Any, ...]:
+    """``values`` with each sharded model replaced by its whole state dict (on rank 0)."""
+    return tuple(full_state(v, rank) if is_sharded(v) else v for v in values)
+
+
+def full_state(model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+    """The whole state dict as CPU tensors on rank 0 (None elsewhere): every rank takes
+    part in gathering each sharded tensor."""
+    out = {}
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if rank == 0:
+            out[key] = full.detach().to("cpu", copy=True)
+    return out if rank == 0 else None
