@@ -57,6 +57,8 @@ def fail_once(path: str, message: str = "bad luck") -> None:
 
 def last_lr(scheduler) -> float:
     return float(scheduler.get_last_lr()[0])
+
+
 def die_once(epoch: int, step: int, path: str, rank: int = 1, at: int = 3, at_step: int = 4,
              times: int = 1) -> None:
     """SIGKILL replica `rank` at step `at_step` of epoch `at`, `times` times in all: each

@@ -143,3 +143,40 @@ def test_fsdp_resume_with_another_number_of_ranks(runs, tmp_path, to):
     again = _model(run)
     for key in want:
         assert _close(again[key], want[key], 1e-5), key
+
+
+@pytest.mark.slow
+def test_char_lm_trains_the_same_with_fsdp_and_ddp(tmp_path):
+    # A transformer: its blocks (a ModuleList) are sharded one by one.
+    from pathlib import Path
+
+    plan = Path(__file__).parent.parent / "plans" / "charlm.yaml"
+    losses = {}
+    for name in ("ddp", "fsdp"):
+        r = jobrun_proc("train", plan, "--run-dir", tmp_path / name, "--replicas", "2", "max_epochs=1",
+                        "vars.layers=1", f"parallel={name}", timeout=300)
+        assert r.code == 0, r.text
+        losses[name] = logged(tmp_path / name)[0]
+    for key in ("loss", "val_loss"):
+        assert _close(losses["fsdp"][key], losses["ddp"][key], 1e-5), key
+
+
+@pytest.mark.slow
+def test_a_killed_fsdp_rank_restarts_and_ends_as_an_uninterrupted_run(runs, tmp_path):
+    # Rank 1 is SIGKILLed at step 3 of epoch 2 (once); the elastic agent restarts both
+    # ranks, which resume from epoch 1's sharded checkpoint.
+    text = PLAN.replace("      - loop: 6\n        do:", "      - add: {in: [epoch_no, 1], out: epoch_no}\n"
+                        "      - loop: 6\n        as: i\n        do:")
+    text = text.replace("          - train.step:", '          - call: {fn: "jobrun_test_helpers:die_once", '
+                        f'in: [epoch_no, i], path: "{tmp_path / "deaths"}", at: 2, at_step: 3}}\n'
+                        "          - train.step:")
+    text = text.replace("      - optimizer:", "      - const: {out: epoch_no, value: 0}\n      - optimizer:")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2", "--max-restarts", "1",
+                    timeout=300)
+    assert r.code == 0, r.text
+    assert (tmp_path / "deaths").read_text().count("\n") == 1
+    assert "restart 1: rank 1 died" in r.out + r.err
+    got, want = _model(tmp_path / "run"), _model(runs / "fsdp")
+    assert got == want

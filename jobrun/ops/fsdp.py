@@ -2,10 +2,10 @@
 
 Each rank holds a shard (dim 0) of every parameter, its gradient and its optimizer
 state; a forward gathers a layer's parameters just before it and frees them after. The
-layers are the model's direct children that hold parameters, each its own unit, then the
-root. Sharding happens when the model is built (after rank 0's parameters are broadcast,
-so every rank starts equal) and before the optimizer is made over it, so the optimizer's
-state is sharded too.
+layers are the model's direct children that hold parameters (the blocks of a ModuleList
+each), then the root. Sharding happens when the model is built (after rank 0's
+parameters are broadcast, so every rank starts equal) and before the optimizer is made
+over it, so the optimizer's state is sharded too. With one replica nothing is sharded.
 
 Gradients are summed over ranks, not averaged (a divide factor of 1, plain SUM):
 `train.step` weights each rank's loss by its share of the global batch, as for ddp, so
@@ -22,10 +22,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def shard(module: nn.Module) -> nn.Module:
-    """Shard ``module`` in place: each direct child with parameters, then the root."""
-    for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child)
+    """Shard ``module`` in place: its layers (see :func:`layers`), then the root."""
+    for layer in layers(module):
+        fully_shard(layer)
     fully_shard(module)
     for m in module.modules():
         if isinstance(m, FSDPModule):
@@ -33,6 +32,19 @@ def shard(module: nn.Module) -> nn.Module:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return module
+
+
+def layers(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP gathers one at a time: each direct child that holds parameters;
+    a container without a forward of its own (ModuleList, ModuleDict: a transformer's
+    blocks) stands for its children."""
+    out = []
+    for child in module.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            out += layers(child)
+        elif any(True for _ in child.parameters()):
+            out.append(child)
+    return out
 
 
 def is_sharded(model: Any) -> bool:
