@@ -249,6 +249,18 @@ def test_absurd_shape_size() -> None:
     expect(d, "error", at(text, "randn", "[100000"), ("100000000000 elements", "2**34"))
 
 
+def test_mlp_sizes_are_widths_not_a_shape() -> None:
+    # A deep MLP's widths multiply past 2**34: they are layer sizes, not a tensor's shape.
+    deep = CLEAN.replace(
+        "- const: {out: limit, value: 2}",
+        "- const: {out: limit, value: 2}\n      - model.mlp: {out: net, sizes: [256, 512, 512, 512, 10]}",
+    )
+    assert not [d for d in run(deep) if d.code.startswith("arg")]
+    zero = deep.replace("[256, 512, 512, 512, 10]", "[256, 0, 10]")
+    d = only(zero, "arg-type")
+    expect(d, "error", at(zero, "model.mlp", "[256"), ("a list of sizes (integers >= 1)",))
+
+
 def test_input_count() -> None:
     text = CLEAN.replace("- ge: {in: [total, limit], out: done}", "- ge: {in: [total], out: done}")
     d = only(text, "in-count")

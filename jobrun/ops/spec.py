@@ -11,7 +11,8 @@ from typing import Any
 
 # Argument types understood by the compiler's checks:
 #   "int", "float" (an int is accepted too), "number" (int or float), "bool", "str",
-#   "list", "dict", "shape" (list of ints >= 0), "any", "duration",
+#   "list", "dict", "shape" (list of ints >= 0, at most 2**34 elements in all),
+#   "sizes" (a non-empty list of ints >= 1, e.g. layer widths), "any", "duration",
 #   ("choice", "a", "b", ...) - one of the listed strings,
 #   ("or", T1, T2, ...) - any of the listed types; "null" allows None.
 ArgType = Any

@@ -87,7 +87,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         "- model.mlp: {out: model, sizes: [8, 32, 3], activation: relu}",
         outputs=("model",),
         args=(
-            arg("sizes", "shape", doc="[in, hidden..., out]"),
+            arg("sizes", "sizes", doc="[in, hidden..., out]"),
             arg("activation", ("choice", "relu", "gelu", "tanh"), "relu", "between layers"),
             arg("dropout", "number", 0.0, "dropout probability after each activation"),
         ),

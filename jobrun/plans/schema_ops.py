@@ -125,6 +125,7 @@ _SIMPLE: dict[str, dict[str, Any]] = {
     "list": {"type": "array"},
     "dict": {"type": "object"},
     "shape": {"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 0}, VAR]}},
+    "sizes": {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "integer", "minimum": 1}, VAR]}},
     "any": {},
     "null": {"type": "null"},
     "duration": {"$ref": "#/$defs/duration"},

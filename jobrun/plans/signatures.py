@@ -126,6 +126,7 @@ _CHECKS = {
     "list": lambda v: isinstance(v, list),
     "dict": lambda v: isinstance(v, dict),
     "shape": lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v),
+    "sizes": lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(d) and d >= 1 for d in v),
     "duration": lambda v: isinstance(v, str) and DURATION.match(v) is not None,
     "null": lambda v: v is None,
     "any": lambda v: True,
@@ -134,6 +135,7 @@ _NAMES = {
     "int": "an integer", "float": "a number", "number": "a number", "bool": "true or false",
     "str": "a string", "list": "a list", "dict": "a mapping", "duration": "a duration (500ms, 2s)",
     "shape": "a shape (a list of integers >= 0)", "null": "null", "any": "any value",
+    "sizes": "a list of sizes (integers >= 1)",
 }
 
 
