@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 from benchmarks import (  # noqa: E402
     bench_checkpoint,
     bench_dispatch,
+    bench_fsdp,
     bench_loader,
     bench_memory,
     bench_plans,
@@ -48,6 +49,7 @@ SECTIONS = {
     "memory": bench_memory,
     "startup": bench_startup,
     "restart": bench_restart,
+    "fsdp": bench_fsdp,
 }
 # One torch thread everywhere (child processes too, through OMP_NUM_THREADS): on a small
 # shared machine, a second OpenMP thread that the kernel does not schedule makes the

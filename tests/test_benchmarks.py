@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart")
+SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart", "fsdp")
 # What a smoke run reports: every figure of every section (the sizes are the smoke ones).
 EXPECTED_ROWS = {
     "runner": ["MLP example steps/s", "tiny MLP steps/s"],
@@ -34,6 +34,7 @@ EXPECTED_ROWS = {
     ],
     "startup": ["jobrun --help", "jobrun print plans/mlp.yaml"],
     "restart": ["restart: death of a rank to the first new step"],
+    "fsdp": ["parallel: fsdp steps/s (2 ranks)"],
 }
 
 

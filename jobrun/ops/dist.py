@@ -121,15 +121,23 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
     return float(reduced_meta[-1].item())
 
 
-def allreduce_loss(ctx: OpContext, loss: torch.Tensor) -> float:
-    """The loss summed over ranks, with the stop flags (for sharded models, whose
-    gradients FSDP reduces itself)."""
-    both = torch.cat([torch.tensor([signals.flag()], dtype=torch.float32, device=comm_device(ctx)),
-                      loss.float().reshape(1).to(comm_device(ctx))])
-    torch.distributed.all_reduce(both)
-    flag, total = both.tolist()
+def allreduce_loss(ctx: OpContext, loss_sum: torch.Tensor, records: int,
+                   params: list[torch.Tensor]) -> tuple[float, int]:
+    """For sharded models, whose gradients FSDP sums itself: (the global-batch mean loss,
+    the global batch size), in one collective with the stop flags. Each rank backpropagated
+    its loss sum, so the summed gradients are divided here by the records of all ranks."""
+    dev = comm_device(ctx)
+    meta = torch.cat([torch.tensor([signals.flag(), records], dtype=torch.float64, device=dev),
+                      loss_sum.double().reshape(1).to(dev)])
+    torch.distributed.all_reduce(meta)
+    flag, total, summed = meta.tolist()
     signals.agree(flag)
-    return total
+    total = int(total)
+    if total:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, float(total))
+    return float(torch.tensor(summed / total if total else 0.0, dtype=torch.float32)), total
 
 
 _sparse_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()

@@ -134,7 +134,10 @@ def train_step(
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
     sharded = replicas and ctx.parallel == "fsdp"
-    count = GlobalCount(ctx, local) if replicas else None  # overlaps with the first forward
+    # ddp: the global batch size, reduced while the first forward runs. fsdp needs no
+    # collective of its own here: each rank backpropagates its loss sum, and the sum of
+    # the records comes with the loss after the backward (see allreduce_loss).
+    count = GlobalCount(ctx, local) if replicas and not sharded else None
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
@@ -149,25 +152,27 @@ def train_step(
         else:
             with torch.autocast(torch.device(device).type, dtype=dtype):
                 part = loss_fn(model(xb), yb)
-        n_all = local if count is None else count.value
-        if n != n_all:
-            part = part * (n / n_all)
+        if sharded:
+            part = part * n  # the micro-batch's sum; the gradients are divided by all records later
+        else:
+            n_all = local if count is None else count.value
+            if n != n_all:
+                part = part * (n / n_all)
         (part if scaler is None else scaler.scale(part)).backward()
         value = part if value is None else value.detach() + part.detach()
-    if not (local if count is None else count.value):  # after the backward: all ranks raise
+    if value is None:
+        value = torch.zeros((), device=device)
+    params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
+    total = local if count is None else None
+    if sharded:  # FSDP has summed the gradients into each rank's shards already
+        mean, total = allreduce_loss(ctx, value.detach(), local, params)
+    if not (total if total is not None else count.value):  # after the backward: all ranks raise
         raise RunError(
             "train.step got an empty batch",
             hint="check `done` from `read` before training on its fields",
         )
-    if value is None:
-        value = torch.zeros((), device=device)
-    params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
-    if sharded:  # FSDP has summed the gradients into each rank's shards already
-        mean = allreduce_loss(ctx, value.detach())
-    elif replicas:
-        mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model))
-    else:
-        mean = None
+    if not sharded:
+        mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model)) if replicas else None
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
