@@ -41,6 +41,16 @@ def start(device: str, store: Any = None) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
+def finish() -> None:
+    """All ranks meet once more before they leave: a rank that tore its gloo connections
+    down while another still used them made that one abort at exit ("terminate called
+    without an active exception", seen once under torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def stop() -> None:
     try:
         import torch.distributed as dist

@@ -222,7 +222,10 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     alone = world == 1 and not launch.spawned
     try:
-        return _run(launch, plan, rank, world)
+        code = _run(launch, plan, rank, world)
+        if world > 1:
+            group.finish()
+        return code
     except Interrupted as e:
         if alone:
             raise  # the CLI prints it
