@@ -57,6 +57,17 @@ def test_parallel_must_be_ddp_or_fsdp(tmp_path):
     assert r.code == 0 and "parallel: fsdp" in r.out
 
 
+def test_fsdp_layers_is_a_list_of_classes(tmp_path):
+    plan = tmp_path / "p.yaml"
+    plan.write_text(PLAN.replace("parallel: fsdp", "parallel: fsdp\nfsdp_layers: 3"))
+    r = jobrun("analyze", plan)
+    assert r.code == 2 and "p.yaml:6:14" in r.err
+    assert "fsdp_layers must be a list of module classes, not the number 3" in r.err
+    plan.write_text(PLAN.replace("parallel: fsdp", "parallel: fsdp\nfsdp_layers: [torch.nn.Linear]"))
+    r = jobrun("print", plan)
+    assert r.code == 0 and "fsdp_layers: [torch.nn.Linear]" in r.out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
@@ -152,13 +163,26 @@ def test_char_lm_trains_the_same_with_fsdp_and_ddp(tmp_path):
 
     plan = Path(__file__).parent.parent / "plans" / "charlm.yaml"
     losses = {}
-    for name in ("ddp", "fsdp"):
+    layers = "fsdp_layers=[torch.nn.TransformerEncoderLayer, torch.nn.Embedding]"
+    for name, sets in (("ddp", ["parallel=ddp"]), ("fsdp", ["parallel=fsdp"]),
+                       ("typed", ["parallel=fsdp", layers])):
         r = jobrun_proc("train", plan, "--run-dir", tmp_path / name, "--replicas", "2", "max_epochs=1",
-                        "vars.layers=1", f"parallel={name}", timeout=300)
+                        "vars.layers=1", *sets, timeout=300)
         assert r.code == 0, r.text
         losses[name] = logged(tmp_path / name)[0]
-    for key in ("loss", "val_loss"):
-        assert _close(losses["fsdp"][key], losses["ddp"][key], 1e-5), key
+    for name in ("fsdp", "typed"):
+        for key in ("loss", "val_loss"):
+            assert _close(losses[name][key], losses["ddp"][key], 1e-5), (name, key)
+
+
+@pytest.mark.slow
+def test_fsdp_layers_the_model_lacks_is_one_clear_error(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("parallel: fsdp", "parallel: fsdp\nfsdp_layers: [torch.nn.Conv2d]"))
+    r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2", timeout=300)
+    assert r.code == 1
+    assert "fsdp_layers: the model has no torch.nn.Conv2d" in r.err
+    assert "its modules are: Linear, ReLU" in r.err and "Traceback" not in r.err
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ class OpContext:
     seed: int = 0
     device: str = "cpu"  # a torch device string: "cpu", "cuda", "cuda:1"
     parallel: str = "ddp"  # how replicas hold models: ddp (full copies) or fsdp (shards)
+    fsdp_layers: tuple[str, ...] = ()  # fsdp: the module classes sharded as units
     plan_dir: Path = field(default_factory=Path.cwd)
     run_dir: Path = field(default_factory=Path.cwd)
     epoch: int = 0

@@ -20,10 +20,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from jobrun.errors import RunError
+from jobrun.ops.imports import resolve
 
-def shard(module: nn.Module) -> nn.Module:
-    """Shard ``module`` in place: its layers (see :func:`layers`), then the root."""
-    for layer in layers(module):
+
+def shard(module: nn.Module, types: tuple[str, ...] = ()) -> nn.Module:
+    """Shard ``module`` in place: its layers (see :func:`layers`; with ``types``, the
+    plan's `fsdp_layers`: every submodule of those classes), then the root."""
+    for layer in layers_of_types(module, types) if types else layers(module):
         fully_shard(layer)
     fully_shard(module)
     for m in module.modules():
@@ -45,6 +49,24 @@ def layers(module: nn.Module) -> list[nn.Module]:
         elif any(True for _ in child.parameters()):
             out.append(child)
     return out
+
+
+def layers_of_types(module: nn.Module, types: tuple[str, ...]) -> list[nn.Module]:
+    """Every submodule that is an instance of one of ``types`` (dotted class paths), the
+    innermost first (FSDP shards a module's parts before the module)."""
+    classes = []
+    for path in types:
+        cls = resolve(path, "fsdp_layers", "class")
+        if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+            raise RunError(f"fsdp_layers: {path!r} is not a module class",
+                           hint="name nn.Module subclasses, e.g. torch.nn.TransformerEncoderLayer")
+        classes.append(cls)
+    found = [m for m in module.modules() if m is not module and isinstance(m, tuple(classes))]
+    if not found:
+        kinds = sorted({type(m).__name__ for m in module.modules() if m is not module})
+        raise RunError(f"fsdp_layers: the model has no {', '.join(types)}",
+                       hint=f"its modules are: {', '.join(kinds) or 'none'}")
+    return found[::-1]
 
 
 def is_sharded(model: Any) -> bool:

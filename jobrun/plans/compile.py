@@ -128,6 +128,15 @@ class _Compiler(StepCompiler):
                 "ddp keeps a full model on every replica; fsdp shards parameters, gradients and "
                 "optimizer state over the replicas (FSDP2)",
             )
+        fsdp_layers = t.get("fsdp_layers")
+        if fsdp_layers is not None and not (
+            isinstance(fsdp_layers, PList) and fsdp_layers
+            and all(isinstance(x, str) and x.strip() for x in fsdp_layers)
+        ):
+            raise PlanError(
+                f"fsdp_layers must be a list of module classes, not {kind_of(fsdp_layers)}",
+                t.at("fsdp_layers"), "write e.g. fsdp_layers: [torch.nn.TransformerEncoderLayer]",
+            )
         max_restarts = self.int_(t.get("max_restarts", 0), t.at("max_restarts"), "max_restarts", 0,
                                  MAX_RESTARTS)
         vars_ = t.get("vars") or {}
@@ -150,7 +159,7 @@ class _Compiler(StepCompiler):
             max_epochs=max_epochs, stop_when=stop_when, checkpoint=ckpt,
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
-            max_restarts=max_restarts, parallel=parallel,
+            max_restarts=max_restarts, parallel=parallel, fsdp_layers=tuple(fsdp_layers or ()),
         )
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:

@@ -204,6 +204,7 @@ class Plan:
     early_stop: EarlyStop | None = None
     max_restarts: int = 0  # times the elastic agent restarts the ranks after one died
     parallel: str = "ddp"  # ddp: a full model on every rank; fsdp: sharded with FSDP2
+    fsdp_layers: tuple[str, ...] = ()  # module classes sharded as units (dotted paths)
 
     @property
     def groups(self) -> tuple[Group, ...]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 
 TOP_KEYS = (
-    "job", "seed", "device", "replicas", "parallel", "max_restarts", "vars", "max_epochs", "stop_when",
+    "job", "seed", "device", "replicas", "parallel", "fsdp_layers", "max_restarts", "vars",
+    "max_epochs", "stop_when",
     "early_stop", "checkpoint", "init", "epoch", "download", "exit",
 )
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")

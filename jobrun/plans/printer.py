@@ -233,6 +233,8 @@ class _TextPrinter(Visitor):
         add(f"replicas: {plan.replicas}")
         if plan.parallel != "ddp":
             add(f"parallel: {plan.parallel}")
+        if plan.fsdp_layers:
+            add(f"fsdp_layers: [{', '.join(plan.fsdp_layers)}]")
         if plan.max_restarts:
             add(f"max_restarts: {plan.max_restarts}")
         if plan.vars:
@@ -386,6 +388,7 @@ class _JsonBuilder(Visitor):
             "device": plan.device,
             "replicas": plan.replicas,
             "parallel": plan.parallel,
+            "fsdp_layers": list(plan.fsdp_layers),
             "max_restarts": plan.max_restarts,
             "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,
@@ -470,7 +473,7 @@ class _JsonBuilder(Visitor):
 # -- colour ----------------------------------------------------------------------------
 
 _KEYWORDS = "task|loop|if|elif|else|parallel|branch|report|stop_if|pass|init|do|exit|epoch|download"
-_HEADER_KEYS = "job|seed|device|replicas|parallel|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint"
+_HEADER_KEYS = "job|seed|device|replicas|parallel|fsdp_layers|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint"
 
 # Applied in order; a later match restyles an earlier one (strings and marks win).
 _HIGHLIGHTS = (

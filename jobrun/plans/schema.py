@@ -193,6 +193,14 @@ def _top_properties() -> dict[str, dict[str, Any]]:
             "enum": list(plan_keys.PARALLEL),
             "default": "ddp",
         },
+        "fsdp_layers": {
+            "description": "With parallel: fsdp, the module classes (dotted paths) sharded as "
+                           "units, each instance in the model; default: the model's direct "
+                           "children that hold parameters.",
+            "type": ["array", "null"],
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 1,
+        },
         "max_restarts": _int(
             "When a replica dies, restart every rank from the latest complete checkpoint, up to "
             "this many times (default 0: the job stops).", 0, plan_keys.MAX_RESTARTS),

@@ -97,7 +97,7 @@ class JobRunner:
         c = self.cfg
         ctx = OpContext(
             node=name, rank=c.rank, world_size=c.world_size, seed=self.plan.seed, device=c.device,
-            parallel=self.plan.parallel,
+            parallel=self.plan.parallel, fsdp_layers=self.plan.fsdp_layers,
             plan_dir=c.plan_dir, run_dir=c.run_dir, progress=self.display.progress,
         )
         _ = ctx.generator  # created now so every task's context shares it
