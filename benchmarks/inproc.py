@@ -73,7 +73,8 @@ def run_plan(
     """Run the job; the times of each epoch, in order. ``between(epoch)`` runs after each
     epoch, outside its times (to interleave a baseline with the epochs)."""
     from jobrun.plans.compile import compile_file
-    from jobrun.runner.job import JobConfig, JobRunner, seed_everything
+    from jobrun.runner.job import JobConfig, JobRunner
+    from jobrun.runner.rng import seed_everything
     from jobrun.runner.rundir import RunDir
 
     own = run_dir is None

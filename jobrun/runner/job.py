@@ -13,7 +13,6 @@ Every rank of a data-parallel job runs this same loop on its own device.
 
 from __future__ import annotations
 
-import random
 import signal
 import threading
 import time
@@ -424,7 +423,13 @@ class JobRunner:
                 raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
                                       hint="resume from another epoch (see `jobrun ckpt list`)")
             if world != self.cfg.world_size and shards.holds_shards(blobs):
-                blobs = self._unsharded(name, epoch, world, source, blobs, hashes)
+                # Another number of ranks: every saved rank's shards, made whole (each rank
+                # then takes its part; see shards.relive).
+                blobs = {**blobs, **shards.whole([
+                    {b: v for b, v in blobs.items() if b != rng.KEY} if r == source else
+                    store.load(self.ckpt_dir, name, epoch, rank=r, verify_hashes=hashes,
+                               blobs=[b for b in blobs if b != rng.KEY])[0]
+                    for r in range(world)])}
             loaded[name] = blobs, time.perf_counter() - t0
         for name, (blobs, seconds) in loaded.items():
             node = self.nodes[name]
@@ -436,16 +441,6 @@ class JobRunner:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6)})
         return meta
-
-    def _unsharded(self, node: str, epoch: int, world: int, source: int, blobs: dict[str, Any],
-                   hashes: bool) -> dict[str, Any]:
-        """A sharded checkpoint going to another number of ranks: every saved rank's
-        shards, made whole (each rank then takes its part; see shards.relive)."""
-        names = [b for b in blobs if b != rng.KEY]
-        trees = [{b: blobs[b] for b in names} if r == source else
-                 store.load(self.ckpt_dir, node, epoch, rank=r, verify_hashes=hashes, blobs=names)[0]
-                 for r in range(world)]
-        return {**blobs, **shards.whole(trees)}
 
     def _restore_blob(self, node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
         live = node.globals.get(blob)
@@ -550,13 +545,4 @@ def _short(value: Any) -> Any:
     return v
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-__all__ = ["JobConfig", "JobRunner", "Interrupted", "RunError", "seed_everything"]
+__all__ = ["JobConfig", "JobRunner", "Interrupted", "RunError"]

@@ -124,3 +124,13 @@ def _as_bytes(x: Any) -> Any:
 
     # A private, aligned copy: a tensor read from a checkpoint may view an unaligned buffer.
     return x.clone() if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.uint8)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators, as every process of a run
+    starts (before init; a resume then restores the checkpoint's streams)."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

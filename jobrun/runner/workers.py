@@ -258,7 +258,8 @@ def _leave(launch: Launch, code: int) -> NoReturn:
 
 
 def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
-    from jobrun.runner.job import JobConfig, JobRunner, seed_everything
+    from jobrun.runner.job import JobConfig, JobRunner
+    from jobrun.runner.rng import seed_everything
 
     if plan is None:
         plan = RunDir(launch.run_dir).plan()
