@@ -86,6 +86,13 @@ _NAN_RE = re.compile(r"[-+]?\.(?:nan|NaN|NAN)\Z")
 _NUMBER_START = frozenset("0123456789+-.")
 
 
+def _too_deep(pos: Pos) -> PlanError:
+    return PlanError(
+        f"plan is nested more than {MAX_DEPTH} levels deep", pos,
+        "flatten the plan (a loop body can be a list of steps, not a deeper nesting)",
+    )
+
+
 def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
     """How many containers deep `value` is (a scalar is 0), counting no further than
     `limit` + 1: enough to refuse a value that would be nested too deep."""
@@ -214,6 +221,8 @@ class _Builder:
         mark = e.problem_mark or e.context_mark
         pos = mark_pos(self.file, mark) if mark is not None else Pos(self.file)
         what = e.problem or e.context or "invalid YAML"
+        if "maximum nesting depth" in what:  # libyaml's own limit (PyYAML >= 6.0.3), far past ours
+            return _too_deep(pos)
         hint = "check indentation, colons and quotes"
         cm = e.context_mark
         line = ""
@@ -311,10 +320,7 @@ class _Builder:
                         raise self.tag_error(ev.tag, pos)
                     value = PList(pos)
                 if len(stack) >= MAX_DEPTH:
-                    raise PlanError(
-                        f"plan is nested more than {MAX_DEPTH} levels deep", pos,
-                        "flatten the plan (a loop body can be a list of steps, not a deeper nesting)",
-                    )
+                    raise _too_deep(pos)
                 if ev.anchor is not None:
                     anchors[ev.anchor] = value
             elif cls is MappingEndEvent or cls is SequenceEndEvent:
