@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -218,6 +218,8 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
     stopping its workers waits for them to exit), a rank whose collective broke because
     another rank is gone waits for the launcher to stop it.
     """
+    if launch.spawned:
+        _own_session()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     alone = world == 1 and not launch.spawned
@@ -242,6 +244,21 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
         _leave(launch, e.exit_code)
     finally:
         group.stop()
+
+
+def _own_session() -> None:
+    """Put this spawned worker in a session of its own, as torchrun's workers are.
+
+    Linux's autogroup scheduler (on by default on desktops and most servers) schedules a
+    session's processes as one group: the ranks shared the launcher's, and with it the
+    terminal's, and trained 10-25% slower than the same code in sessions of their own
+    (benchmarks' fsdp section: a hand-written FSDP2 loop in spawned workers, 1.35-1.54 s
+    against 1.23 s an epoch). A terminal's Ctrl-C then reaches the launcher alone, which
+    sends it on to every rank (torch's agent forwards the signal it got), and a launcher
+    that dies still takes the ranks with it (torch sets their parent-death signal)."""
+    if hasattr(os, "setsid"):
+        with suppress(OSError):  # already a session or group leader: nothing to gain
+            os.setsid()
 
 
 def _leave(launch: Launch, code: int) -> NoReturn:
