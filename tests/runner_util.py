@@ -57,6 +57,13 @@ def logged(run_dir: Path, msg: str | None = None) -> list[dict]:
     ]
 
 
+def close(a, b, tol: float) -> bool:
+    """Numbers (or nested lists of them) equal to a relative tolerance (absolute below 1)."""
+    if isinstance(a, list):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol * max(1.0, abs(a))
+
+
 def ckpt_values(run_dir: Path, epoch: int, node: str = "local") -> dict:
     r = jobrun("ckpt", "show", run_dir, "--epoch", str(epoch), "--node", node, "--json")
     assert r.code == 0, r.text

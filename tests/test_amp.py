@@ -12,6 +12,7 @@ from runner_util import jobrun, logged
 
 from jobrun import store
 from jobrun.ops import train
+from jobrun.store.shards import SavedShard
 
 CPU = SimpleNamespace(device="cpu", world_size=1, distributed=False)
 
@@ -38,6 +39,31 @@ def test_amp_autocasts_the_forward_on_cpu(amp, dtype, monkeypatch):
     assert seen == [dtype]
     # The parameters stay float32: autocast changes what the forward computes in.
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("amp, dtype", [(None, torch.float32), ("bf16", torch.bfloat16)])
+def test_evaluate_autocasts_with_its_amp(amp, dtype, monkeypatch):
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import reader_op
+
+    seen = []
+
+    def loss(pred, y):
+        seen.append(pred.dtype)
+        return torch.nn.functional.cross_entropy(pred.float(), y)
+
+    monkeypatch.setitem(train._LOSSES, "recording", loss)
+    train._loss_fn.cache_clear()  # evaluate looks losses up through a cache
+    model, x, y = _model_and_data()
+    ctx = OpContext()
+    got = train.evaluate(ctx, model, reader_op(ctx, x, y, batch_size=16), loss="recording", amp=amp)
+    assert seen == [dtype, dtype]
+    plain = train.evaluate(ctx, model, reader_op(ctx, x, y, batch_size=16))
+    # bf16 rounds the logits: close to the float32 loss, and not equal to it.
+    assert got[0] == pytest.approx(plain[0], rel=2e-2)
+    assert (got[0] == plain[0]) == (amp is None)
+    with pytest.raises(Exception, match="evaluate: unknown amp 'fp8'"):
+        train.evaluate(ctx, model, reader_op(ctx, x, y, batch_size=16), amp="fp8")
 
 
 def test_fp16_scaler_state_lives_in_the_optimizer_state_dict():
@@ -105,12 +131,15 @@ def _run(tmp_path, amp: str):
     return run
 
 
-def _state(run, epoch: int) -> dict:
-    blobs, _ = store.load(run / "ckpt", "local", epoch)
+def _state(run, epoch: int, rank: int = 0) -> dict:
+    blobs, _ = store.load(run / "ckpt", "local", epoch, rank=rank)
     return {"model": blobs["model"].state, "opt": blobs["opt"].state}
 
 
 def _same(a, b) -> bool:
+    if isinstance(a, SavedShard):  # parallel: fsdp: a rank's part of a tensor
+        return isinstance(b, SavedShard) and _same(a.local, b.local) and \
+            (a.shape, a.stride, a.placements, a.mesh) == (b.shape, b.stride, b.placements, b.mesh)
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
@@ -164,3 +193,41 @@ def test_bf16_with_two_replicas_trains_as_one(tmp_path):
     # Each rank autocasts its half of the batch: bf16 rounding differs, the run does not.
     assert len(losses[0]) == len(losses[1]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_fsdp_with_amp_trains_as_ddp_and_resumes_bit_exact(tmp_path, amp):
+    # parallel: fsdp gathers the parameters in the amp's dtype (FSDP's MixedPrecisionPolicy)
+    from runner_util import jobrun_proc
+
+    text = PLAN.replace("AMP", amp)
+    if amp == "bf16":
+        text = text.replace("      - mul: {in: [x, 40.0], out: x}\n", "")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    for parallel in ("fsdp", "ddp"):
+        r = jobrun_proc("train", plan, "--run-dir", tmp_path / parallel, "--replicas", "2",
+                        f"parallel={parallel}", timeout=300)
+        assert r.code == 0, r.text
+    fs, dd = tmp_path / "fsdp", tmp_path / "ddp"
+    if amp == "fp16":
+        # Every rank's loss scaler follows ddp's: the same steps overflow and are skipped.
+        for epoch in (1, 2, 3, 4):
+            want = _state(dd, epoch)["opt"]["param_groups"][0][train.SCALER_KEY]
+            for rank in (0, 1):
+                assert _state(fs, epoch, rank)["opt"]["param_groups"][0][train.SCALER_KEY] == want
+        assert want["scale"] < 65536.0  # it did back off
+    lf, ld = ([v["loss"] for v in logged(run)] for run in (fs, dd))
+    assert len(lf) == len(ld) == 4
+    assert lf[0] == pytest.approx(ld[0], rel=1e-2)  # the same steps in other rounding
+    if amp == "bf16":
+        assert lf == pytest.approx(ld, rel=2e-2)
+    # The shards (and the optimizer) stay float32; a resume picks up exactly.
+    assert _state(fs, 4)["model"]["0.weight"].local.dtype == torch.float32
+    run = tmp_path / "resumed"
+    shutil.copytree(fs, run)
+    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", timeout=300)
+    assert r.code == 0, r.text
+    for rank in (0, 1):
+        assert _same(_state(run, 4, rank), _state(fs, 4, rank)), f"rank {rank} diverged"

@@ -8,7 +8,7 @@ import shutil
 import time
 
 import pytest
-from runner_util import ckpt_values, jobrun_proc, logged
+from runner_util import ckpt_values, close, jobrun_proc, logged
 
 PLAN = """
 job: dp
@@ -46,12 +46,6 @@ def _weights(run_dir, epoch=3):
     return {k: v for k, v in state.items()}
 
 
-def _close(a, b, tol=1e-5):
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    return abs(a - b) <= tol * max(1.0, abs(a))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
@@ -73,10 +67,10 @@ def test_one_and_two_replicas_train_the_same_model(runs):
     w1, w2 = _weights(runs / "one"), _weights(runs / "two")
     assert w1.keys() == w2.keys()
     for key in w1:
-        assert _close(w1[key], w2[key]), key
+        assert close(w1[key], w2[key], 1e-5), key
     l1 = [r["loss"] for r in logged(runs / "one")]
     l2 = [r["loss"] for r in logged(runs / "two")]
-    assert all(_close(a, b, 1e-4) for a, b in zip(l1, l2)) and len(l1) == len(l2) == 3
+    assert all(close(a, b, 1e-4) for a, b in zip(l1, l2)) and len(l1) == len(l2) == 3
 
 
 def test_each_rank_checkpoints_and_ranks_agree(runs):

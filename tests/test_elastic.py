@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner_util import ckpt_values, jobrun, jobrun_proc, logged, metrics
+from runner_util import ckpt_values, close, jobrun, jobrun_proc, logged, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -203,12 +203,6 @@ def _global_batches(path: Path) -> list[list[int]]:
     return batches
 
 
-def _close(a, b, tol):
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    return abs(a - b) <= tol * max(1.0, abs(a))
-
-
 @pytest.fixture(scope="module")
 def mlp_runs(tmp_path_factory) -> Path:
     """The job never interrupted (1 replica), and its first 2 epochs with 1 and 2 replicas."""
@@ -243,8 +237,8 @@ def test_resume_with_another_number_of_replicas(mlp_runs, tmp_path, before, afte
     lines = [json.loads(x) for x in ids.read_text().splitlines()]
     assert {x["world"] for x in lines if x["epoch"] > 2} == {after}
     # The loss goes on as the uninterrupted run's, up to float rounding of the sums.
-    assert _close([x["loss"] for x in logged(run)], [x["loss"] for x in logged(mlp_runs / "whole")], 1e-4)
-    assert _close(list(_weights(run).values()), list(_weights(mlp_runs / "whole").values()), 1e-5)
+    assert close([x["loss"] for x in logged(run)], [x["loss"] for x in logged(mlp_runs / "whole")], 1e-4)
+    assert close(list(_weights(run).values()), list(_weights(mlp_runs / "whole").values()), 1e-5)
     info = json.loads((run / "run.json").read_text())
     assert info["replicas"] == after
     assert info["replica_changes"] == [{"from_epoch": 2, "from": before, "to": after}]

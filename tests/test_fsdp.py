@@ -4,10 +4,13 @@ and export or save the whole model."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
-from runner_util import ckpt_values, jobrun, jobrun_proc, logged
+from runner_util import ckpt_values, close, jobrun, jobrun_proc, logged
 
 from jobrun import store
 from jobrun.store.shards import SavedShard
@@ -68,6 +71,86 @@ def test_fsdp_layers_is_a_list_of_classes(tmp_path):
     assert r.code == 0 and "fsdp_layers: [torch.nn.Linear]" in r.out
 
 
+# -- precision: FSDP's MixedPrecisionPolicy follows train.step's amp --------------------
+
+AMP = "epoch.train.train.step.amp="
+
+
+@pytest.mark.parametrize("sets, want", [
+    ([AMP + "bf16"], "bf16"), ([AMP + "fp16"], "fp16"), ([], None),
+    ([AMP + "bf16", "parallel=ddp"], None),  # ddp shards nothing: autocast alone
+])
+def test_fsdp_gathers_parameters_in_the_amp_of_every_train_step(tmp_path, sets, want):
+    from jobrun.plans import precision
+    from jobrun.plans.compile import compile_text
+
+    plan = compile_text(PLAN, "p.yaml", sets)
+    assert precision.fsdp_amp(plan) == want
+    path = tmp_path / "p.yaml"
+    path.write_text(PLAN)
+    r = jobrun("print", path, *sets)
+    assert r.code == 0, r.text
+    line = next((ln for ln in r.out.splitlines() if ln.startswith("fsdp precision:")), None)
+    if "parallel=ddp" in sets:
+        assert line is None
+    elif want:
+        assert line == (f"fsdp precision: parameters gathered in {want} (train.step amp), "
+                        "gradients reduced in float32")
+    else:
+        assert line == "fsdp precision: float32"
+    r = jobrun("print", path, "--format", "json", *sets)
+    assert json.loads(r.out)["fsdp_amp"] == want
+
+
+def test_train_steps_that_disagree_on_amp_gather_in_float32_with_a_warning(tmp_path):
+    from jobrun.plans import precision
+    from jobrun.plans.compile import compile_text
+
+    text = PLAN.replace("clip_grad_norm: 1.0}", "clip_grad_norm: 1.0, amp: bf16}").replace(
+        "      - log: {in: [loss]}",
+        "      - train.step: {in: [model, opt, xb, yb], out: loss}\n      - log: {in: [loss]}")
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    assert precision.fsdp_amp(compile_text(text)) is None
+    r = jobrun("analyze", path)
+    assert r.code == 0, r.text  # a warning: the job runs, in float32
+    line = text.splitlines().index("      - train.step: {in: [model, opt, xb, yb], out: loss}") + 1
+    first = next(i for i, ln in enumerate(text.splitlines(), 1) if "amp: bf16" in ln)
+    assert (f"p.yaml:{line}:9: warning: under parallel: fsdp this train.step has amp null, the one "
+            f"at line {first} has bf16: parameters are gathered in float32") in r.out
+    assert "give every train.step the same amp" in r.out
+    r = jobrun("analyze", path, "parallel=ddp")  # autocast alone: nothing to warn about
+    assert r.code == 0 and "fsdp" not in r.out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("amp, dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"),
+                                        (None, "torch.float32")])
+def test_the_policy_gathers_parameters_in_the_amp_dtype(tmp_path, amp, dtype):
+    # One gloo rank (in a process of its own, so this one keeps no process group).
+    script = f"""
+import json, torch, torch.distributed as dist
+from jobrun.ops import fsdp
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+seen = []
+model[0].register_forward_pre_hook(lambda m, args: seen.append((str(m.weight.dtype), str(args[0].dtype))))
+fsdp.shard(model, (), {amp!r})
+out = model(torch.randn(3, 4))
+out.sum().backward()
+print(json.dumps({{"seen": seen, "out": str(out.dtype),
+                   "params": sorted({{str(p.dtype) for p in model.parameters()}}),
+                   "grads": sorted({{str(p.grad.dtype) for p in model.parameters()}})}}))
+dist.destroy_process_group()
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got["seen"] == [[dtype, dtype]]  # the layer computes with gathered amp parameters
+    assert got["out"] == "torch.float32"  # the loss gets float32 outputs
+    assert got["params"] == got["grads"] == ["torch.float32"]  # shards and optimizer: float32
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
@@ -83,22 +166,16 @@ def _model(run, epoch=3):
     return ckpt_values(run, epoch)["model"]["state"]
 
 
-def _close(a, b, tol=1e-6):
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    return abs(a - b) <= tol * max(1.0, abs(a))
-
-
 @pytest.mark.slow
 def test_fsdp_trains_as_ddp(runs):
     # ckpt show makes the sharded model whole from both ranks' files.
     fs, dd = _model(runs / "fsdp"), _model(runs / "ddp")
     assert fs.keys() == dd.keys() == {f"{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
     for key in fs:
-        assert _close(fs[key], dd[key]), key
+        assert close(fs[key], dd[key], 1e-6), key
     lf = [r["loss"] for r in logged(runs / "fsdp")]
     ld = [r["loss"] for r in logged(runs / "ddp")]
-    assert len(lf) == len(ld) == 3 and all(_close(a, b, 1e-5) for a, b in zip(lf, ld))
+    assert len(lf) == len(ld) == 3 and all(close(a, b, 1e-5) for a, b in zip(lf, ld))
 
 
 @pytest.mark.slow
@@ -147,13 +224,13 @@ def test_fsdp_resume_with_another_number_of_ranks(runs, tmp_path, to):
     want = _model(runs / "fsdp")
     got = _model(run)
     for key in want:
-        assert _close(got[key], want[key], 1e-5), key
+        assert close(got[key], want[key], 1e-5), key
     # And back to 2 ranks: the whole model of 1 rank is sharded again.
     r = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", "--replicas", "2", timeout=300)
     assert r.code == 0, r.text
     again = _model(run)
     for key in want:
-        assert _close(again[key], want[key], 1e-5), key
+        assert close(again[key], want[key], 1e-5), key
 
 
 @pytest.mark.slow
@@ -172,7 +249,7 @@ def test_char_lm_trains_the_same_with_fsdp_and_ddp(tmp_path):
         losses[name] = logged(tmp_path / name)[0]
     for name in ("fsdp", "typed"):
         for key in ("loss", "val_loss"):
-            assert _close(losses[name][key], losses["ddp"][key], 1e-5), (name, key)
+            assert close(losses[name][key], losses["ddp"][key], 1e-5), (name, key)
 
 
 @pytest.mark.slow

@@ -418,10 +418,11 @@ def test_json_shape() -> None:
     data = render_json(every_construct())
     json.dumps(data)  # JSON-able
     assert list(data) == [
-        "job", "source", "seed", "device", "replicas", "parallel", "fsdp_layers", "max_restarts",
-        "vars", "max_epochs", "stop_when", "early_stop", "checkpoint", "groups",
+        "job", "source", "seed", "device", "replicas", "parallel", "fsdp_layers", "fsdp_amp",
+        "max_restarts", "vars", "max_epochs", "stop_when", "early_stop", "checkpoint", "groups",
     ]
     assert data["max_restarts"] == 0 and data["parallel"] == "ddp" and data["fsdp_layers"] == []
+    assert data["fsdp_amp"] is None
     assert data["early_stop"] == {"monitor": "done", "mode": "max", "patience": 2, "min_delta": 0.5}
     assert data["checkpoint"] == {
         "dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from runner_util import ckpt_values, jobrun_proc, logged
+from runner_util import ckpt_values, close, jobrun_proc, logged
 
 MODEL = '''
 import torch
@@ -72,23 +72,17 @@ def _weights(run, epoch=3):
     return ckpt_values(run, epoch)["model"]["state"]
 
 
-def _close(a, b, tol=1e-5):
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    return abs(a - b) <= tol * max(1.0, abs(a))
-
-
 def test_one_and_two_replicas_train_the_same_embedding(runs):
     w1, w2 = _weights(runs / "r1"), _weights(runs / "r2")
     assert w1.keys() == w2.keys() == {"emb.weight", "out.weight", "out.bias"}
     for key in w1:
-        assert _close(w1[key], w2[key]), key
+        assert close(w1[key], w2[key], 1e-5), key
     first = ckpt_values(runs / "r1", 0)["model"]["state"]["emb.weight"]
     changed = [i for i, (a, b) in enumerate(zip(first, w1["emb.weight"])) if a != b]
     assert 0 < len(changed) < 200  # rows that were read moved; the sparse update left others
     l1 = [r["loss"] for r in logged(runs / "r1")]
     l2 = [r["loss"] for r in logged(runs / "r2")]
-    assert len(l1) == len(l2) == 3 and all(_close(a, b, 1e-4) for a, b in zip(l1, l2))
+    assert len(l1) == len(l2) == 3 and all(close(a, b, 1e-4) for a, b in zip(l1, l2))
     assert l1[-1] < l1[0]
 
 

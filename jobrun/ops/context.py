@@ -25,6 +25,7 @@ class OpContext:
     device: str = "cpu"  # a torch device string: "cpu", "cuda", "cuda:1"
     parallel: str = "ddp"  # how replicas hold models: ddp (full copies) or fsdp (shards)
     fsdp_layers: tuple[str, ...] = ()  # fsdp: the module classes sharded as units
+    fsdp_amp: str | None = None  # fsdp: bf16/fp16 parameters in the forward (plans.precision)
     plan_dir: Path = field(default_factory=Path.cwd)
     run_dir: Path = field(default_factory=Path.cwd)
     epoch: int = 0

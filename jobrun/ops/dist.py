@@ -121,23 +121,26 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
     return float(reduced_meta[-1].item())
 
 
-def allreduce_loss(ctx: OpContext, loss_sum: torch.Tensor, records: int,
-                   params: list[torch.Tensor]) -> tuple[float, int]:
+def allreduce_loss(ctx: OpContext, loss: torch.Tensor, records: int,
+                   params: list[torch.Tensor], divide: bool = True) -> tuple[float, int]:
     """For sharded models, whose gradients FSDP sums itself: (the global-batch mean loss,
-    the global batch size), in one collective with the stop flags. Each rank backpropagated
-    its loss sum, so the summed gradients are divided here by the records of all ranks."""
+    the global batch size), in one collective with the stop flags. With ``divide``
+    each rank backpropagated its loss sum, so the summed gradients and losses are divided
+    here by the records of all ranks; without, each rank's loss was weighted by its share
+    of the global batch already."""
     dev = comm_device(ctx)
     meta = torch.cat([torch.tensor([signals.flag(), records], dtype=torch.float64, device=dev),
-                      loss_sum.double().reshape(1).to(dev)])
+                      loss.double().reshape(1).to(dev)])
     torch.distributed.all_reduce(meta)
     flag, total, summed = meta.tolist()
     signals.agree(flag)
     total = int(total)
-    if total:
+    if total and divide:
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_div_(grads, float(total))
-    return float(torch.tensor(summed / total if total else 0.0, dtype=torch.float32)), total
+        summed /= total
+    return float(torch.tensor(summed if total else 0.0, dtype=torch.float32)), total
 
 
 _sparse_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()

@@ -10,6 +10,12 @@ over it, so the optimizer's state is sharded too. With one replica nothing is sh
 Gradients are summed over ranks, not averaged (a divide factor of 1, plain SUM):
 `train.step` weights each rank's loss by its share of the global batch, as for ddp, so
 fsdp and ddp compute the same update.
+
+With an amp (the plan's, see :mod:`jobrun.plans.precision`) the parameters are gathered
+and used in bf16/fp16 (MixedPrecisionPolicy), gradients reduced in float32 and the
+model's output given back in float32, so that losses are computed as autocast computes
+them; the sharded parameters and the optimizer stay float32. Autocast (`train.step`'s
+amp) still applies: it keeps the operations it runs in float32 there.
 """
 
 from __future__ import annotations
@@ -18,24 +24,36 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
+from jobrun.ops.train import amp_dtype
 
 
-def shard(module: nn.Module, types: tuple[str, ...] = ()) -> nn.Module:
+def shard(module: nn.Module, types: tuple[str, ...] = (), amp: str | None = None) -> nn.Module:
     """Shard ``module`` in place: its layers (see :func:`layers`; with ``types``, the
-    plan's `fsdp_layers`: every submodule of those classes), then the root."""
+    plan's `fsdp_layers`: every submodule of those classes), then the root; with ``amp``
+    (bf16, fp16) parameters are gathered in that dtype."""
     for layer in layers_of_types(module, types) if types else layers(module):
-        fully_shard(layer)
-    fully_shard(module)
+        fully_shard(layer, mp_policy=policy(amp, root=False))
+    fully_shard(module, mp_policy=policy(amp, root=True))
     for m in module.modules():
         if isinstance(m, FSDPModule):
             # A plain SUM (gloo has no PREMUL_SUM; NCCL sums the same way).
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return module
+
+
+def policy(amp: str | None, root: bool) -> MixedPrecisionPolicy:
+    """FSDP's mixed precision for ``amp``: parameters in its dtype, gradients reduced in
+    float32, and the root's output in float32 (a loss computed outside autocast, as in
+    `evaluate` without amp, is computed in float32)."""
+    if amp is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=amp_dtype(amp), reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
 
 
 def layers(module: nn.Module) -> list[nn.Module]:

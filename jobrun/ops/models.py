@@ -43,7 +43,7 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
         if ctx.parallel == "fsdp":
             from jobrun.ops.fsdp import shard
 
-            shard(module, ctx.fsdp_layers)
+            shard(module, ctx.fsdp_layers, ctx.fsdp_amp)
     return module
 
 

@@ -7,6 +7,7 @@ Both ops give the same numbers with one process and with replicas (see
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -122,7 +123,7 @@ def train_step(
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise RunError(f"train.step: clip_grad_norm must be > 0, got {clip_grad_norm}")
     loss_fn = _LOSSES[loss] if loss in _LOSSES else _loss_fn(loss, "train.step")
-    dtype = None if amp is None else _amp_dtype(amp)
+    dtype = None if amp is None else amp_dtype(amp)
     device = ctx.device
     if not (
         x.__class__ is _Tensor and y.__class__ is _Tensor
@@ -134,11 +135,14 @@ def train_step(
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
     sharded = replicas and ctx.parallel == "fsdp"
-    # ddp: the global batch size, reduced while the first forward runs. fsdp needs no
-    # collective of its own here: each rank backpropagates its loss sum, and the sum of
-    # the records comes with the loss after the backward (see allreduce_loss).
-    count = GlobalCount(ctx, local) if replicas and not sharded else None
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
+    # ddp: the global batch size, reduced while the first forward runs, weights each
+    # rank's loss by its share. fsdp needs no collective of its own here: each rank
+    # backpropagates its loss sum, and the records of all ranks come with the loss after
+    # the backward (see allreduce_loss). Not with fp16, whose loss scaler would see the
+    # magnitude of a sum and skip other steps than ddp: it counts as ddp does.
+    count = GlobalCount(ctx, local) if replicas and (not sharded or scaler is not None) else None
+    summed = sharded and count is None
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
@@ -150,9 +154,9 @@ def train_step(
         if dtype is None:
             part = loss_fn(model(xb), yb)
         else:
-            with torch.autocast(torch.device(device).type, dtype=dtype):
+            with _autocast(device, dtype):
                 part = loss_fn(model(xb), yb)
-        if sharded:
+        if summed:
             part = part * n  # the micro-batch's sum; the gradients are divided by all records later
         else:
             n_all = local if count is None else count.value
@@ -165,7 +169,7 @@ def train_step(
     params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
     total = local if count is None else None
     if sharded:  # FSDP has summed the gradients into each rank's shards already
-        mean, total = allreduce_loss(ctx, value.detach(), local, params)
+        mean, total = allreduce_loss(ctx, value.detach(), local, params, divide=summed)
     if not (total if total is not None else count.value):  # after the backward: all ranks raise
         raise RunError(
             "train.step got an empty batch",
@@ -200,10 +204,14 @@ _last_loss: list[Any] = [None]
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _amp_dtype(amp: str) -> torch.dtype:
+def amp_dtype(amp: str, op: str = "train.step") -> torch.dtype:
     if amp not in _AMP:
-        raise RunError(f"train.step: unknown amp {amp!r}", hint="amp is null, bf16 or fp16")
+        raise RunError(f"{op}: unknown amp {amp!r}", hint="amp is null, bf16 or fp16")
     return _AMP[amp]
+
+
+def _autocast(device: str, dtype: torch.dtype) -> Any:
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 # The fp16 loss scaler's state (scale, growth tracker, factors) lives in the optimizer's
@@ -260,23 +268,26 @@ def _count(y: torch.Tensor) -> int:
 
 
 def evaluate(
-    ctx: OpContext, model: Any, reader: Reader, *, loss: str = "cross_entropy"
+    ctx: OpContext, model: Any, reader: Reader, *, loss: str = "cross_entropy",
+    amp: str | None = None,
 ) -> tuple[float, float | None]:
     """`evaluate`: mean loss and accuracy over one full pass, reduced over ranks.
 
     Accuracy is computed when the labels are class indices (integers, or cross_entropy
     with one dimension less than the predictions); it is None otherwise (regression).
+    ``amp`` autocasts each forward and loss as `train.step`'s does.
     """
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
     if reader.field_count == 1:  # a Dataset reader learns its count from its first batch
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     loss_fn = _loss_fn(loss, "evaluate")
+    cast = contextlib.nullcontext() if amp is None else _autocast(ctx.device, amp_dtype(amp, "evaluate"))
     was_training = getattr(model, "training", False)
     if isinstance(model, nn.Module):
         model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), cast:
             sums = _eval_sums(ctx, model, loss_fn, loss, reader, _on_host(ctx))
     finally:
         if isinstance(model, nn.Module):

@@ -152,7 +152,11 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         "- evaluate: {in: [model, test], out: [test_loss, test_acc]}",
         inputs=("model", "reader"),
         outputs=("loss", "accuracy"),
-        args=(arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),),
+        args=(
+            arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
+            arg("amp", ("or", ("choice", "bf16", "fp16"), "null"), None,
+                "mixed precision: autocast the forward and the loss, as train.step's amp"),
+        ),
     ),
     _training(
         "export",

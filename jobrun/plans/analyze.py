@@ -22,7 +22,7 @@ from typing import Any
 
 from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
-from jobrun.plans import ir
+from jobrun.plans import ir, precision
 from jobrun.plans.compare import Kinds
 from jobrun.plans.flow import DEF, MAYBE, Changes, Definitions, Effect, Flow, Frame, Read, TaskCtx
 from jobrun.plans.signatures import Signatures
@@ -61,6 +61,8 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
     for f in analyzer.kinds.findings(plan):
         analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
     _check_checkpointed(plan, ops, analyzer.diags)
+    for pos, message, hint in precision.problems(plan):
+        analyzer.diags.append(Diagnostic("warning", pos, message, "fsdp-amp", hint))
     # Severity, code and message break ties so that the order never depends on the walk.
     return sorted(
         analyzer.diags,

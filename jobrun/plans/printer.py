@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
-from jobrun.plans import ir
+from jobrun.plans import ir, precision
 from jobrun.plans.load import to_plain
 from jobrun.plans.visit import Visitor
 
@@ -235,6 +235,10 @@ class _TextPrinter(Visitor):
             add(f"parallel: {plan.parallel}")
         if plan.fsdp_layers:
             add(f"fsdp_layers: [{', '.join(plan.fsdp_layers)}]")
+        if plan.parallel == "fsdp":
+            amp = precision.fsdp_amp(plan)
+            add(f"fsdp precision: parameters gathered in {amp} (train.step amp), gradients "
+                "reduced in float32" if amp else "fsdp precision: float32")
         if plan.max_restarts:
             add(f"max_restarts: {plan.max_restarts}")
         if plan.vars:
@@ -389,6 +393,7 @@ class _JsonBuilder(Visitor):
             "replicas": plan.replicas,
             "parallel": plan.parallel,
             "fsdp_layers": list(plan.fsdp_layers),
+            "fsdp_amp": precision.fsdp_amp(plan),
             "max_restarts": plan.max_restarts,
             "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,

@@ -25,7 +25,7 @@ from jobrun import signals, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
-from jobrun.plans import ir
+from jobrun.plans import ir, precision
 from jobrun.runner import fingerprint, rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
@@ -83,6 +83,7 @@ class JobRunner:
         self.held = _held_blobs(self.plan) if self.ckpt_dir is not None else {}
         self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
         self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
+        self.fsdp_amp = precision.fsdp_amp(self.plan)  # the dtype fsdp gathers parameters in
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
             g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
@@ -97,6 +98,7 @@ class JobRunner:
         ctx = OpContext(
             node=name, rank=c.rank, world_size=c.world_size, seed=self.plan.seed, device=c.device,
             parallel=self.plan.parallel, fsdp_layers=self.plan.fsdp_layers,
+            fsdp_amp=self.fsdp_amp,
             plan_dir=c.plan_dir, run_dir=c.run_dir, progress=self.display.progress,
         )
         _ = ctx.generator  # created now so every task's context shares it
