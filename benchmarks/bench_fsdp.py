@@ -1,7 +1,10 @@
-"""9. fsdp: training steps/s of `parallel: fsdp` against a hand-written FSDP2 loop.
+"""9. fsdp: training steps/s of `parallel: fsdp` against a hand-written FSDP2 loop, in
+float32 and with `amp: bf16` (FSDP's MixedPrecisionPolicy in bf16, gradients reduced in
+float32, float32 output, and autocast, on both sides).
 
 The same model (an MLP 256-512-512-512-10, each Linear its own FSDP unit, then the
-root), the same data (synthetic, a global batch of 128: 64 per rank), SGD with momentum,
+root), the same data (the plan's data.synthetic, shuffled each pass, a global batch of
+128: 64 per rank), SGD with momentum,
 2 gloo processes with one thread each. jobrun runs `jobrun train --replicas 2` of a plan
 whose epoch is one loop of `read` and `train.step`; the hand loop is a script started by
 torchrun that shards the model the same way (summed gradients: a divide factor of 1) and
@@ -47,14 +50,14 @@ epoch:
           - read: {{in: data, out: [xb, yb, end]}}
           - if: end
             then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
-          - train.step: {{in: [model, opt, xb, yb], out: loss}}
+          - train.step: {{in: [model, opt, xb, yb], out: loss, amp: AMP}}
 """
 
 HAND = f"""
 import json, sys, time
 import torch, torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -65,26 +68,36 @@ layers = []
 for a, b in zip(sizes, sizes[1:]):
     layers += [nn.Linear(a, b), nn.ReLU()]
 model = nn.Sequential(*layers[:-1])
+amp = {{"null": None, "bf16": torch.bfloat16}}[sys.argv[2]]
+policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=amp and torch.float32)
 for m in model:
     if isinstance(m, nn.Linear):
-        fully_shard(m)
-fully_shard(model)
+        fully_shard(m, mp_policy=policy)
+fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=amp and torch.float32,
+                                                  output_dtype=amp and torch.float32))
 for m in model.modules():
     if isinstance(m, FSDPModule):
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+# The plan's data (data.synthetic draws from the node's generator of seed 0), read in a
+# new random order each pass, as jobrun's shuffled reader does.
+from jobrun.ops.context import OpContext
+from jobrun.ops.data import data_synthetic
+x, y = data_synthetic(OpContext(seed=0), task="classification", n=5120, features=sizes[0], classes=sizes[-1])
 g = torch.Generator().manual_seed(1)
-x = torch.randn(5120, sizes[0], generator=g)
-y = torch.randint(0, sizes[-1], (5120,), generator=g)
 times = []
 for epoch in range(int(sys.argv[1])):
     t0 = time.perf_counter()
     for step in range({STEPS}):
         lo = (epoch * {STEPS} + step) * 128 % 5120
-        xb, yb = x[lo:lo + 128].chunk(world)[rank], y[lo:lo + 128].chunk(world)[rank]
+        if lo == 0:
+            order = torch.randperm(5120, generator=g)
+        idx = order[lo:lo + 128].chunk(world)[rank]
+        xb, yb = x[idx], y[idx]
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(xb), yb) * (xb.shape[0] / 128)
+        with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+            loss = nn.functional.cross_entropy(model(xb), yb) * (xb.shape[0] / 128)
         loss.backward()
         opt.step()
         loss.item()
@@ -95,9 +108,9 @@ dist.destroy_process_group()
 """
 
 
-def _jobrun(root: Path, epochs: int) -> list[float]:
+def _jobrun(root: Path, epochs: int, amp: str) -> list[float]:
     plan = root / "plan.yaml"
-    plan.write_text(PLAN.replace("EPOCHS", str(epochs)))
+    plan.write_text(PLAN.replace("EPOCHS", str(epochs)).replace("AMP", amp))
     run = root / "run"
     p = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run),
                         "--replicas", "2"], cwd=ROOT, env=python_env(), capture_output=True, text=True,
@@ -108,11 +121,11 @@ def _jobrun(root: Path, epochs: int) -> list[float]:
     return [e["seconds"] for e in events if e.get("event") == "epoch"]
 
 
-def _hand(root: Path, epochs: int) -> list[float]:
+def _hand(root: Path, epochs: int, amp: str) -> list[float]:
     script = root / "hand.py"
     script.write_text(HAND)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script), str(epochs)], cwd=root, env=python_env(),
+                        str(script), str(epochs), amp], cwd=root, env=python_env(),
                        capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"the hand FSDP2 loop failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -120,6 +133,10 @@ def _hand(root: Path, epochs: int) -> list[float]:
 
 
 def run(mode: Mode) -> list[Row]:
+    return [_row(mode, "null"), _row(mode, "bf16")]
+
+
+def _row(mode: Mode, amp: str) -> Row:
     reps, epochs = mode.pick(3, 2, 1), mode.pick(6, 4, 2)
     ours: list[float] = []
     hand: list[float] = []
@@ -128,14 +145,17 @@ def run(mode: Mode) -> list[Row]:
             for name, fn, into in (("jobrun", _jobrun, ours), ("hand", _hand, hand)):
                 root = Path(tmp) / f"{name}{r}"
                 root.mkdir()
-                into += fn(root, epochs)[1:]  # the first epoch warms up
+                into += fn(root, epochs, amp)[1:]  # the first epoch warms up
     t_ours, t_hand = statistics.median(ours), statistics.median(hand)
     speed = STEPS / t_ours
     ratio = t_hand / t_ours
-    return [Row(
-        section="fsdp", name="parallel: fsdp steps/s (2 ranks)", value=speed, unit="steps/s",
-        baseline=STEPS / t_hand, baseline_name="hand-written FSDP2 loop", ratio=ratio,
+    bf16 = amp == "bf16"
+    return Row(
+        section="fsdp", name="parallel: fsdp, amp: bf16 steps/s (2 ranks)" if bf16 else
+        "parallel: fsdp steps/s (2 ranks)", value=speed, unit="steps/s",
+        baseline=STEPS / t_hand, baseline_name="hand-written FSDP2 loop" + (
+            " (bf16 MixedPrecisionPolicy + autocast)" if bf16 else ""), ratio=ratio,
         goal=f"jobrun/hand >= {GOAL}", ok=ratio >= GOAL,
         note=f"median epoch of {STEPS} steps, {reps} runs of {epochs} epochs each, first dropped",
         extra={"jobrun_epoch_seconds": ours, "hand_epoch_seconds": hand},
-    )]
+    )

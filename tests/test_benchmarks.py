@@ -34,7 +34,7 @@ EXPECTED_ROWS = {
     ],
     "startup": ["jobrun --help", "jobrun print plans/mlp.yaml"],
     "restart": ["restart: death of a rank to the first new step"],
-    "fsdp": ["parallel: fsdp steps/s (2 ranks)"],
+    "fsdp": ["parallel: fsdp steps/s (2 ranks)", "parallel: fsdp, amp: bf16 steps/s (2 ranks)"],
 }
 
 
