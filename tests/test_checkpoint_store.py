@@ -726,6 +726,49 @@ def test_prune_keeps_the_newest_complete_epochs(tmp_path: Path) -> None:
         ck.prune(tmp_path, 0, ["a"])
 
 
+@pytest.mark.parametrize("other", ["prune", "clean"])
+def test_a_rank_writing_while_rank_0_prunes_or_cleans_keeps_its_save(tmp_path: Path, monkeypatch,
+                                                                      other: str) -> None:
+    # Rank 0 prunes (and cleans) while rank 1 is still writing the same epoch: seen as a
+    # kill -9 + restart leaving epochs with rank 1 missing. Here rank 1 is this process and
+    # rank 0 another one, which runs in the middle of rank 1's COMMIT.
+    for e in range(3):
+        for r in (0, 1):
+            ck.save({"e": e}, {}, tmp_path, "n", e, rank=r, world_size=2)
+    ck.save({"e": 3}, {}, tmp_path, "n", 3, rank=0, world_size=2)
+    call = {"prune": f"store.prune({str(tmp_path)!r}, 1, ['n'])", "clean": f"store.clean({str(tmp_path)!r})"}
+    write = files._write_file
+    seen = []
+
+    def commit_with_rank_0_busy(path: Path, data: bytes) -> int:
+        n = write(path, data)
+        if path.name.startswith(".COMMIT.tmp"):
+            seen.append(path.name)
+            subprocess.run([sys.executable, "-c", f"from jobrun import store; {call[other]}"], check=True)
+        return n
+
+    monkeypatch.setattr(files, "_write_file", commit_with_rank_0_busy)
+    ck.save({"e": 3}, {}, tmp_path, "n", 3, rank=1, world_size=2)
+    assert seen and seen[0].startswith(f".COMMIT.tmp-{os.getpid()}-")  # its writer's pid
+    assert ck.verify(tmp_path, "n", 3) == []
+    assert ck.latest_complete_epoch(tmp_path, ["n"], 2)[0] == 3
+
+
+def test_prune_leaves_the_files_in_epochs_it_keeps_alone(tmp_path: Path) -> None:
+    # What killed saves left inside epochs is for `clean` (before workers start), not for
+    # a prune, which runs while other ranks write.
+    for e in range(3):
+        ck.save({"e": e}, {}, tmp_path, "n", e)
+    dead = 2**22 + 12345  # above any pid_max: no such process
+    left = tmp_path / "n.2" / f".tmp-rank-1-{dead}-deadbeef"
+    left.mkdir()
+    (tmp_path / ".deleting-n.0-0badf00d").mkdir()  # a prune killed before its rmtree
+    assert ck.prune(tmp_path, 1, ["n"]) == [0, 1]
+    assert left.is_dir() and not (tmp_path / ".deleting-n.0-0badf00d").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n.2"]
+    assert ck.clean(tmp_path) == [f"n.2/.tmp-rank-1-{dead}-deadbeef"]
+
+
 def test_upload(tmp_path: Path) -> None:
     ckpt, dest = tmp_path / "ckpt", tmp_path / "exported"
     for r in range(2):

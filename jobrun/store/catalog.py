@@ -255,15 +255,27 @@ def prune(
                     hint=f"check the permissions of {ckpt_dir}",
                 ) from e
             shutil.rmtree(gone, ignore_errors=True)
-    clean(ckpt_dir)
+    _clean_deleted(Path(ckpt_dir))
     return doomed
+
+
+def _clean_deleted(root: Path) -> None:
+    """Remove what earlier prunes left renamed away (killed before their rmtree). Only
+    those: the other ranks may be writing this very epoch while rank 0 prunes, and their
+    files in progress are no leftovers (the whole `clean` runs before workers start)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if entry.name.startswith(".deleting-") and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 # What a save or a prune leaves behind when it is killed (see files.place_dir and prune):
 # a temporary directory or marker named with the writer's pid, an old copy moved aside,
 # an epoch renamed away for deletion.
+# A COMMIT marker being written carries its writer's pid too (before 2026-11-26 it did
+# not: such a leftover is only ever an old version's, and is removed).
 _LEFTOVER = re.compile(r"\.(?:tmp|old)-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}|\.deleting-.+"
-                       r"|\.COMMIT\.tmp-[0-9a-f]{8}")
+                       r"|\.COMMIT\.tmp-(?:(?P<commit_pid>\d+)-)?[0-9a-f]{8}")
 
 
 def clean(ckpt_dir: str | os.PathLike[str]) -> list[str]:
@@ -283,7 +295,8 @@ def clean(ckpt_dir: str | os.PathLike[str]) -> list[str]:
             continue
         for entry in entries:
             m = _LEFTOVER.fullmatch(entry.name)
-            if m is None or (m["pid"] and int(m["pid"]) != os.getpid() and _alive(int(m["pid"]))):
+            pid = m and (m["pid"] or m["commit_pid"])
+            if m is None or (pid and int(pid) != os.getpid() and _alive(int(pid))):
                 continue
             path = Path(entry.path)
             if entry.name.startswith(".old-") and not (d / m["name"]).exists():

@@ -216,7 +216,8 @@ def write(
 
     def commit(written: tuple[int, bytes]) -> None:
         marker = {"manifest_sha256": hashlib.sha256(written[1]).hexdigest(), **ids}
-        tmp = final / f".{COMMIT_FILE}.tmp-{secrets.token_hex(4)}"
+        # The writer's pid in the name: `clean` leaves the files of a live writer alone.
+        tmp = final / f".{COMMIT_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             _write_file(tmp, json.dumps(marker).encode())
             os.replace(tmp, final / COMMIT_FILE)
