@@ -90,3 +90,23 @@ def record_ids(ids, epoch: int, path: str) -> None:
                        "epoch": int(epoch), "ids": [int(i) for i in ids]})
     with _lock, open(path, "a") as f:
         f.write(line + "\n")
+
+
+def fail_saves_on_rank(rank: int = 1, at: int = 2) -> None:
+    """Make replica `rank`'s checkpoint save of epoch `at` fail as a full disk does (this
+    process's `jobrun.store.write` raises ENOSPC for that epoch)."""
+    import errno
+
+    from jobrun import store
+
+    if int(os.environ.get("RANK", 0)) != rank or getattr(store.write, "failing", False):
+        return
+    write = store.write
+
+    def failing(prepared, ckpt_dir, node, epoch, *args, **kwargs):
+        if epoch == at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(prepared, ckpt_dir, node, epoch, *args, **kwargs)
+
+    failing.failing = True
+    store.write = failing

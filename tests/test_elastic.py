@@ -110,6 +110,32 @@ def test_a_rank_that_dies_more_often_than_allowed_stops_the_job_cleanly(tmp_path
     assert info["status"] == "failed" and len(info["restarts"]) == 1
 
 
+# -- a rank whose save fails ------------------------------------------------------------------------
+
+
+def test_a_save_that_fails_on_another_rank_is_reported_by_rank_0(reference, tmp_path):
+    # Rank 1's save of epoch 2 fails (a full disk): it says so on stderr, rank 0's console
+    # and metrics say that epoch 2 is not whole, and resume goes on from a whole one.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("      - const: {out: epoch_no, value: 0}\n",
+                                 "      - const: {out: epoch_no, value: 0}\n"
+                                 '      - call: {fn: "jobrun_test_helpers:fail_saves_on_rank"}\n'))
+    run = tmp_path / "run"
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=180)
+    assert r.code == 0, r.text
+    assert "[rank 1] warning: checkpoint of epoch 2 was NOT saved: " in r.err
+    assert "No space left on device" in r.err
+    said = ("checkpoint of epoch 2 was NOT saved by 1 of 2 ranks (each says why on stderr); a resume "
+            "goes on from the newest epoch that every rank saved")
+    assert said in r.err and said in (run / "console.log").read_text()
+    assert [m["message"] for m in metrics(run) if m.get("event") == "warning"] == [said]
+    listed = jobrun("ckpt", "list", run).out
+    assert "rank 1 of 2 missing" in next(ln for ln in listed.splitlines() if ln.split()[0] == "2")
+    assert _weights(run) == _weights(reference)  # the other epochs were saved as ever
+    again = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", timeout=180)
+    assert again.code != 0 and "epoch 2" in again.err
+
+
 # -- Ctrl-C with replicas --------------------------------------------------------------------------
 
 

@@ -129,15 +129,21 @@ def gather(obj: Any) -> list[Any]:
     return [_decode(slot[: int(n.item())]) for slot, n in zip(slots, sizes)]
 
 
-def agree_on_stop() -> None:
+def agree_on_stop(failed_epoch: int | None = None) -> tuple[int, int | None]:
     """Raise Interrupted on every rank when a signal reached any of them (one all-reduce
-    of one number; called where all ranks pass together, e.g. after each save)."""
+    of three numbers; called where all ranks pass together, after each save). Returns
+    how many ranks' saves failed and the epoch (``failed_epoch``: this rank's failed
+    save), which rank 0 reports."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([signals.flag()], dtype=torch.float32, device=_device())
-    dist.all_reduce(flag)
-    signals.agree(float(flag.item()))
+    failed = failed_epoch is not None
+    vals = [signals.flag(), float(failed), float(failed_epoch or 0)]
+    reduced = torch.tensor(vals, dtype=torch.float64, device=_device())
+    dist.all_reduce(reduced)
+    flag, count, epochs = reduced.tolist()
+    signals.agree(flag)
+    return int(count), (round(epochs / count) if count else None)
 
 
 def lost_peer(error: BaseException) -> bool:

@@ -14,6 +14,7 @@ Every rank of a data-parallel job runs this same loop on its own device.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -72,6 +73,7 @@ class JobRunner:
         self.save_failures: list[str] = []
         self.unsaved: set[str] = set()
         self._saving = False
+        self._failed_save: int | None = None  # this rank's failed save since the ranks last agreed
         self._pending_signal: int | None = None
         self._resumable = cfg.resume_epoch is not None  # a checkpoint of this run exists
         self._writer: _Writer | None = None
@@ -243,11 +245,18 @@ class JobRunner:
 
     def _agree_on_stop(self) -> None:
         """With replicas: stop here, all ranks together, when any of them was signalled
-        (after the save: every rank finished it; see jobrun.signals)."""
+        (after the save: every rank finished it; see jobrun.signals). Rank 0 also learns
+        whether another rank's save failed: only its console and metrics are the run's."""
+        failed, self._failed_save = self._failed_save, None
         if self.cfg.world_size > 1:
             from jobrun.runner.group import agree_on_stop
 
-            agree_on_stop()
+            count, epoch = agree_on_stop(failed)
+            others = count - (failed is not None)
+            if self.main_rank and others:
+                self._warn(f"checkpoint of epoch {epoch} was NOT saved by {others} of "
+                           f"{self.cfg.world_size} ranks (each says why on stderr); a resume goes on "
+                           "from the newest epoch that every rank saved")
 
     def _restarted(self, epoch: int | None) -> None:
         """Say where the job goes on from: a resume, or a restart (which rank died, how)."""
@@ -311,6 +320,7 @@ class JobRunner:
                     total_bytes, seconds = self._write_all(epoch, prepared)
                     return f"ckpt {human_size(total_bytes)} in {seconds * 1000:.0f} ms"
             except (CheckpointError, OSError) as e:
+                self._failed_save = epoch
                 self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
                 return "ckpt FAILED"
             blocked = time.perf_counter() - t0
@@ -396,6 +406,7 @@ class JobRunner:
             return
         error = writer.wait()
         if error is not None:
+            self._failed_save = writer.epoch
             self._warn(f"checkpoint of epoch {writer.epoch} was NOT saved: {error}")
 
     def _restore(self, epoch: int) -> dict[str, Any]:
@@ -460,9 +471,11 @@ class JobRunner:
 
     def _warn(self, message: str) -> None:
         self.save_failures.append(message)
-        self.display.warn(message)
         if self.main_rank:
+            self.display.warn(message)
             self.metrics.write({"epoch": self.epoch, "event": "warning", "message": message})
+        else:  # the console is rank 0's: another rank says what went wrong on stderr
+            print(f"[rank {self.rank}] warning: {message}", file=sys.stderr, flush=True)
 
     def _summary(self) -> None:
         last = f", last checkpoint epoch {self._last_saved}" if self.ckpt_dir else ""
