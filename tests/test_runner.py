@@ -288,6 +288,27 @@ epoch:
     assert not run_dir.exists()  # nothing written
 
 
+def test_several_analysis_errors_each_come_with_their_hint(plan_file, tmp_path):
+    text = """
+job: two-errors
+max_epochs: 1
+epoch:
+  - task: t
+    do:
+      - add: {in: [nothing, 1], out: x}
+      - const: {out: y, value: 1, colour: red}
+"""
+    r, run_dir = train(plan_file, text, tmp_path)
+    assert r.code == 2 and not run_dir.exists()
+    lines = r.err.strip().splitlines()
+    first = next(i for i, ln in enumerate(lines) if "plan.yaml:7:" in ln and "error" in ln)
+    second = next(i for i, ln in enumerate(lines) if "plan.yaml:8:" in ln and "error" in ln)
+    assert first < second
+    assert lines[first + 1].startswith("  hint: ") and lines[second + 1].startswith("  hint: ")
+    assert lines[-1] == "  hint: 2 errors; `jobrun analyze PLAN` lists them with the warnings"
+    assert "Traceback" not in r.text
+
+
 def test_refuses_run_dir_with_checkpoints(plan_file, tmp_path):
     r, run_dir = train(plan_file, COUNTER, tmp_path)
     assert r.code == 0

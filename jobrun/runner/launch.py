@@ -118,11 +118,15 @@ def refuse_errors(plan: ir.Plan) -> None:
     from jobrun.plans.analyze import analyze
 
     errors = [d for d in analyze(plan) if d.severity == "error"]
-    if errors:
+    if len(errors) == 1:
+        raise PlanError(errors[0].message, errors[0].pos,
+                        errors[0].hint or "`jobrun analyze PLAN` lists every problem")
+    if errors:  # each hint under its error; the last line says where to see them all
         first = errors[0]
-        more = "\n".join(d.format() for d in errors[1:])
-        raise PlanError(first.message + (f"\n{more}" if more else ""), first.pos,
-                        first.hint or "`jobrun analyze PLAN` lists every problem")
+        lines = [first.message, *([f"  hint: {first.hint}"] if first.hint else []),
+                 *(d.format() for d in errors[1:])]
+        raise PlanError("\n".join(lines), first.pos,
+                        f"{len(errors)} errors; `jobrun analyze PLAN` lists them with the warnings")
 
 
 def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str], Any]:
