@@ -255,18 +255,10 @@ def prune(
                     hint=f"check the permissions of {ckpt_dir}",
                 ) from e
             shutil.rmtree(gone, ignore_errors=True)
-    _clean_deleted(Path(ckpt_dir))
+    # Not inside epochs: the other ranks may be writing this very epoch while rank 0
+    # prunes, and their files in progress are no leftovers.
+    clean(ckpt_dir, inside_epochs=False)
     return doomed
-
-
-def _clean_deleted(root: Path) -> None:
-    """Remove what earlier prunes left renamed away (killed before their rmtree). Only
-    those: the other ranks may be writing this very epoch while rank 0 prunes, and their
-    files in progress are no leftovers (the whole `clean` runs before workers start)."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(root):
-            if entry.name.startswith(".deleting-") and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 # What a save or a prune leaves behind when it is killed (see files.place_dir and prune):
@@ -278,13 +270,15 @@ _LEFTOVER = re.compile(r"\.(?:tmp|old)-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}|\.d
                        r"|\.COMMIT\.tmp-(?:(?P<commit_pid>\d+)-)?[0-9a-f]{8}")
 
 
-def clean(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+def clean(ckpt_dir: str | os.PathLike[str], inside_epochs: bool = True) -> list[str]:
     """Remove the leftovers of killed saves and prunes (never those of a process that is
     still running); a rank whose rename was cut short gets its old copy back. Returns
-    what it removed, relative to ``ckpt_dir``."""
+    what it removed, relative to ``ckpt_dir``. ``inside_epochs=False``: only in
+    ``ckpt_dir`` itself, where prunes leave theirs (the whole clean runs where no rank
+    writes: at resume, at a restart before the ranks meet)."""
     root = Path(ckpt_dir)
     places = [root]
-    for _node, _epoch, edir in _epoch_dirs(root):
+    for _node, _epoch, edir in _epoch_dirs(root) if inside_epochs else ():
         places.append(edir)
         places += [edir / f"rank-{r}" for r in ranks_in(edir)]
     removed: list[str] = []
