@@ -21,7 +21,7 @@ from typing import Any
 
 from jobrun.errors import Pos
 from jobrun.plans import ir
-from jobrun.plans.load import kind_of, parse_number
+from jobrun.plans.scalars import kind_of, parse_number
 from jobrun.plans.visit import Visitor
 
 COMPARISONS = frozenset({"ge", "gt", "le", "lt", "eq", "ne"})

@@ -26,16 +26,10 @@ from jobrun.plans.keys import (
     PARALLEL,
     TOP_KEYS,
 )
-from jobrun.plans.load import (
-    PList,
-    PMap,
-    kind_of,
-    load_file,
-    load_text,
-    show,
-)
+from jobrun.plans.load import PList, PMap, load_file, load_text
 from jobrun.plans.overrides import apply_sets
 from jobrun.plans.resolve import substitute
+from jobrun.plans.scalars import kind_of, show
 from jobrun.plans.steps import StepCompiler, suggest
 
 

@@ -20,7 +20,6 @@ time anyway.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -38,13 +37,13 @@ from yaml.events import (
 )
 
 from jobrun.errors import PlanError, Pos
+from jobrun.plans.scalars import NUMBER_START, Bad, kind_of, number, shorten, show
 from jobrun.plans.tree import CloneBudgetExceeded, PList, PMap, clone
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_NODES = 5_000_000  # values in one plan, aliases expanded
 MAX_ALIAS_NODES = 200_000  # values created by expanding aliases: stops "billion laughs" fast
 MAX_DEPTH = 100
-MAX_INT = 2**63 - 1
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _RESOLVERS: dict[Any, list[tuple[str, re.Pattern[str]]]] = yaml.resolver.Resolver.yaml_implicit_resolvers
@@ -69,21 +68,6 @@ _SCALAR_TYPES = {_INT: "an integer", _FLOAT: "a number", _BOOL: "a boolean", _NU
 # reports a byte offset for them.
 _BAD_CHAR = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
-_HUGE = 30  # integers and strings longer than this are shortened in messages
-
-# Numbers (see the module doc). Underscores may separate digits, as in Python.
-_DIGITS = r"[0-9](?:_?[0-9])*"
-_INT_RE = re.compile(
-    r"[-+]?(?:0|[1-9](?:_?[0-9])*|0x(?:_?[0-9a-fA-F])+|0o(?:_?[0-7])+|0b(?:_?[01])+)\Z"
-)
-_LEADING_ZERO_RE = re.compile(r"[-+]?0(?:_?[0-9])+\Z")
-_FLOAT_RE = re.compile(
-    rf"[-+]?(?:(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?{_DIGITS})?"
-    rf"|{_DIGITS}[eE][-+]?{_DIGITS})\Z"
-)
-_INF_RE = re.compile(r"[-+]?\.(?:inf|Inf|INF)\Z")
-_NAN_RE = re.compile(r"[-+]?\.(?:nan|NaN|NAN)\Z")
-_NUMBER_START = frozenset("0123456789+-.")
 
 
 def _too_deep(pos: Pos) -> PlanError:
@@ -170,14 +154,6 @@ _NOKEY = object()  # the innermost mapping waits for a key
 _MISS = object()  # not in the scalar cache yet
 
 
-class _Bad:
-    """A scalar that cannot be a plan value: the error, minus its position."""
-
-    __slots__ = ("message", "hint")
-
-    def __init__(self, message: str, hint: str | None = None):
-        self.message = message
-        self.hint = hint
 
 
 class _Builder:
@@ -185,7 +161,7 @@ class _Builder:
 
     def __init__(self, filename: str):
         self.file = filename
-        self.plain: dict[str, Any] = {}  # plain scalar text -> value (or _Bad)
+        self.plain: dict[str, Any] = {}  # plain scalar text -> value (or Bad)
         self.alias_budget = [MAX_ALIAS_NODES]
 
     def build(self, text: str) -> tuple[Any, Pos | None]:
@@ -296,13 +272,13 @@ class _Builder:
                     value = plain.get(ev.value, _MISS)
                     if value is _MISS:
                         value = plain[ev.value] = self.resolve_plain(ev.value)
-                    if value.__class__ is _Bad:
+                    if value.__class__ is Bad:
                         raise PlanError(value.message, pos, value.hint)
                 elif tag is None or tag == "!" or tag == _STR:
                     value = ev.value
                 else:
                     value = self.tagged(tag, ev.value)
-                    if value.__class__ is _Bad:
+                    if value.__class__ is Bad:
                         raise PlanError(value.message, pos, value.hint)
                 if ev.anchor is not None:
                     anchors[ev.anchor] = value
@@ -412,15 +388,15 @@ class _Builder:
 
     def resolve_plain(self, text: str) -> Any:
         """The value of an untagged plain scalar: numbers as YAML 1.2, words as YAML 1.1."""
-        if text[:1] in _NUMBER_START:
-            value = _number(text)
+        if text[:1] in NUMBER_START:
+            value = number(text)
             if value is not None:
                 return value
         tag = next((t for t, regexp in _RESOLVERS.get(text[:1], ()) if regexp.match(text)), None)
         if tag in (_BOOL, _NULL):
             return self.construct(tag, text)
         if tag == _TIMESTAMP:
-            return _Bad(f"{text!r} reads as a date; plans take no dates", f'quote it: "{text}"')
+            return Bad(f"{text!r} reads as a date; plans take no dates", f'quote it: "{text}"')
         # YAML 1.1's other numbers (1:30, 0b_1) and `<<`/`=` as values mean nothing here.
         return text
 
@@ -428,13 +404,13 @@ class _Builder:
         if tag in _SCALAR_TYPES:
             return self.construct(tag, text)
         if tag == _TIMESTAMP:
-            return _Bad(f"{_show_tag(tag)} {text!r}: plans take no dates", f'write a string: "{text}"')
-        return _Bad(*_tag_message(tag))
+            return Bad(f"{_show_tag(tag)} {text!r}: plans take no dates", f'write a string: "{text}"')
+        return Bad(*_tag_message(tag))
 
     def construct(self, tag: str, text: str) -> Any:
         if tag in (_INT, _FLOAT):
-            value = _number(text.strip())
-            if value.__class__ is _Bad:
+            value = number(text.strip())
+            if value.__class__ is Bad:
                 return value
             if tag == _INT and type(value) is int:
                 return value
@@ -447,7 +423,7 @@ class _Builder:
                 pass
         else:
             return None
-        return _Bad(
+        return Bad(
             f"{shorten(text)!r} is not {_SCALAR_TYPES[tag]} (tag {_show_tag(tag)})",
             "remove the tag or fix the value",
         )
@@ -457,49 +433,6 @@ class _Builder:
         return PlanError(message, pos, hint)
 
 
-def parse_number(text: str) -> int | float | None:
-    """The number a plain scalar `text` reads as in a plan, or None (not a number, or one
-    a plan refuses)."""
-    value = _number(text.strip())
-    return value if isinstance(value, int | float) else None
-
-
-def _number(text: str) -> int | float | _Bad | None:
-    """The int or float `text` writes (see the module doc), a _Bad for a number a plan
-    cannot hold (NaN, too large, a leading zero), or None when it is no number."""
-    if _INT_RE.match(text):
-        try:
-            value = int(text, 0)
-        except ValueError:  # more digits than Python converts: far too large anyway
-            value = MAX_INT + 1
-        if abs(value) > MAX_INT:
-            return _Bad(f"integer {shorten(text)} is too large", f"use a value from {-MAX_INT} to {MAX_INT}")
-        return value
-    if _FLOAT_RE.match(text):
-        value = float(text)
-        if math.isinf(value):
-            return _Bad(
-                f"{shorten(text)} is too large for a number (it would be infinite)",
-                "write .inf (or -.inf) if you mean infinity",
-            )
-        return value
-    if _INF_RE.match(text):
-        return -math.inf if text[0] == "-" else math.inf
-    if _NAN_RE.match(text):
-        return _Bad(
-            f"{text} (not a number) cannot be a plan value: it is never equal to, less or "
-            "greater than anything",
-            "use a number, .inf or -.inf; quote it if you meant a string",
-        )
-    if _LEADING_ZERO_RE.match(text):
-        sign = text[0] if text[0] in "+-" else ""
-        digits = text.lstrip("+-").lstrip("0_") or "0"
-        octal = f", {sign}0o{digits} for octal" if set(digits) <= set("01234567_") else ""
-        return _Bad(
-            f"{text} is ambiguous: YAML 1.1 reads a leading zero as octal, YAML 1.2 as decimal",
-            f'write {sign}{digits} for the number{octal}, or quote it ("{text}") for a string',
-        )
-    return None
 
 
 def _tag_message(tag: str) -> tuple[str, str]:
@@ -513,35 +446,6 @@ def _show_tag(tag: str) -> str:
     return "!!" + tag[len(_YAML) :] if tag.startswith(_YAML) else tag
 
 
-def show(value: Any) -> str:
-    """A value as a message quotes it: its repr, with long strings cut short."""
-    if isinstance(value, list | dict):
-        return kind_of(value)
-    if isinstance(value, str) and len(value) > _HUGE:
-        return repr(value[:20]) + f"...({len(value)} characters)"
-    return repr(value)
-
-
-def shorten(text: str) -> str:
-    """`text`, cut short for a message when it is long (a number with 5000 digits)."""
-    return text if len(text) <= _HUGE else text[:20] + f"...({len(text)} characters)"
-
-
-def kind_of(value: Any) -> str:
-    """How a value reads in a message: 'null', 'the number 3', 'a list', ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the string {value!r}" if len(value) < 40 else "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
 
 
 def to_plain(value: Any) -> Any:

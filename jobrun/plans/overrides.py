@@ -41,7 +41,8 @@ from jobrun.plans.keys import (
     TASK_KEYS,
     TOP_KEYS,
 )
-from jobrun.plans.load import MAX_DEPTH, PList, PMap, kind_of, nesting, parse_value
+from jobrun.plans.load import MAX_DEPTH, PList, PMap, nesting, parse_value
+from jobrun.plans.scalars import kind_of
 
 GROUPS = ("init", "epoch", "download", "exit")
 # What the value under a key is, by the kind of mapping that holds it.

@@ -19,12 +19,10 @@ from jobrun.plans.load import (
     PList,
     PMap,
     clone,
-    kind_of,
     nesting,
-    shorten,
-    show,
     to_plain,
 )
+from jobrun.plans.scalars import kind_of, shorten, show
 
 VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _REF = re.compile(r"\$(\$?)\{([^}]*)\}")

@@ -28,14 +28,8 @@ from jobrun.plans.keys import (
     STEP_KEYS,
     TASK_KEYS,
 )
-from jobrun.plans.load import (
-    PList,
-    PMap,
-    kind_of,
-    parse_number,
-    shorten,
-    show,
-)
+from jobrun.plans.load import PList, PMap
+from jobrun.plans.scalars import kind_of, parse_number, shorten, show
 
 # The keys that only appear inside a control step (a step made of just `do:` lost its `loop:`).
 _INNER_KEYS = {
