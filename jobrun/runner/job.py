@@ -27,12 +27,12 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import fingerprint, rng
+from jobrun.runner import fingerprint, restore, rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
 from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
-from jobrun.store import SavedState, UnsupportedValue, shards
+from jobrun.store import UnsupportedValue
 
 
 @dataclass
@@ -412,62 +412,17 @@ class JobRunner:
     def _restore(self, epoch: int) -> dict[str, Any]:
         if self.ckpt_dir is None:
             raise CheckpointError("this plan has no `checkpoint` block, so there is nothing to resume")
-        meta: dict[str, Any] = {}
-        hashes = not (self.cfg.resume_verified and epoch == self.cfg.resume_epoch)
-        loaded: dict[str, tuple[dict[str, Any], float]] = {}
-        # A checkpoint of N ranks restored into another number (resume --replicas): a rank
-        # it has no files of restores rank 0's (see runner/pick.py).
-        world = self.cfg.resume_world or self.cfg.world_size
-        source = self.rank if self.rank < world else 0
-        # Every node's checkpoint is read and checked before anything is restored.
-        for name in self.nodes:
-            t0 = time.perf_counter()
-            blobs, meta = store.load(self.ckpt_dir, name, epoch, rank=source, verify_hashes=hashes)
-            saved_world = meta.get("world_size") if isinstance(meta, dict) else None
-            if saved_world not in (None, world):
-                from jobrun.runner.pick import replicas_text
-
-                raise CheckpointError(
-                    f"checkpoint epoch {epoch} was written by {replicas_text(saved_world)}; this run "
-                    f"has {self.cfg.world_size}",
-                    hint=f"resume with {replicas_text(saved_world)} (--replicas {saved_world})")
-            self._check_init(name, meta, epoch)
-            if found := rng.problems(blobs.get(rng.KEY)):
-                raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
-                                      hint="resume from another epoch (see `jobrun ckpt list`)")
-            if world != self.cfg.world_size and shards.holds_shards(blobs):
-                # Another number of ranks: every saved rank's shards, made whole (each rank
-                # then takes its part; see shards.relive).
-                blobs = {**blobs, **shards.whole([
-                    {b: v for b, v in blobs.items() if b != rng.KEY} if r == source else
-                    store.load(self.ckpt_dir, name, epoch, rank=r, verify_hashes=hashes,
-                               blobs=[b for b in blobs if b != rng.KEY])[0]
-                    for r in range(world)])}
-            loaded[name] = blobs, time.perf_counter() - t0
+        c = self.cfg
+        loaded, meta = restore.read(
+            self.ckpt_dir, self.nodes, epoch, rank=self.rank, world_size=c.world_size,
+            saved_world=c.resume_world, hashes=not (c.resume_verified and epoch == c.resume_epoch),
+            check_init=self._check_init)
         for name, (blobs, seconds) in loaded.items():
-            node = self.nodes[name]
-            state = blobs.pop(rng.KEY)
-            for blob, saved in blobs.items():
-                self._restore_blob(node, blob, saved, epoch)
-            rng.restore(node.ctx, state)
+            restore.into(self.nodes[name], blobs, epoch)
             if self.main_rank:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6)})
         return meta
-
-    def _restore_blob(self, node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
-        live = node.globals.get(blob)
-        if isinstance(saved, SavedState):
-            loader = getattr(live, "load_state_dict", None)
-            if loader is None:
-                raise CheckpointError(
-                    f"checkpoint epoch {epoch} holds the state of a {saved.type_name} for blob "
-                    f"{blob!r} on node {node.name!r}, but init did not create one",
-                    hint="init must build every object the epochs use (the plan changed?)",
-                )
-            store.restore(live, saved)  # its state dict, and a module's modes and frozen parameters
-            return
-        node.globals[blob] = _to_device(saved, node.ctx.device)
 
     def _warn(self, message: str) -> None:
         self.save_failures.append(message)
@@ -538,15 +493,6 @@ def _held_blobs(plan: ir.Plan) -> dict[str, frozenset[str]]:
     from jobrun.plans.state import checkpointed
 
     return {node: frozenset(names) for node, names in checkpointed(plan).items()}
-
-
-def _to_device(value: Any, device: str) -> Any:
-    if device == "cpu":
-        return value
-    to = getattr(value, "to", None)
-    if to is not None and type(value).__module__.startswith("torch"):
-        return to(device)
-    return value
 
 
 def _short(value: Any) -> Any:
