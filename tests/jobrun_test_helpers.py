@@ -110,3 +110,11 @@ def fail_saves_on_rank(rank: int = 1, at: int = 2) -> None:
 
     failing.failing = True
     store.write = failing
+
+
+def record_threads(path: str) -> None:
+    """Write torch's CPU thread count of this rank to `path`.RANK."""
+    import torch
+
+    with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as f:
+        f.write(str(torch.get_num_threads()))

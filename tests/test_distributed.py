@@ -163,3 +163,35 @@ def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
     assert "rank-1/tensors.safetensors: checksum mismatch" in p.stdout
     assert "resumed from checkpoint epoch 2" in p.stdout
     assert _weights(run) == _weights(runs / "two")
+
+
+THREADS_PLAN = """
+job: threads
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - call: {fn: "jobrun_test_helpers:record_threads", path: "OUT"}
+epoch:
+  - task: noop
+    do:
+      - const: {out: x, value: 1}
+"""
+
+
+@pytest.mark.parametrize("env, expect", [
+    ({}, lambda cpus: max(1, cpus // 2)),  # each rank its share of the CPUs
+    ({"OMP_NUM_THREADS": "2"}, lambda cpus: 2),  # the user's OMP_NUM_THREADS is kept
+    ({"JOBRUN_THREADS": "2"}, lambda cpus: 2),
+])
+def test_ranks_on_one_host_share_its_cpus(tmp_path, monkeypatch, env, expect):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(THREADS_PLAN.replace("OUT", str(tmp_path / "threads")))
+    for name in ("JOBRUN_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2")
+    assert r.code == 0, r.text
+    want = expect(len(os.sched_getaffinity(0)))
+    assert [int((tmp_path / f"threads.{rank}").read_text()) for rank in (0, 1)] == [want, want]

@@ -283,6 +283,7 @@ def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
     # Model classes and functions next to the plan are importable by `build`/`call`.
     if str(launch.plan_dir) not in sys.path:
         sys.path.insert(0, str(launch.plan_dir))
+    _set_threads()  # before anything computes: OpenMP sizes its pool at the first use
     device = device_for(launch.device, world)
     if world > 1:
         group.start(device)
@@ -290,7 +291,6 @@ def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
     if restart:
         launch = _restarted(launch, plan, rank, world, restart)
     seed_everything(plan.seed)
-    _set_threads()
     cfg = JobConfig(plan=plan, run_dir=launch.run_dir.resolve(), plan_dir=launch.plan_dir,
                     device=device, rank=rank, world_size=world,
                     resume_epoch=launch.resume_epoch, resume_verified=launch.verified,
@@ -345,17 +345,41 @@ def _await_stop(launch: Launch) -> None:
 
 
 def _set_threads() -> None:
-    # Float results depend on the thread count (reductions split differently): a resume
-    # is bit-exact on the same machine with the same count; JOBRUN_THREADS pins it.
-    threads = os.environ.get("JOBRUN_THREADS")
-    if threads:
-        import torch
+    """torch's CPU thread count in this process: JOBRUN_THREADS=N pins it; else, with
+    several ranks on this host and no OMP_NUM_THREADS, each rank takes its share of the
+    CPUs it may use (at least one), as torchrun's OMP_NUM_THREADS=1 does for its ranks.
 
-        try:
-            torch.set_num_threads(max(1, int(threads)))
-        except ValueError:
-            raise UsageError(f"JOBRUN_THREADS={threads!r} is not a number",
-                             hint="set it to the number of CPU threads torch may use") from None
+    torch's own default is every CPU in every rank: 2 ranks on 2 CPUs then trained the
+    fsdp benchmark's MLP 1.4x slower, each rank's idle OpenMP thread spinning on the core
+    the other rank computed on. Float results depend on the count (reductions split
+    differently): a resume is bit-exact with the same count, which the same host and the
+    same number of replicas give."""
+    threads = os.environ.get("JOBRUN_THREADS")
+    if not threads:
+        share = threads_per_rank()
+        if share is None:
+            return
+        threads = str(share)
+    import torch
+
+    try:
+        torch.set_num_threads(max(1, int(threads)))
+    except ValueError:
+        raise UsageError(f"JOBRUN_THREADS={threads!r} is not a number",
+                         hint="set it to the number of CPU threads torch may use") from None
+
+
+def threads_per_rank() -> int | None:
+    """Each local rank's share of this process's CPUs when this host runs several ranks
+    and neither JOBRUN_THREADS nor OMP_NUM_THREADS says; None: torch's default."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    if local <= 1 or os.environ.get("JOBRUN_THREADS") or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // local)
 
 
 def device_for(wanted: str, world: int, select: bool = True) -> str:
