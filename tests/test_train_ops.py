@@ -402,7 +402,7 @@ def test_single_process_dist_ops_are_identities():
 _DP_CONFIGS = [(16, 4, 1, None), (17, 8, 1, None), (17, 5, 2, 0.5)]
 
 
-def _dp_run(ctx: OpContext, n: int, batch: int, accumulate: int, clip) -> dict:
+def _dp_run(ctx: OpContext, n: int, batch: int, accumulate: int, clip, gather: bool = False) -> dict:
     x, y = data.data_synthetic(ctx, task="classification", n=n, features=4, classes=3, seed=3)
     model = models.model_mlp(ctx, sizes=[4, 8, 3])
     opt = models.optimizer(ctx, model, lr=0.2, momentum=0.9)
@@ -417,6 +417,9 @@ def _dp_run(ctx: OpContext, n: int, batch: int, accumulate: int, clip) -> dict:
         accumulate=accumulate,
         clip_grad_norm=clip,
     )
+    if gather:  # sharded parameters: the whole of each on rank 0
+        whole = dist.model_gather(ctx, model)
+        return {"params": None if whole is None else list(whole.values()), "losses": losses}
     return {"params": _params(model), "losses": losses}
 
 
@@ -458,6 +461,11 @@ def _dp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         ctx = lambda: OpContext(seed=11, rank=rank, world_size=world)  # noqa: E731
         result = {"runs": [_dp_run(ctx(), *cfg) for cfg in _DP_CONFIGS], **_dp_extras(ctx())}
+        # The same steps with sharded models: an empty slice, accumulation and clipping
+        # run each rank's collectives in the same order (a rank with no records still
+        # gathers and reduces); the whole model comes back on rank 0.
+        fsdp = lambda: OpContext(seed=11, rank=rank, world_size=world, parallel="fsdp")  # noqa: E731
+        result["fsdp"] = [_dp_run(fsdp(), *cfg, gather=True) for cfg in _DP_CONFIGS]
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
@@ -494,6 +502,12 @@ def test_data_parallel_matches_one_process(tmp_path: Path):
                 torch.testing.assert_close(p, q, atol=1e-5, rtol=0), cfg
         # Ranks agree exactly with each other: same reduced gradients, same steps.
         assert ranks[0]["runs"][i]["losses"] == ranks[1]["runs"][i]["losses"]
+        sharded = [got["fsdp"][i] for got in ranks]
+        assert sharded[0]["losses"] == sharded[1]["losses"], cfg
+        assert sharded[0]["losses"] == pytest.approx(single["losses"], abs=1e-5), cfg
+        assert sharded[1]["params"] is None and len(sharded[0]["params"]) == len(single["params"])
+        for p, q in zip(sharded[0]["params"], single["params"]):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=f"fsdp {cfg}")
 
     one = _dp_extras(OpContext(seed=11))
     r0, r1 = ranks

@@ -21,8 +21,8 @@ from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import (
     GlobalCount,
+    LossSum,
     allreduce_grads,
-    allreduce_loss,
     broadcast_tensors,
     comm_device,
     sparse_params,
@@ -138,18 +138,24 @@ def train_step(
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
     # ddp: the global batch size, reduced while the first forward runs, weights each
     # rank's loss by its share. fsdp needs no collective of its own here: each rank
-    # backpropagates its loss sum, and the records of all ranks come with the loss after
-    # the backward (see allreduce_loss). Not with fp16, whose loss scaler would see the
-    # magnitude of a sum and skip other steps than ddp: it counts as ddp does.
+    # backpropagates its loss sum, and the records of all ranks come with the loss, in a
+    # collective that runs during the last backward (see LossSum). Not with fp16, whose
+    # loss scaler would see the magnitude of a sum and skip other steps than ddp: it
+    # counts as ddp does.
     count = GlobalCount(ctx, local) if replicas and (not sharded or scaler is not None) else None
     summed = sharded and count is None
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
+    last = len(batches) - 1
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
-    for xb, yb, n in batches:
+    reduced = None  # fsdp: the loss sum over ranks, under way during the last backward
+    for i, (xb, yb, n) in enumerate(batches):
         if not n:
             if sharded:  # every rank's forward and backward take part in FSDP's collectives
-                (model(xb).sum() * 0.0).backward()
+                nothing = model(xb).sum() * 0.0
+                if i == last:  # in the same order of collectives as the other ranks
+                    reduced = LossSum(ctx, _zero(value, device), local)
+                nothing.backward()
             continue  # an empty slice of a short global batch contributes nothing
         if dtype is None:
             part = loss_fn(model(xb), yb)
@@ -162,14 +168,15 @@ def train_step(
             n_all = local if count is None else count.value
             if n != n_all:
                 part = part * (n / n_all)
-        (part if scaler is None else scaler.scale(part)).backward()
         value = part if value is None else value.detach() + part.detach()
-    if value is None:
-        value = torch.zeros((), device=device)
+        if sharded and i == last:
+            reduced = LossSum(ctx, value.detach(), local)
+        (part if scaler is None else scaler.scale(part)).backward()
+    value = _zero(value, device)
     params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
     total = local if count is None else None
-    if sharded:  # FSDP has summed the gradients into each rank's shards already
-        mean, total = allreduce_loss(ctx, value.detach(), local, params, divide=summed)
+    if reduced is not None:  # FSDP has summed the gradients into each rank's shards already
+        mean, total = reduced.finish(params, divide=summed)
     if not (total if total is not None else count.value):  # after the backward: all ranks raise
         raise RunError(
             "train.step got an empty batch",
@@ -199,6 +206,11 @@ def train_step(
 
 
 _last_loss: list[Any] = [None]
+
+
+def _zero(value: Any, device: str) -> torch.Tensor:
+    """The loss so far; zero when no micro-batch had records."""
+    return torch.zeros((), device=device) if value is None else value
 
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
