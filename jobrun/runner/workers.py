@@ -350,7 +350,7 @@ def _set_threads() -> None:
     CPUs it may use (at least one), as torchrun's OMP_NUM_THREADS=1 does for its ranks.
 
     torch's own default is every CPU in every rank: 2 ranks on 2 CPUs then trained the
-    fsdp benchmark's MLP 1.4x slower, each rank's idle OpenMP thread spinning on the core
+    fsdp benchmark's MLP 1.2-1.4x slower, each rank's idle OpenMP thread spinning on the core
     the other rank computed on. Float results depend on the count (reductions split
     differently): a resume is bit-exact with the same count, which the same host and the
     same number of replicas give."""
