@@ -354,3 +354,12 @@ def test_tensorboard_events_when_installed(plan_file, tmp_path):
     acc.Reload()
     assert [e.value for e in acc.Scalars("count/total")] == [6.0, 12.0, 18.0]
     assert [e.step for e in acc.Scalars("count/epochs")] == [1, 2, 3]
+
+
+def test_a_thread_count_that_is_not_a_number_is_one_clear_error(plan_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("JOBRUN_THREADS", "two")
+    r, run_dir = train(plan_file, COUNTER, tmp_path)
+    assert r.code == 2
+    assert "JOBRUN_THREADS='two' is not a number" in r.err
+    assert "set it to the number of CPU threads torch may use" in r.err
+    assert "Traceback" not in r.text and not (run_dir / "ckpt").exists()

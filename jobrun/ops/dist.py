@@ -131,7 +131,7 @@ class LossSum:
     def __init__(self, ctx: OpContext, loss: torch.Tensor, records: int) -> None:
         dev = comm_device(ctx)
         self._meta = torch.cat([torch.tensor([signals.flag(), records], dtype=torch.float64, device=dev),
-                                loss.double().reshape(1).to(dev)])
+                                loss.detach().double().reshape(1).to(dev)])
         self._work = torch.distributed.all_reduce(self._meta, async_op=True)
 
     def finish(self, params: list[torch.Tensor], divide: bool = True) -> tuple[float, int]:

@@ -150,27 +150,25 @@ def train_step(
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
     reduced = None  # fsdp: the loss sum over ranks, under way during the last backward
     for i, (xb, yb, n) in enumerate(batches):
-        if not n:
-            if sharded:  # every rank's forward and backward take part in FSDP's collectives
-                nothing = model(xb).sum() * 0.0
-                if i == last:  # in the same order of collectives as the other ranks
-                    reduced = LossSum(ctx, _zero(value, device), local)
-                nothing.backward()
-            continue  # an empty slice of a short global batch contributes nothing
-        if dtype is None:
-            part = loss_fn(model(xb), yb)
-        else:
-            with _autocast(device, dtype):
+        if n:
+            if dtype is None:
                 part = loss_fn(model(xb), yb)
-        if summed:
-            part = part * n  # the micro-batch's sum; the gradients are divided by all records later
+            else:
+                with _autocast(device, dtype):
+                    part = loss_fn(model(xb), yb)
+            if summed:
+                part = part * n  # the micro-batch's sum; the gradients are divided by all records later
+            else:
+                n_all = local if count is None else count.value
+                if n != n_all:
+                    part = part * (n / n_all)
+            value = part if value is None else value.detach() + part.detach()
+        elif sharded:  # every rank's forward and backward take part in FSDP's collectives
+            part = model(xb).sum() * 0.0
         else:
-            n_all = local if count is None else count.value
-            if n != n_all:
-                part = part * (n / n_all)
-        value = part if value is None else value.detach() + part.detach()
-        if sharded and i == last:
-            reduced = LossSum(ctx, value.detach(), local)
+            continue  # an empty slice of a short global batch contributes nothing
+        if sharded and i == last:  # after the forward: every rank's collectives in one order
+            reduced = LossSum(ctx, _zero(value, device), local)
         (part if scaler is None else scaler.scale(part)).backward()
     value = _zero(value, device)
     params = _trained_params(opt) if replicas or clip_grad_norm is not None else None

@@ -355,31 +355,24 @@ def _set_threads() -> None:
     differently): a resume is bit-exact with the same count, which the same host and the
     same number of replicas give."""
     threads = os.environ.get("JOBRUN_THREADS")
-    if not threads:
-        share = threads_per_rank()
-        if share is None:
-            return
-        threads = str(share)
+    if threads:
+        try:
+            count = int(threads)
+        except ValueError:
+            raise UsageError(f"JOBRUN_THREADS={threads!r} is not a number",
+                             hint="set it to the number of CPU threads torch may use") from None
+    else:
+        try:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            local = 1
+        if local <= 1 or os.environ.get("OMP_NUM_THREADS"):
+            return  # torch's default (which follows OMP_NUM_THREADS)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        count = cpus // local
     import torch
 
-    try:
-        torch.set_num_threads(max(1, int(threads)))
-    except ValueError:
-        raise UsageError(f"JOBRUN_THREADS={threads!r} is not a number",
-                         hint="set it to the number of CPU threads torch may use") from None
-
-
-def threads_per_rank() -> int | None:
-    """Each local rank's share of this process's CPUs when this host runs several ranks
-    and neither JOBRUN_THREADS nor OMP_NUM_THREADS says; None: torch's default."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    if local <= 1 or os.environ.get("JOBRUN_THREADS") or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // local)
+    torch.set_num_threads(max(1, count))
 
 
 def device_for(wanted: str, world: int, select: bool = True) -> str:
