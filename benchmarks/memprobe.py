@@ -62,9 +62,11 @@ def _added(fn) -> float:
     import gc
 
     gc.collect()
-    before = status_kb()["VmRSS"]
     if not reset_peak():
         raise OSError("cannot reset the peak RSS (/proc/self/clear_refs)")
+    # The peak just reset is the RSS at the reset: read before as that, not as the RSS a
+    # moment earlier, which can be higher (pages freed in between made the figure -0.2 MB).
+    before = status_kb()["VmHWM"]
     fn()
     return (status_kb()["VmHWM"] - before) * 1024
 
