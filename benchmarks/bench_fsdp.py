@@ -4,16 +4,30 @@ float32, float32 output, and autocast, on both sides).
 
 The same model (an MLP 256-512-512-512-10, each Linear its own FSDP unit, then the
 root), the same data (the plan's data.synthetic, shuffled each pass, a global batch of
-128: 64 per rank), SGD with momentum,
-2 gloo processes with one thread each. jobrun runs `jobrun train --replicas 2` of a plan
-whose epoch is one loop of `read` and `train.step`; the hand loop is a script started by
-torchrun that shards the model the same way (summed gradients: a divide factor of 1) and
-steps through its slice of each batch, reading `loss.item()` as a training loop that logs
-does. The figure is the median epoch time after the first (jobrun's from metrics.jsonl,
-the loop's measured around the same 40 steps), as steps/s; what jobrun adds per step is
-its global-batch bookkeeping (the batch size and the loss reduced over ranks, with the
-stop flag, overlapped with the last backward) and the reader. Both come from the same
-run, alternating, six processes each.
+128: 64 per rank), SGD with momentum, 2 gloo processes with one thread each. jobrun runs
+a plan whose epoch is one loop of `read` and `train.step`; the hand loop shards the model
+the same way (summed gradients: a divide factor of 1) and steps through its slice of
+each batch, reading `loss.item()` as a training loop that logs does.
+
+The figures come from the same two processes (started by torchrun): each rank runs the
+job through jobrun's runner, as a `jobrun train --replicas 2` rank does, and after each of
+its epochs one epoch of the hand loop, on a model of its own that computes the same
+numbers (the same initial weights and batches; the losses are checked). From one run to
+the next the same program's epochs on this 2-CPU machine sit 10-15% apart (1.13 or
+1.31 s), more than the difference measured, and within a run they drift by +-8%; so each
+jobrun epoch is compared with the hand epoch right after it, and the figure is the median
+of those ratios. What jobrun adds per step is its global-batch bookkeeping (the batch
+size and the loss reduced over ranks, with the stop flag, overlapped with the last
+backward), the reader and the executor.
+
+One more row, for information, compares whole processes: `jobrun train --replicas 2`
+(its launcher, its spawned workers) against the hand loop started by torchrun, in
+alternating runs. It catches what the first rows cannot see (a launcher or worker
+process that makes every step slower: workers sharing the terminal's scheduling group
+once cost 10-25%), within the run-to-run noise above.
+
+Run as ``python -m torch.distributed.run ... -m benchmarks.bench_fsdp {both,hand} ...`` a
+rank does one side or both (see :func:`_rank_main`).
 """
 
 from __future__ import annotations
@@ -23,13 +37,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import ROOT, Mode, Row, python_env
 
 GOAL = 0.95
 STEPS = 40
 SIZES = [256, 512, 512, 512, 10]
+N = 5120  # records
+BATCH = 128  # the global batch
 
 PLAN = f"""
 job: fsdp-bench
@@ -39,8 +57,8 @@ parallel: fsdp
 init:
   - task: setup
     do:
-      - data.synthetic: {{out: [x, y], task: classification, n: 5120, features: {SIZES[0]}, classes: {SIZES[-1]}}}
-      - reader: {{in: [x, y], out: data, batch_size: 128, shuffle: true, passes: 0}}
+      - data.synthetic: {{out: [x, y], task: classification, n: {N}, features: {SIZES[0]}, classes: {SIZES[-1]}}}
+      - reader: {{in: [x, y], out: data, batch_size: {BATCH}, shuffle: true, passes: 0}}
       - model.mlp: {{out: model, sizes: {SIZES}}}
       - optimizer: {{in: model, out: opt, lr: 0.01, momentum: 0.9}}
 epoch:
@@ -52,66 +70,143 @@ epoch:
           - if: end
             then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
           - train.step: {{in: [model, opt, xb, yb], out: loss, amp: AMP}}
+    outputs: [loss]
 """
 
-HAND = f"""
-import json, sys, time
-import torch, torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-sizes = {SIZES}
-layers = []
-for a, b in zip(sizes, sizes[1:]):
-    layers += [nn.Linear(a, b), nn.ReLU()]
-model = nn.Sequential(*layers[:-1])
-amp = {{"null": None, "bf16": torch.bfloat16}}[sys.argv[2]]
-policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=amp and torch.float32)
-for m in model:
-    if isinstance(m, nn.Linear):
-        fully_shard(m, mp_policy=policy)
-fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=amp and torch.float32,
-                                                  output_dtype=amp and torch.float32))
-for m in model.modules():
-    if isinstance(m, FSDPModule):
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)
-opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-# The plan's data (data.synthetic draws from the node's generator of seed 0), read in a
-# new random order each pass, as jobrun's shuffled reader does.
-from jobrun.ops.context import OpContext
-from jobrun.ops.data import data_synthetic
-x, y = data_synthetic(OpContext(seed=0), task="classification", n=5120, features=sizes[0], classes=sizes[-1])
-g = torch.Generator().manual_seed(1)
-times = []
-for epoch in range(int(sys.argv[1])):
-    t0 = time.perf_counter()
-    for step in range({STEPS}):
-        lo = (epoch * {STEPS} + step) * 128 % 5120
-        if lo == 0:
-            order = torch.randperm(5120, generator=g)
-        idx = order[lo:lo + 128].chunk(world)[rank]
-        xb, yb = x[idx], y[idx]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
-            loss = nn.functional.cross_entropy(model(xb), yb) * (xb.shape[0] / 128)
-        loss.backward()
-        opt.step()
-        loss.item()
-    times.append(time.perf_counter() - t0)
-if rank == 0:
-    print(json.dumps(times))
-dist.destroy_process_group()
-"""
+def plan_text(epochs: int, amp: str) -> str:
+    return PLAN.replace("EPOCHS", str(epochs)).replace("AMP", amp)
+
+
+class HandFSDP:
+    """The plan's training as a hand-written FSDP2 loop, in a process group already
+    joined: `epoch()` runs STEPS steps and returns their wall time and the last step's
+    loss (the global batch's mean, reduced after the timed steps).
+
+    It computes the very numbers the job computes (a tiny model's speed depends on its
+    values): the data and the initial weights are made as the plan's init makes them
+    (data.synthetic, then model.mlp, from the node's generator), and each pass is read in
+    the reader's order (its permutation of the pass, each rank its half of every global
+    batch). The section checks that both sides report the same losses.
+    """
+
+    def __init__(self, amp: str) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        from jobrun.ops.context import OpContext
+        from jobrun.ops.data import data_synthetic
+        from jobrun.ops.models import model_mlp
+        from jobrun.ops.reader import _mix
+
+        self.torch, self.nn = torch, nn
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        ctx = OpContext(node="local", seed=0, device="cpu")
+        self.x, self.y = data_synthetic(ctx, task="classification", n=N, features=SIZES[0], classes=SIZES[-1])
+        model = model_mlp(ctx, sizes=SIZES)  # a plain nn.Sequential of Linear and ReLU
+        dtype = {"null": None, "bf16": torch.bfloat16}[amp]
+        reduce = dtype and torch.float32
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce,
+                                                          output_dtype=reduce))
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        self.model, self.dtype = model, dtype
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.seed = _mix(0, "local", 0)  # the reader's: (plan seed, node, first reader of the node)
+        self.steps = 0
+        self.order: Any = None
+
+    def epoch(self) -> tuple[float, float]:
+        torch, model, opt, dtype = self.torch, self.model, self.opt, self.dtype
+        cross_entropy = self.nn.functional.cross_entropy
+        from jobrun.ops.reader import _mix
+
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            lo = self.steps * BATCH % N
+            if lo == 0:  # a pass's order, as the shuffled reader makes it
+                gen = torch.Generator().manual_seed(_mix(self.seed, self.steps * BATCH // N))
+                self.order = torch.randperm(N, generator=gen)
+            self.steps += 1
+            idx = self.order[lo:lo + BATCH].chunk(self.world)[self.rank]
+            xb, yb = self.x[idx], self.y[idx]
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = cross_entropy(model(xb), yb) * (xb.shape[0] / BATCH)
+            loss.backward()
+            opt.step()
+            loss.item()
+        seconds = time.perf_counter() - t0
+        last = loss.detach().float().reshape(1)
+        self.torch.distributed.all_reduce(last)  # the ranks' weighted parts: the global mean
+        return seconds, float(last)
+
+
+def _rank_main(argv: list[str]) -> None:
+    """One rank. ``both ROOT EPOCHS AMP``: the job through jobrun's runner, one hand
+    epoch after each of its epochs; ``hand EPOCHS AMP``: the hand loop alone. Rank 0
+    prints the epoch times as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if argv[0] == "both":
+        from benchmarks.inproc import metrics, run_plan
+        from jobrun.runner import group
+
+        root, epochs, amp = Path(argv[1]), int(argv[2]), argv[3]
+        group.start("cpu")  # as a `jobrun train --replicas 2` rank joins its group
+        rank, world = dist.get_rank(), dist.get_world_size()
+        plan = root / "plan.yaml"
+        if rank == 0:
+            plan.write_text(plan_text(epochs, amp))
+        dist.barrier()
+        hand: list[tuple[float, float]] = []
+        loop: list[HandFSDP] = []
+
+        def between(epoch: int) -> None:
+            if not loop:  # built outside jobrun's epochs (it draws no random numbers)
+                loop.append(HandFSDP(amp))
+            hand.append(loop[0].epoch())
+
+        ours = [e.seconds for e in run_plan(plan, root / "run", between, rank=rank, world_size=world)]
+        losses = [e["outputs"]["train"]["loss"] for e in metrics(root / "run") if e.get("event") == "epoch"] \
+            if rank == 0 else []
+        out = {"jobrun": ours, "hand": [t for t, _ in hand], "jobrun_loss": losses,
+               "hand_loss": [loss for _, loss in hand]}
+    else:
+        epochs, amp = int(argv[1]), argv[2]
+        dist.init_process_group("gloo")
+        loop_ = HandFSDP(amp)
+        out = {"hand": [loop_.epoch()[0] for _ in range(epochs)]}
+    if dist.get_rank() == 0:
+        print(json.dumps(out), flush=True)
+    from jobrun.runner import group
+
+    group.finish()  # as jobrun's workers leave: together (see group.finish)
+    group.stop()
+
+
+def _torchrun(cwd: Path, *args: str) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "benchmarks.bench_fsdp", *args], cwd=cwd, env=python_env(),
+                       capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"the fsdp ranks ({' '.join(args[:1])}) failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def _jobrun(root: Path, epochs: int, amp: str) -> list[float]:
+    """`jobrun train --replicas 2` of the plan: its epoch times from metrics.jsonl."""
     plan = root / "plan.yaml"
-    plan.write_text(PLAN.replace("EPOCHS", str(epochs)).replace("AMP", amp))
+    plan.write_text(plan_text(epochs, amp))
     run = root / "run"
     p = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run),
                         "--replicas", "2"], cwd=ROOT, env=python_env(), capture_output=True, text=True,
@@ -122,44 +217,64 @@ def _jobrun(root: Path, epochs: int, amp: str) -> list[float]:
     return [e["seconds"] for e in events if e.get("event") == "epoch"]
 
 
-def _hand(root: Path, epochs: int, amp: str) -> list[float]:
-    script = root / "hand.py"
-    script.write_text(HAND)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script), str(epochs), amp], cwd=root, env=python_env(),
-                       capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError(f"the hand FSDP2 loop failed ({p.returncode}): {p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def run(mode: Mode) -> list[Row]:
-    return [_row(mode, "null"), _row(mode, "bf16")]
+    return [_row(mode, "null"), _row(mode, "bf16"), _processes_row(mode)]
 
 
 def _row(mode: Mode, amp: str) -> Row:
-    # Many short runs: one run's epochs on this shared 2-CPU machine sit 10-15% above or
-    # below another run's of the same program (measured: the same code, 1.13 or 1.31 s),
-    # so the median needs many processes more than many epochs.
-    reps, epochs = mode.pick(6, 2, 1), mode.pick(4, 4, 2)
+    reps, epochs = mode.pick(3, 2, 1), mode.pick(12, 6, 2)
+    ours: list[float] = []
+    hand: list[float] = []
+    same_losses = True
+    with tempfile.TemporaryDirectory(prefix="jobrun-bench-fsdp-") as tmp:
+        for r in range(reps):
+            root = Path(tmp) / f"both{r}"
+            root.mkdir()
+            got = _torchrun(ROOT, "both", str(root), str(epochs), amp)
+            ours += got["jobrun"][1:]  # the first epoch of each side warms up
+            hand += got["hand"][1:]
+            # The same numbers on both sides (each epoch's last loss; jobrun rounds its
+            # outputs to 6 digits): otherwise the two are not the same work.
+            same_losses &= len(got["jobrun_loss"]) == len(got["hand_loss"]) == epochs and all(
+                abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(got["jobrun_loss"], got["hand_loss"]))
+    # Epochs drift together (within a run by +-8%): each jobrun epoch is compared with
+    # the hand epoch right after it, and the figure is the median of those ratios.
+    ratio = statistics.median(h / o for o, h in zip(ours, hand))
+    bf16 = amp == "bf16"
+    return Row(
+        section="fsdp", name="parallel: fsdp, amp: bf16 steps/s (2 ranks)" if bf16 else
+        "parallel: fsdp steps/s (2 ranks)", value=STEPS / statistics.median(ours), unit="steps/s",
+        baseline=STEPS / statistics.median(hand), baseline_name="hand-written FSDP2 loop" + (
+            " (bf16 MixedPrecisionPolicy + autocast)" if bf16 else ""), ratio=ratio,
+        goal=f"jobrun/hand >= {GOAL}", ok=ratio >= GOAL,
+        note=f"{STEPS} steps an epoch, epochs alternating in the same 2 processes, {reps} runs of {epochs} "
+             "epochs a side, first dropped; ratio: median over pairs of adjacent epochs",
+        extra={"jobrun_epoch_seconds": ours, "hand_epoch_seconds": hand, "same_losses": same_losses,
+               "ratio_of_medians": statistics.median(hand) / statistics.median(ours)},
+    )
+
+
+def _processes_row(mode: Mode) -> Row:
+    # Short runs, many of them: a run's epochs move together, so the median needs
+    # processes more than epochs.
+    reps, epochs = mode.pick(4, 2, 1), mode.pick(4, 3, 2)
     ours: list[float] = []
     hand: list[float] = []
     with tempfile.TemporaryDirectory(prefix="jobrun-bench-fsdp-") as tmp:
         for r in range(reps):
-            for name, fn, into in (("jobrun", _jobrun, ours), ("hand", _hand, hand)):
-                root = Path(tmp) / f"{name}{r}"
-                root.mkdir()
-                into += fn(root, epochs, amp)[1:]  # the first epoch warms up
+            root = Path(tmp) / f"job{r}"
+            root.mkdir()
+            ours += _jobrun(root, epochs, "null")[1:]
+            hand += _torchrun(ROOT, "hand", str(epochs), "null")["hand"][1:]
     t_ours, t_hand = statistics.median(ours), statistics.median(hand)
-    speed = STEPS / t_ours
-    ratio = t_hand / t_ours
-    bf16 = amp == "bf16"
     return Row(
-        section="fsdp", name="parallel: fsdp, amp: bf16 steps/s (2 ranks)" if bf16 else
-        "parallel: fsdp steps/s (2 ranks)", value=speed, unit="steps/s",
-        baseline=STEPS / t_hand, baseline_name="hand-written FSDP2 loop" + (
-            " (bf16 MixedPrecisionPolicy + autocast)" if bf16 else ""), ratio=ratio,
-        goal=f"jobrun/hand >= {GOAL}", ok=ratio >= GOAL,
-        note=f"median epoch of {STEPS} steps, {reps} runs of {epochs} epochs each, first dropped",
+        section="fsdp", name="jobrun train --replicas 2, parallel: fsdp steps/s", value=STEPS / t_ours,
+        unit="steps/s", baseline=STEPS / t_hand, baseline_name="the hand loop started by torchrun",
+        ratio=t_hand / t_ours, goal="information (whole processes, +-10% run to run)", ok=None,
+        note=f"median epoch of {STEPS} steps, {reps} runs of {epochs} epochs a side, alternating, first dropped",
         extra={"jobrun_epoch_seconds": ours, "hand_epoch_seconds": hand},
     )
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])

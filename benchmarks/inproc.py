@@ -68,29 +68,41 @@ def write_plan(plan: dict[str, Any], directory: Path, name: str = "plan.yaml") -
 
 
 def run_plan(
-    plan_path: Path, run_dir: Path | None = None, between: Callable[[int], None] | None = None
+    plan_path: Path, run_dir: Path | None = None, between: Callable[[int], None] | None = None,
+    rank: int = 0, world_size: int = 1,
 ) -> list[Epoch]:
     """Run the job; the times of each epoch, in order. ``between(epoch)`` runs after each
-    epoch, outside its times (to interleave a baseline with the epochs)."""
+    epoch, outside its times (to interleave a baseline with the epochs).
+
+    With ``world_size > 1`` this is one rank of a data-parallel job: the caller has joined
+    the process group (`jobrun.runner.group.start`), and every rank passes the same
+    ``run_dir``, whose run.json rank 0 writes."""
     from jobrun.plans.compile import compile_file
     from jobrun.runner.job import JobConfig, JobRunner
     from jobrun.runner.rng import seed_everything
     from jobrun.runner.rundir import RunDir
 
     own = run_dir is None
+    assert world_size == 1 or not own, "the ranks of a job share its run_dir"
     tmp = tempfile.TemporaryDirectory(prefix="jobrun-bench-") if own else None
     rdir = Path(tmp.name) if tmp else run_dir
     assert rdir is not None
     try:
         rdir.mkdir(parents=True, exist_ok=True)
         plan = compile_file(plan_path, run_dir=str(rdir), plan_dir=str(plan_path.parent))
-        RunDir(rdir).write_info({
-            "job": plan.job, "plan_dir": str(plan_path.parent), "status": "running",
-            "started": time.time(), "replicas": 1, "device": "cpu",
-        })
+        if rank == 0:
+            RunDir(rdir).write_info({
+                "job": plan.job, "plan_dir": str(plan_path.parent), "status": "running",
+                "started": time.time(), "replicas": world_size, "device": "cpu",
+            })
+        if world_size > 1:
+            import torch.distributed
+
+            torch.distributed.barrier()  # run.json is there for every rank
         seed_everything(plan.seed)
         display = _Capture(between)
-        cfg = JobConfig(plan=plan, run_dir=rdir, plan_dir=plan_path.parent, device="cpu")
+        cfg = JobConfig(plan=plan, run_dir=rdir, plan_dir=plan_path.parent, device="cpu", rank=rank,
+                        world_size=world_size)
         code = JobRunner(cfg, display=display).run()  # type: ignore[arg-type]
         if code != 0:
             raise RuntimeError(f"job {plan.job} exited with {code}")

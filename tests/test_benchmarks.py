@@ -34,7 +34,8 @@ EXPECTED_ROWS = {
     ],
     "startup": ["jobrun --help", "jobrun print plans/mlp.yaml"],
     "restart": ["restart: death of a rank to the first new step"],
-    "fsdp": ["parallel: fsdp steps/s (2 ranks)", "parallel: fsdp, amp: bf16 steps/s (2 ranks)"],
+    "fsdp": ["parallel: fsdp steps/s (2 ranks)", "parallel: fsdp, amp: bf16 steps/s (2 ranks)",
+             "jobrun train --replicas 2, parallel: fsdp steps/s"],
 }
 
 
@@ -67,6 +68,10 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
                 assert isinstance(row["ok"], bool), row
     runner = data["sections"]["runner"]["rows"]
     assert all(row["extra"]["same_losses"] for row in runner)  # jobrun and the hand loop agree
+    for row in data["sections"]["fsdp"]["rows"][:2]:  # one hand epoch after each of jobrun's
+        ours, hand = row["extra"]["jobrun_epoch_seconds"], row["extra"]["hand_epoch_seconds"]
+        assert len(ours) == len(hand) > 0, row
+        assert row["extra"]["same_losses"], row  # the hand loop computes what the job computes
     startup = data["sections"]["startup"]["rows"]
     assert [row["extra"]["imports_torch"] for row in startup] == [False, False]
     # the table is printed too, one line a figure
