@@ -197,7 +197,8 @@ def test_resume_named_bad_epoch_fails_clearly(reference, tmp_path, damage):
         (ck / "COMMIT").unlink()
     r = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert r.code == 1
-    assert "checkpoint epoch 3 cannot be used" in r.err and "epochs present" in r.err
+    assert "checkpoint epoch 3 cannot be used" in r.err
+    assert "complete epochs besides 3: 0, 1, 2, 4, 5, 6" in r.err  # not 3 itself
     assert "Traceback" not in r.text
     assert ckpt_values(run, 6) == _final(reference)  # nothing else touched
 
@@ -294,7 +295,8 @@ def test_resume_named_epoch_with_bad_checksum_is_refused(reference, tmp_path, mo
     r = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert r.code == 1
     assert "checkpoint epoch 3 cannot be used" in r.err and "checksum mismatch" in r.err
-    assert "epochs present: 0, 1, 2, 3, 4, 5, 6" in r.err
+    # The checksum is wrong, but its files are all there: only reading them tells.
+    assert "complete epochs besides 3: 0, 1, 2, 4, 5, 6" in r.err
     assert "Traceback" not in r.text and "resumed from" not in r.out
     assert seen["loaded"] == []  # refused before any worker started
     assert sum(seen["checksummed"]) == _data_bytes(run, 3)
@@ -437,6 +439,8 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 3, rank, gather))
     assert all(isinstance(e, CheckpointError) and "epoch 3 cannot be used" in e.message
                and "rank-1" in e.message for e in got)
+    # The hint names the epochs that can be tried instead: not 2, whose COMMIT is missing.
+    assert all(e.hint.startswith("complete epochs besides 3: 0, 1 (") for e in got), got[0].hint
     assert _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, 0, rank, gather)) == [0, 0]
 
 

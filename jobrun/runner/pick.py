@@ -108,9 +108,14 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
 
 
 def _unusable(ckpt_dir: Path, epoch: int, why: str) -> CheckpointError:
-    epochs = [info.epoch for info in store.list_checkpoints(ckpt_dir)]
+    """The named epoch cannot be resumed from: say which others look complete (their
+    files and markers are all there; the checksums are read when one is resumed)."""
+    others = [info.epoch for info in store.list_checkpoints(ckpt_dir)
+              if info.epoch != epoch and all(n.ok for n in info.nodes.values())]
+    hint = (f"complete epochs besides {epoch}: {', '.join(map(str, others))}" if others
+            else f"no other complete epoch in {ckpt_dir}")
     return CheckpointError(f"checkpoint epoch {epoch} cannot be used: {why}",
-                           hint=f"epochs present: {', '.join(map(str, epochs)) or 'none'}")
+                           hint=f"{hint} (`jobrun ckpt list` shows them all)")
 
 
 def _pick_together(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | None,
