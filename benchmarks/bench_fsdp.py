@@ -119,6 +119,7 @@ class HandFSDP:
                 m.set_force_sum_reduction_for_comms(True)
         self.model, self.dtype = model, dtype
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.mix = _mix  # the reader's seeds: a pass's is mix(the reader's, pass)
         self.seed = _mix(0, "local", 0)  # the reader's: (plan seed, node, first reader of the node)
         self.steps = 0
         self.order: Any = None
@@ -126,13 +127,11 @@ class HandFSDP:
     def epoch(self) -> tuple[float, float]:
         torch, model, opt, dtype = self.torch, self.model, self.opt, self.dtype
         cross_entropy = self.nn.functional.cross_entropy
-        from jobrun.ops.reader import _mix
-
         t0 = time.perf_counter()
         for _ in range(STEPS):
             lo = self.steps * BATCH % N
             if lo == 0:  # a pass's order, as the shuffled reader makes it
-                gen = torch.Generator().manual_seed(_mix(self.seed, self.steps * BATCH // N))
+                gen = torch.Generator().manual_seed(self.mix(self.seed, self.steps * BATCH // N))
                 self.order = torch.randperm(N, generator=gen)
             self.steps += 1
             idx = self.order[lo:lo + BATCH].chunk(self.world)[self.rank]
@@ -156,10 +155,11 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from jobrun.runner import group
+
     torch.set_num_threads(1)
     if argv[0] == "both":
         from benchmarks.inproc import metrics, run_plan
-        from jobrun.runner import group
 
         root, epochs, amp = Path(argv[1]), int(argv[2]), argv[3]
         group.start("cpu")  # as a `jobrun train --replicas 2` rank joins its group
@@ -188,8 +188,6 @@ def _rank_main(argv: list[str]) -> None:
         out = {"hand": [loop_.epoch()[0] for _ in range(epochs)]}
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
-    from jobrun.runner import group
-
     group.finish()  # as jobrun's workers leave: together (see group.finish)
     group.stop()
 

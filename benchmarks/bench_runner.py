@@ -11,7 +11,6 @@ The first epoch of each repetition is a warm-up and is not counted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -62,10 +61,11 @@ def plan_for(sizes: list[int], batch: int, epochs: int) -> dict[str, Any]:
 
 
 def _mix(*parts: object) -> int:
-    """The reader's shuffle seed (as jobrun.ops.reader computes it), so that the hand
+    """The reader's shuffle seed (jobrun.ops.reader's own function), so that the hand
     loop reads the very batches jobrun reads; the loss check below proves it."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    from jobrun.ops.reader import _mix as reader_mix
+
+    return reader_mix(*parts)
 
 
 class HandLoop:
