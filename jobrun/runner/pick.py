@@ -86,7 +86,7 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
     if epoch is not None:
         bad = problems(epoch)
         if bad:
-            raise _unusable(ckpt_dir, epoch, bad[1][0])
+            raise _unusable(ckpt_dir, nodes, epoch, bad[1][0])
         if saved(epoch) != replicas and not change_ok:
             raise _refuse_world(epoch, saved(epoch), replicas)
         return epoch, saved(epoch)
@@ -107,11 +107,10 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
         before = latest
 
 
-def _unusable(ckpt_dir: Path, epoch: int, why: str) -> CheckpointError:
+def _unusable(ckpt_dir: Path, nodes: list[str], epoch: int, why: str) -> CheckpointError:
     """The named epoch cannot be resumed from: say which others look complete (their
     files and markers are all there; the checksums are read when one is resumed)."""
-    others = [info.epoch for info in store.list_checkpoints(ckpt_dir)
-              if info.epoch != epoch and all(n.ok for n in info.nodes.values())]
+    others = [e for e in store.complete_epochs(ckpt_dir, nodes) if e != epoch]
     hint = (f"complete epochs besides {epoch}: {', '.join(map(str, others))}" if others
             else f"no other complete epoch in {ckpt_dir}")
     return CheckpointError(f"checkpoint epoch {epoch} cannot be used: {why}",
@@ -156,7 +155,7 @@ def _pick_together(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int |
             if not problems:
                 return e, world
         if epoch is not None:
-            raise _unusable(ckpt_dir, e, problems[0])
+            raise _unusable(ckpt_dir, nodes, e, problems[0])
         if say:
             print(f"warning: skipping checkpoint epoch {e}: {'; '.join(problems)}")
     raise _no_checkpoint(ckpt_dir)

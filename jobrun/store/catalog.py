@@ -190,6 +190,15 @@ def _epoch_reason(
     return None
 
 
+def complete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str]) -> list[int]:
+    """The epochs, oldest first, where every one of ``nodes`` has all the files and
+    markers of every rank its manifests name, as `latest_complete_epoch` judges them
+    without reading checksums. Epochs where none of ``nodes`` saved anything are left out."""
+    return [info.epoch for info in list_checkpoints(ckpt_dir)
+            if any(n in info.nodes for n in nodes)
+            and _epoch_reason(Path(ckpt_dir), info, nodes, None, False) is None]
+
+
 def latest_complete_epoch(
     ckpt_dir: str | os.PathLike[str],
     nodes: list[str],
