@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, Mode, Row, python_env
+from benchmarks.common import ROOT, Mode, Row, python_env, reader_order
 
 GOAL = 0.95
 STEPS = 40
@@ -100,7 +100,6 @@ class HandFSDP:
         from jobrun.ops.context import OpContext
         from jobrun.ops.data import data_synthetic
         from jobrun.ops.models import model_mlp
-        from jobrun.ops.reader import _mix
 
         self.torch, self.nn = torch, nn
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -120,8 +119,6 @@ class HandFSDP:
                 m.set_force_sum_reduction_for_comms(True)
         self.model, self.dtype = model, dtype
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        self.mix = _mix  # the reader's seeds: a pass's is mix(the reader's, pass)
-        self.seed = _mix(0, "local", 0)  # the reader's: (plan seed, node, first reader of the node)
         self.steps = 0
         self.order: Any = None
 
@@ -132,8 +129,7 @@ class HandFSDP:
         for _ in range(STEPS):
             lo = self.steps * BATCH % N
             if lo == 0:  # a pass's order, as the shuffled reader makes it
-                gen = torch.Generator().manual_seed(self.mix(self.seed, self.steps * BATCH // N))
-                self.order = torch.randperm(N, generator=gen)
+                self.order = reader_order(N, self.steps * BATCH // N)
             self.steps += 1
             idx = self.order[lo:lo + BATCH].chunk(self.world)[self.rank]
             xb, yb = self.x[idx], self.y[idx]
@@ -191,16 +187,16 @@ def _rank_main(argv: list[str]) -> None:
         print(json.dumps(out), flush=True)
     group.finish()  # as jobrun's workers leave: together (see group.finish)
     # And without the interpreter's teardown, as jobrun's spawned workers leave when they
-    # stop early (workers._leave): about one run in ten of these ranks aborted in it
-    # ("terminate called without an active exception", SIGABRT) after everything was
-    # done, during full smoke runs; never in 55 runs of these ranks on their own.
+    # stop early (workers._leave): in about one full smoke run in eight a rank aborted in
+    # it ("terminate called without an active exception", SIGABRT) after everything was
+    # done; never in 55 runs of these ranks on their own.
     sys.stderr.flush()
     os._exit(0)
 
 
-def _torchrun(cwd: Path, *args: str) -> dict[str, Any]:
+def _torchrun(*args: str) -> dict[str, Any]:
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "benchmarks.bench_fsdp", *args], cwd=cwd, env=python_env(),
+                        "-m", "benchmarks.bench_fsdp", *args], cwd=ROOT, env=python_env(),
                        capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"the fsdp ranks ({' '.join(args[:1])}) failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -234,7 +230,7 @@ def _row(mode: Mode, amp: str) -> Row:
         for r in range(reps):
             root = Path(tmp) / f"both{r}"
             root.mkdir()
-            got = _torchrun(ROOT, "both", str(root), str(epochs), amp)
+            got = _torchrun("both", str(root), str(epochs), amp)
             ours += got["jobrun"][1:]  # the first epoch of each side warms up
             hand += got["hand"][1:]
             # The same numbers on both sides (each epoch's last loss; jobrun rounds its
@@ -269,7 +265,7 @@ def _processes_row(mode: Mode) -> Row:
             root = Path(tmp) / f"job{r}"
             root.mkdir()
             ours += _jobrun(root, epochs, "null")[1:]
-            hand += _torchrun(ROOT, "hand", str(epochs), "null")["hand"][1:]
+            hand += _torchrun("hand", str(epochs), "null")["hand"][1:]
     t_ours, t_hand = statistics.median(ours), statistics.median(hand)
     return Row(
         section="fsdp", name="jobrun train --replicas 2, parallel: fsdp steps/s", value=STEPS / t_ours,

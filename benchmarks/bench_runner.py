@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Mode, Row, median
+from benchmarks.common import Mode, Row, median, reader_order
 from benchmarks.inproc import run_plan, write_plan
 
 N_TRAIN, N_VAL = 2048, 512
@@ -60,14 +60,6 @@ def plan_for(sizes: list[int], batch: int, epochs: int) -> dict[str, Any]:
     }
 
 
-def _mix(*parts: object) -> int:
-    """The reader's shuffle seed (jobrun.ops.reader's own function), so that the hand
-    loop reads the very batches jobrun reads; the loss check below proves it."""
-    from jobrun.ops.reader import _mix as reader_mix
-
-    return reader_mix(*parts)
-
-
 class HandLoop:
     """The same training as `plan_for`, written as a plain torch loop.
 
@@ -106,7 +98,6 @@ class HandLoop:
         else:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.batch = batch
-        self.seed = _mix(0, "local", 0)  # (plan seed, node, first reader of the node)
         self.log = log_path.open("a")
         self.epoch = 0
         self.losses: list[float] = []
@@ -126,8 +117,7 @@ class HandLoop:
     def _hand_epoch(self) -> tuple[float, float, float]:
         torch, F = self.torch, self.F
         model, opt, x, y, b = self.model, self.opt, self.x, self.y, self.batch
-        gen = torch.Generator().manual_seed(_mix(self.seed, self.epoch - 1))
-        order = torch.randperm(len(x), generator=gen)
+        order = reader_order(len(x), self.epoch - 1)  # the job's batches: the loss check proves it
         loss = 0.0
         for start in range(0, len(x), b):
             idx = order[start:start + b]

@@ -134,6 +134,18 @@ def _mem_gib() -> float | None:
     return None
 
 
+def reader_order(n: int, pass_index: int) -> Any:
+    """The order in which jobrun's shuffled reader reads pass ``pass_index`` of ``n``
+    records (the first reader of node ``local`` in a plan of seed 0), from the reader's
+    own seed function: a hand loop that reads in it reads the very batches the job reads."""
+    import torch
+
+    from jobrun.ops.reader import _mix
+
+    gen = torch.Generator().manual_seed(_mix(_mix(0, "local", 0), pass_index))
+    return torch.randperm(n, generator=gen)
+
+
 def python_env() -> dict[str, str]:
     """The environment for child processes: the checkout importable, output unbuffered."""
     env = dict(os.environ)
