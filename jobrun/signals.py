@@ -54,8 +54,8 @@ def interruptible() -> None:
 #
 # A rank that raised at once on SIGINT would leave the others waiting for it in their next
 # collective. So with replicas a signal is only remembered (request); its flag rides on
-# collectives every rank passes together (train.step's gradient all-reduce, one all-reduce
-# after each save), and every rank raises at the same one (agree). A rank that meets no
+# collectives every rank passes together (train.step's gradient all-reduce, under fsdp its
+# first reduce-scatter of gradients; one all-reduce after each save), and every rank raises at the same one (agree). A rank that meets no
 # such point within GRACE_S (a long init, download or exit) stops where it is: the others
 # got the signal too (from the terminal or the launcher) and do the same.
 

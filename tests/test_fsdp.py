@@ -281,3 +281,64 @@ def test_a_killed_fsdp_rank_restarts_and_ends_as_an_uninterrupted_run(runs, tmp_
     assert "restart 1: rank 1 died" in r.out + r.err
     got, want = _model(tmp_path / "run"), _model(runs / "fsdp")
     assert got == want
+
+
+_TOTALS = """
+import json, sys, torch, torch.distributed as dist
+from jobrun.ops import fsdp
+from jobrun.ops.context import OpContext
+from jobrun.ops.train import train_step
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+torch.manual_seed(0)
+x, y = torch.randn(3, 17, 6), torch.randint(0, 3, (3, 17))
+sizes = [7, 10, 0]  # records per rank in each global batch of 17: rank 2's slice is empty
+lo = sum(sizes[:rank])
+calls = []
+real = dist.all_reduce
+dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+out = {}
+for carry in (True, False):
+    torch.manual_seed(1)
+    model = fsdp.shard(torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3)))
+    if not carry:  # as a model sharded without the carrier: the vector is all-reduced
+        model._jobrun_totals = None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = OpContext(rank=rank, world_size=world, parallel="fsdp")
+    calls.clear()
+    losses = [train_step(ctx, model, opt, x[s, lo:lo + sizes[rank]], y[s, lo:lo + sizes[rank]])
+              for s in range(3)]
+    weights = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    out[carry] = {"losses": losses, "all_reduces": len(calls), "weights": weights}
+if rank == 0:  # the same steps in one process, on the whole global batch
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out["one"] = [train_step(OpContext(), model, opt, x[s], y[s]) for s in range(3)]
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
+    # 3 ranks (sums of 3 floats depend on their order) and an empty slice: the loss and
+    # records travel in FSDP's reduce-scatter (no all-reduce), every rank gets the same
+    # loss, and the numbers equal those of a separate all-reduce and of one process.
+    script = tmp_path / "totals.py"
+    script.write_text(_TOTALS)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "3", str(tmp_path / "store")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    got = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        got.append(json.loads(out.splitlines()[-1]))
+    for g in got:
+        assert g["true"]["all_reduces"] == 0  # carried
+        assert g["false"]["all_reduces"] == 3  # one a step without the carrier
+        assert g["true"]["losses"] == g["false"]["losses"] == got[0]["true"]["losses"]
+        assert g["true"]["weights"] == g["false"]["weights"]
+    one = got[0]["one"]
+    assert all(close(a, b, 1e-6) for a, b in zip(got[0]["true"]["losses"], one))
+    assert one[2] < one[0]  # it trained

@@ -123,26 +123,40 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
 
 class LossSum:
     """For sharded models, whose gradients FSDP sums itself: the loss, the records and
-    the stop flags summed over ranks in one collective, started in the background before
-    the last backward (which the collective then overlaps) and finished after it by
-    :meth:`finish`. A blocking collective after the backward cost 1 ms of a 33 ms step
-    (benchmarks' fsdp section, 2 gloo ranks); overlapped, finishing it costs 0.3 ms."""
+    the stop flags of all ranks, summed after the last backward by :meth:`finish`.
 
-    def __init__(self, ctx: OpContext, loss: torch.Tensor, records: int) -> None:
-        dev = comm_device(ctx)
-        self._meta = torch.cat([torch.tensor([signals.flag(), records], dtype=torch.float64, device=dev),
-                                loss.detach().double().reshape(1).to(dev)])
-        self._work = torch.distributed.all_reduce(self._meta, async_op=True)
+    They travel as one vector in which each rank fills its own slots (its records, its
+    loss) and the flag: every slot is one rank's number plus zeros, exact in any order a
+    collective adds, so every rank then sums the same numbers in the same order and gets
+    the same float. The vector rides in the last backward's first reduce-scatter of
+    gradients (``totals``: the model's :class:`jobrun.ops.fsdp.StepTotals`), a collective
+    FSDP issues anyway. When none carried it (a model sharded without one), it is
+    all-reduced after the backward; every rank takes the same way, as every rank issues
+    the same reduce-scatters."""
+
+    def __init__(self, ctx: OpContext, loss: torch.Tensor, records: int, totals: Any) -> None:
+        world, rank = ctx.world_size, ctx.rank
+        meta = torch.zeros(2 * world + 1, dtype=torch.float64, device=comm_device(ctx))
+        meta[0] = signals.flag()
+        meta[1 + rank] = records
+        meta[1 + world + rank] = loss.detach().reshape(())
+        self._meta, self._world, self._totals = meta, world, totals
+        if totals is not None:
+            totals.pending = meta
 
     def finish(self, params: list[torch.Tensor], divide: bool = True) -> tuple[float, int]:
         """(the global-batch mean loss, the global batch size). With ``divide`` each rank
         backpropagated its loss sum, so the summed gradients and losses are divided here
         by the records of all ranks; without, each rank's loss was weighted by its share
         of the global batch already."""
-        self._work.wait()
-        flag, total, summed = self._meta.tolist()
-        signals.agree(flag)
-        total = int(total)
+        summed_meta = None if self._totals is None else self._totals.take()
+        if summed_meta is None:
+            torch.distributed.all_reduce(self._meta)
+            summed_meta = self._meta
+        values, world = summed_meta.tolist(), self._world
+        signals.agree(values[0])
+        total = int(sum(values[1 : 1 + world]))
+        summed = sum(values[1 + world :])
         if total and divide:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:

@@ -138,8 +138,8 @@ def train_step(
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
     # ddp: the global batch size, reduced while the first forward runs, weights each
     # rank's loss by its share. fsdp needs no collective of its own here: each rank
-    # backpropagates its loss sum, and the records of all ranks come with the loss, in a
-    # collective that runs during the last backward (see LossSum). Not with fp16, whose
+    # backpropagates its loss sum, and the records of all ranks come with the loss, in the
+    # last backward's first reduce-scatter of gradients (see LossSum). Not with fp16, whose
     # loss scaler would see the magnitude of a sum and skip other steps than ddp: it
     # counts as ddp does.
     count = GlobalCount(ctx, local) if replicas and (not sharded or scaler is not None) else None
@@ -168,7 +168,8 @@ def train_step(
         else:
             continue  # an empty slice of a short global batch contributes nothing
         if sharded and i == last:  # after the forward: every rank's collectives in one order
-            reduced = LossSum(ctx, _zero(value, device), local)
+            totals = getattr(model, "_jobrun_totals", None)
+            reduced = LossSum(ctx, _zero(value, device), local, totals)
         (part if scaler is None else scaler.scale(part)).backward()
     value = _zero(value, device)
     params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
