@@ -159,6 +159,7 @@ def runs(tmp_path_factory):
         r = jobrun_proc("train", root / "plan.yaml", "--run-dir", root / name, "--replicas", "2", *sets,
                         timeout=300)
         assert r.code == 0, r.text
+        assert "Warning" not in r.err, r.err  # e.g. torch 2.13 deprecating a collective StepTotals used
     return root
 
 
@@ -283,6 +284,16 @@ def test_a_killed_fsdp_rank_restarts_and_ends_as_an_uninterrupted_run(runs, tmp_
     assert got == want
 
 
+# A script's ranks leave without the interpreter's teardown: with sharded models still
+# alive there, a rank aborted in it (SIGABRT, "terminate called without an active
+# exception") after its work was done in 3-4 of 20 runs of this script, with or without
+# StepTotals; jobrun's workers (15 runs of 3 ranks) and scripts that exit this way did not.
+_EXIT = """
+import os, sys
+sys.stdout.flush()
+os._exit(0)
+"""
+
 _TOTALS = """
 import json, sys, torch, torch.distributed as dist
 from jobrun.ops import fsdp
@@ -317,7 +328,7 @@ if rank == 0:  # the same steps in one process, on the whole global batch
     out["one"] = [train_step(OpContext(), model, opt, x[s], y[s]) for s in range(3)]
 print(json.dumps(out))
 dist.destroy_process_group()
-"""
+""" + _EXIT
 
 
 @pytest.mark.slow
@@ -333,6 +344,7 @@ def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
+        assert "Warning" not in err, err  # e.g. torch's deprecation of a collective
         got.append(json.loads(out.splitlines()[-1]))
     for g in got:
         assert g["true"]["all_reduces"] == 0  # carried

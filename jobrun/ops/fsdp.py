@@ -76,15 +76,14 @@ class StepTotals:
                  async_op: bool = False) -> Any:
         extra = self.pending
         if extra is None or input_tensor.dtype not in _CARRIERS or op != dist.ReduceOp.SUM or async_op:
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                              async_op=async_op)
+            return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.pending = None
         n, k = output_tensor.numel(), extra.numel()
         rows = torch.empty((group.size(), n + k), dtype=input_tensor.dtype, device=input_tensor.device)
         rows[:, :n] = input_tensor.view(group.size(), n)
         rows[:, n:] = extra
         out = torch.empty(n + k, dtype=input_tensor.dtype, device=input_tensor.device)
-        dist.reduce_scatter_tensor(out, rows.view(-1), op=op, group=group)
+        _reduce_scatter(out, rows.view(-1), op=op, group=group)
         output_tensor.copy_(out[:n])
         self.carried = out[n:]
         return None
@@ -96,6 +95,9 @@ class StepTotals:
 
 
 _CARRIERS = (torch.float32, torch.float64)
+# FSDP's default comm calls reduce_scatter_single where torch has it (2.13 deprecates
+# reduce_scatter_tensor with a warning); the two take the same arguments.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def policy(amp: str | None, root: bool) -> MixedPrecisionPolicy:
