@@ -55,9 +55,10 @@ def interruptible() -> None:
 # A rank that raised at once on SIGINT would leave the others waiting for it in their next
 # collective. So with replicas a signal is only remembered (request); its flag rides on
 # collectives every rank passes together (train.step's gradient all-reduce, under fsdp its
-# first reduce-scatter of gradients; one all-reduce after each save), and every rank raises at the same one (agree). A rank that meets no
-# such point within GRACE_S (a long init, download or exit) stops where it is: the others
-# got the signal too (from the terminal or the launcher) and do the same.
+# first reduce-scatter of gradients; one all-reduce after each save), and every rank
+# raises at the same one (agree). A rank that meets no such point within GRACE_S (a long
+# init, download or exit) stops where it is: the others got the signal too (from the
+# terminal or the launcher) and do the same.
 
 GRACE_S = 2.0  # below torch's elastic agent's 5 s before it SIGKILLs its workers
 _SIGTERM_WEIGHT = 4096.0  # flags of up to 4095 ranks add up exactly in a float32
