@@ -726,6 +726,24 @@ def test_prune_keeps_the_newest_complete_epochs(tmp_path: Path) -> None:
         ck.prune(tmp_path, 0, ["a"])
 
 
+def test_a_host_holding_one_rank_of_each_epoch_prunes_what_every_rank_saved(tmp_path: Path) -> None:
+    # A host without a shared disk: rank 1 of a 2-rank job saved here, rank 0 elsewhere.
+    for e in range(4):
+        ck.save({"e": e}, {}, tmp_path, "n", e, rank=1, world_size=2)
+    (tmp_path / "n.3" / "rank-1" / "COMMIT").unlink()  # rank 1's save of epoch 3 died
+    assert ck.complete_epochs(tmp_path, ["n"]) == []  # rank 0's files are not here
+    assert ck.prune(tmp_path, 1, ["n"]) == []  # so on its own it deletes nothing
+    assert ck.saved_by(tmp_path, ["n"], 1, 2) == [0, 1, 2]
+    assert ck.saved_by(tmp_path, ["n"], 0, 2) == []  # not rank 0's
+    assert ck.saved_by(tmp_path, ["n"], 1, 3) == []  # saved by 2 ranks, not 3
+    # The ranks together: rank 0 saved epochs 0-3, rank 1 epochs 0-2.
+    complete = {0, 1, 2, 3} & set(ck.saved_by(tmp_path, ["n"], 1, 2))
+    assert ck.prunable(tmp_path, 2, ["n"], complete=complete) == [0]
+    assert ck.prunable(tmp_path, 1, ["n"], protect=[0], complete=complete) == [1]
+    ck.delete_epochs(tmp_path, ["n"], [0, 1, 7])  # epoch 7 is not here: nothing to do
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n.2", "n.3"]
+
+
 @pytest.mark.parametrize("other", ["prune", "clean"])
 def test_a_rank_writing_while_rank_0_prunes_or_cleans_keeps_its_save(tmp_path: Path, monkeypatch,
                                                                       other: str) -> None:

@@ -315,10 +315,14 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
     (host0 / "plan.yaml").write_text(PLAN)
     deaths = tmp_path / "deaths"
     # Host 1 has no plan file: rank 0's plan is used. Rank 1 is killed in epoch 3.
-    first = _hosts(["train"], [host0, host1], ["plan.yaml", "missing.yaml"], [f"vars.deaths={deaths}"])
+    first = _hosts(["train"], [host0, host1], ["plan.yaml", "missing.yaml"],
+                   [f"vars.deaths={deaths}", "checkpoint.keep=2"])
     assert [p.returncode != 0 for p in first] == [True, True], [p.stdout + p.stderr for p in first]
     assert deaths.read_text().count("\n") == 1
-    # Each host holds its own rank's checkpoints (epochs 0-2) and a copy of the plan.
+    # Each host holds its own rank's checkpoints and a copy of the plan; `keep` prunes
+    # both hosts, though neither holds a complete epoch (epochs 0-2 were saved).
+    for host in (host0, host1):
+        assert sorted(p.name for p in (host / "run" / "ckpt").iterdir()) == ["local.1", "local.2"]
     assert {p.name for p in (host0 / "run" / "ckpt" / "local.2").iterdir()} == {"rank-0"}
     assert {p.name for p in (host1 / "run" / "ckpt" / "local.2").iterdir()} == {"rank-1"}
     assert (host1 / "run" / "plan.yaml").read_text() == (host0 / "run" / "plan.yaml").read_text()
@@ -326,6 +330,8 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
     again = _hosts(["resume"], [host0, host1], [None, None], [])
     assert [p.returncode for p in again] == [0, 0], [p.stdout + p.stderr for p in again]
     assert "resumed from checkpoint epoch 2" in again[0].stdout
+    for host in (host0, host1):
+        assert sorted(p.name for p in (host / "run" / "ckpt").iterdir()) == ["local.3", "local.4"]
     assert _weights(host0 / "run") == _weights(reference)
     rank1 = jobrun("ckpt", "show", host1 / "run", "--epoch", "4", "--rank", "1", "--json")
     assert rank1.code == 0, rank1.text

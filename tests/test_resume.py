@@ -532,11 +532,17 @@ def test_disk_full_during_save_warns_and_keeps_earlier_checkpoints(tmp_path, mon
     assert ckpt_values(run, 1)["steps"] == 3 and ckpt_values(run, 6)["steps"] == 18
 
 
-def test_keep_retains_only_the_last_epochs(tmp_path):
+@pytest.mark.parametrize("args, background", [
+    ((), "false"), ((), "true"),  # async: the last epoch is written after the last prune of an epoch
+    pytest.param(("--replicas", "2"), "true", marks=pytest.mark.slow),
+])
+def test_keep_retains_only_the_last_epochs(tmp_path, args, background):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", "dir: ckpt, keep: 2}"))
+    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}",
+                                                            f"dir: ckpt, keep: 2, async: {background}}}"))
     run = tmp_path / "run"
-    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("train", plan, "--run-dir", run, *args)
+    assert r.code == 0, r.text
     assert sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith(".")) == [
         "local.5",
         "local.6",

@@ -13,6 +13,7 @@ Every rank of a data-parallel job runs this same loop on its own device.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -199,7 +200,8 @@ class JobRunner:
         stop = self._should_stop(outputs, epoch) or early is not None
         result = EpochResult(epoch, outputs, time.perf_counter() - t0)
         ck = self.plan.checkpoint
-        if ck is not None and (epoch % ck.every == 0 or stop):
+        saving = ck is not None and (epoch % ck.every == 0 or stop)
+        if saving:
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
         self.display.epoch_line(result, self.plan.max_epochs)
         if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
@@ -208,6 +210,8 @@ class JobRunner:
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
         self._agree_on_stop()
+        if saving:
+            self._prune()
         return stop
 
     def _restore_watch(self, meta: dict[str, Any]) -> bool:
@@ -229,6 +233,8 @@ class JobRunner:
 
     def _finish(self) -> None:
         self._wait_for_writer()
+        if self.plan.checkpoint is not None and self.plan.checkpoint.background:
+            self._prune()  # the last epoch written in the background is complete now
         ck = self.plan.checkpoint
         if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
             dest = self.run_dir.under(ck.upload)
@@ -394,11 +400,49 @@ class JobRunner:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
         self._last_saved = epoch
-        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
-        if keep and self.main_rank:
-            protect = self.watch.protected(self.ckpt_dir, list(self.nodes))
-            store.prune(self.ckpt_dir, keep, list(self.nodes), protect=protect)
         return total_bytes, total_s
+
+    def _prune(self) -> None:
+        """Delete the saved epochs that `checkpoint.keep` no longer keeps (after a save,
+        where every rank passes; an epoch still being written in the background counts
+        from the next prune, or the one at the end of the job).
+
+        With replicas the ranks decide together: each says which epochs it saved, since
+        on hosts without a shared disk each host holds only its own ranks' files and none
+        sees a complete epoch; rank 0 picks what goes, and the first rank of each host
+        deletes it there. A rank that cannot read or delete only warns: the collectives
+        go on, and nothing is deleted that not every rank saved a newer copy of."""
+        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        if not keep or self.ckpt_dir is None:
+            return
+        nodes, world = list(self.nodes), self.cfg.world_size
+        try:
+            if world == 1:
+                store.prune(self.ckpt_dir, keep, nodes, protect=self.watch.protected(self.ckpt_dir, nodes))
+                return
+            mine = store.saved_by(self.ckpt_dir, nodes, self.rank, world)
+        except (CheckpointError, OSError) as e:
+            self._warn(f"old checkpoints were not pruned: {e}")
+            if world == 1:
+                return
+            mine = []
+        from jobrun.runner.group import gather
+
+        said = gather(mine)
+        complete = set(said[0]).intersection(*said[1:])
+        doomed: list[int] = []
+        if self.main_rank:
+            try:
+                protect = self.watch.protected(self.ckpt_dir, nodes, complete)
+                doomed = store.prunable(self.ckpt_dir, keep, nodes, protect, complete)
+            except (CheckpointError, OSError) as e:
+                self._warn(f"old checkpoints were not pruned: {e}")
+        doomed = gather(doomed)[0]
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            try:
+                store.delete_epochs(self.ckpt_dir, nodes, doomed)
+            except (CheckpointError, OSError) as e:
+                self._warn(f"old checkpoints were not pruned: {e}")
 
     def _wait_for_writer(self) -> None:
         writer, self._writer = self._writer, None

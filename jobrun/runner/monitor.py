@@ -17,6 +17,7 @@ imports torch: ``jobrun ckpt list`` and ``export`` use it too.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,11 +176,12 @@ class Watch:
         self.early, note = EarlyStopping.restored(self.early.spec, meta.get(EARLY_STOP_META))
         return self.early.reason(), note
 
-    def protected(self, ckpt_dir: Path, nodes: list[str]) -> list[int]:
-        """The `keep` best epochs in `ckpt_dir` by checkpoint.best, which pruning must keep."""
+    def protected(self, ckpt_dir: Path, nodes: list[str], complete: Collection[int] = ()) -> list[int]:
+        """The `keep` best epochs in `ckpt_dir` by checkpoint.best, which pruning must keep
+        (``complete``: as for store.prunable)."""
         if self.best is None:
             return []
-        ranked = ranked_epochs(store.list_checkpoints(ckpt_dir), nodes, self.best.monitor)
+        ranked = ranked_epochs(store.list_checkpoints(ckpt_dir), nodes, self.best.monitor, complete)
         return [epoch for epoch, _ in ranked[: self.best.keep]]
 
 
@@ -197,12 +199,15 @@ def best_meta(best: ir.Best, outputs: dict[str, dict[str, Any]], epoch: int) -> 
             "value": value if math.isfinite(value) else None}
 
 
-def ranked_epochs(infos: list[Any], nodes: list[str], monitor: ir.Monitor) -> list[tuple[int, float]]:
+def ranked_epochs(infos: list[Any], nodes: list[str], monitor: ir.Monitor,
+                  complete: Collection[int] = ()) -> list[tuple[int, float]]:
     """(epoch, value) of the complete epochs that recorded a value of `monitor`, best
-    first (the earlier epoch first among equals). `infos`: store.list_checkpoints()."""
+    first (the earlier epoch first among equals). `infos`: store.list_checkpoints();
+    ``complete``: epochs known complete whatever `infos` says (as for store.prunable)."""
     found = []
     for info in infos:
-        if not nodes or not all(n in info.nodes and info.nodes[n].ok for n in nodes):
+        if not nodes or not all(n in info.nodes and (info.epoch in complete or info.nodes[n].ok)
+                                for n in nodes):
             continue
         meta = info.nodes[nodes[0]].meta or {}
         value = epoch_value(meta, monitor)

@@ -239,25 +239,60 @@ def prune(
     incomplete epochs and the epochs in ``protect`` (the caller's choice, e.g. the best
     ones by a metric: the store knows nothing of plans).
     """
+    doomed = prunable(ckpt_dir, keep, nodes, protect)
+    delete_epochs(ckpt_dir, nodes, doomed)
+    return doomed
+
+
+def prunable(
+    ckpt_dir: str | os.PathLike[str], keep: int, nodes: list[str], protect: Collection[int] = (),
+    complete: Collection[int] = (),
+) -> list[int]:
+    """The epochs :func:`prune` deletes, oldest first, without deleting them.
+
+    ``complete``: epochs the caller knows every rank saved, complete whatever this
+    directory holds. A data-parallel job on hosts without a shared disk keeps each host's
+    ranks' files on that host, so no epoch looks complete to any one of them; its ranks
+    say together which epochs they saved (:func:`saved_by`).
+    """
     for node in nodes:
         check_node(node)
     if type(keep) is not int or keep < 1:
         raise CheckpointError(f"bad number of checkpoints to keep: {keep!r}", hint="keep >= 1")
-    complete = [
+    here = [
         info.epoch
         for info in list_checkpoints(ckpt_dir)
         if nodes and all(n in info.nodes and info.nodes[n].ok for n in nodes)
     ]
-    doomed = [e for e in complete[:-keep] if e not in protect]
-    for epoch in doomed:
+    every = sorted(set(here).union(complete))
+    return [e for e in every[:-keep] if e not in protect]
+
+
+def saved_by(ckpt_dir: str | os.PathLike[str], nodes: list[str], rank: int, world_size: int) -> list[int]:
+    """The epochs, oldest first, for which rank ``rank`` of a ``world_size``-rank job saved
+    every one of ``nodes`` here (all its files and markers; no checksums read)."""
+    found = []
+    for info in list_checkpoints(ckpt_dir):
+        if nodes and all(
+            n in info.nodes and info.nodes[n].world_size == world_size
+            and not verify(ckpt_dir, n, info.epoch, rank=rank, hashes=False, decode=False)
+            for n in nodes
+        ):
+            found.append(info.epoch)
+    return found
+
+
+def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> None:
+    """Delete ``nodes``' saves of ``epochs`` here (those this directory holds), each renamed
+    away first, so that a crash never leaves half of one visible."""
+    for epoch in epochs:
         for node in nodes:
             path = epoch_dir(ckpt_dir, node, epoch)
             try:
-                # Renamed away first, so a crash never leaves half of one visible.
                 gone = path.with_name(f".deleting-{path.name}-{secrets.token_hex(4)}")
                 os.replace(path, gone)
             except FileNotFoundError:
-                continue
+                continue  # not on this host, or another host sharing the disk was first
             except OSError as e:
                 raise CheckpointError(
                     f"cannot delete old checkpoint {node}.{epoch}: {e.strerror or e}",
@@ -267,7 +302,6 @@ def prune(
     # Not inside epochs: the other ranks may be writing this very epoch while rank 0
     # prunes, and their files in progress are no leftovers.
     clean(ckpt_dir, inside_epochs=False)
-    return doomed
 
 
 # What a save or a prune leaves behind when it is killed (see files.place_dir and prune):
