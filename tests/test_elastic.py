@@ -330,9 +330,20 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
     again = _hosts(["resume"], [host0, host1], [None, None], [])
     assert [p.returncode for p in again] == [0, 0], [p.stdout + p.stderr for p in again]
     assert "resumed from checkpoint epoch 2" in again[0].stdout
-    for host in (host0, host1):
+    for host, other in ((host0, 1), (host1, 0)):
         assert sorted(p.name for p in (host / "run" / "ckpt").iterdir()) == ["local.3", "local.4"]
+        # `ckpt list` on one host: its own ranks intact, the others elsewhere.
+        listed = jobrun("ckpt", "list", host / "run")
+        assert listed.code == 0, listed.text
+        assert listed.out.count(f"ok here (rank {other} of 2 on other hosts)") == 2, listed.out
+        assert "INVALID" not in listed.out
     assert _weights(host0 / "run") == _weights(reference)
     rank1 = jobrun("ckpt", "show", host1 / "run", "--epoch", "4", "--rank", "1", "--json")
     assert rank1.code == 0, rank1.text
     assert json.loads(rank1.out)["nodes"]["local"]["model"]["state"] == _weights(reference)
+    verified = jobrun("ckpt", "list", host0 / "run", "--verify")  # checksums of the ranks here
+    assert verified.out.count("ok here (rank 1 of 2 on other hosts)") == 2, verified.text
+    (host1 / "run" / "ckpt" / "local.4" / "rank-1" / "COMMIT").unlink()  # a rank here is damaged
+    listed = jobrun("ckpt", "list", host1 / "run").out.splitlines()
+    assert "ok here" in listed[1] and listed[1].split()[0] == "3"
+    assert "INVALID" in listed[2] and "COMMIT" in listed[2] and listed[2].split()[0] == "4"

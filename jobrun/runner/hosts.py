@@ -114,7 +114,9 @@ class _Lead:
             raise
         settings["token"] = token = uuid.uuid4().hex
         if self.run is not None:
-            self.run.update_info(launch_token=token)  # how hosts tell this directory apart
+            # The token: how hosts tell this directory apart. The hosts: how `ckpt list`
+            # knows that the other ranks' files may be on other hosts.
+            self.run.update_info(launch_token=token, hosts=int(os.environ.get("GROUP_WORLD_SIZE", "1")))
         group.publish(rdzv, "settings", settings)
         return settings
 

@@ -36,6 +36,9 @@ class _Run:
         self.path, self.ckpt_dir = run.path, ckpt_dir
         self.plan = run.plan()
         self.nodes = list(self.plan.nodes)
+        info = run.info()
+        # Ranks on several hosts without a shared disk: each host holds its own ranks' files.
+        self.hosts = "host_copy_of" in info or (type(info.get("hosts")) is int and info["hosts"] > 1)
 
     def infos(self) -> list[store.EpochInfo]:
         return store.list_checkpoints(self.ckpt_dir) if self.ckpt_dir.is_dir() else []
@@ -83,13 +86,16 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
     for info in infos:
         for node, n in sorted(info.nodes.items()):
             problem = n.problem
-            if verify and n.ok:
-                problems = (store.verify(run.ckpt_dir, node, info.epoch)
-                            or rng.saved_problems(run.ckpt_dir, node, info.epoch, n.ranks))
-                problem = problems[0] if problems else None
+            elsewhere = _on_other_hosts(run.ckpt_dir, node, n) if run.hosts and not n.ok else None
+            if verify and (n.ok or elsewhere):
+                problems = [p for r in n.ranks for p in store.verify(run.ckpt_dir, node, info.epoch, rank=r)] \
+                    or rng.saved_problems(run.ckpt_dir, node, info.epoch, n.ranks)
+                problem = problems[0] if problems else problem
+                elsewhere = None if problems else elsewhere
             rows.append({
                 "epoch": info.epoch, "node": node, "ranks": len(n.ranks), "world_size": n.world_size,
                 "bytes": n.bytes, "saved_at": n.created, "valid": problem is None, "problem": problem,
+                "on_other_hosts": elsewhere,
                 "monitor": best.monitor.name.name if best else None,
                 "value": epoch_value(n.meta or {}, best.monitor) if best else None,
                 "best": info.epoch == top,
@@ -101,6 +107,17 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
     return _table(rows, best)
 
 
+def _on_other_hosts(ckpt_dir: Path, node: str, n: store.NodeInfo) -> list[int] | None:
+    """The ranks of a node's saved epoch that are not here, when the ranks that are here
+    are intact (cheap checks): on a host of a run without a shared disk, the others are on
+    other hosts. None when something else is wrong."""
+    if n.world_size is None or not n.ranks or max(n.ranks) >= n.world_size:
+        return None
+    if any(store.verify(ckpt_dir, node, n.epoch, rank=r, hashes=False, decode=False) for r in n.ranks):
+        return None
+    return sorted(set(range(n.world_size)) - set(n.ranks)) or None
+
+
 def _table(rows: list[dict[str, Any]], best: ir.Best | None) -> str:
     name = best.monitor.name.name if best else ""
     width = max(len(name), 10)
@@ -109,6 +126,9 @@ def _table(rows: list[dict[str, Any]], best: ir.Best | None) -> str:
     for r in rows:
         when = _dt.datetime.fromtimestamp(r["saved_at"]).strftime("%Y-%m-%d %H:%M:%S") if r["saved_at"] else "-"
         status = "ok" if r["valid"] else f"INVALID: {r['problem']}"
+        if r["on_other_hosts"]:
+            status = (f"ok here (rank {', '.join(map(str, r['on_other_hosts']))} of {r['world_size']} "
+                      "on other hosts)")
         if r["best"] and best is not None:
             status += f", best {name} ({best.monitor.mode})"
         ranks = f"{r['ranks']}/{r['world_size']}" if r["world_size"] else str(r["ranks"])
