@@ -115,6 +115,8 @@ def _on_other_hosts(ckpt_dir: Path, node: str, n: store.NodeInfo) -> list[int] |
         return None
     if any(store.verify(ckpt_dir, node, n.epoch, rank=r, hashes=False, decode=False) for r in n.ranks):
         return None
+    if any(store.read_manifest(ckpt_dir, node, n.epoch, r).get("world_size") != n.world_size for r in n.ranks):
+        return None  # the ranks here disagree on how many there were
     return sorted(set(range(n.world_size)) - set(n.ranks)) or None
 
 
