@@ -316,7 +316,7 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
     deaths = tmp_path / "deaths"
     # Host 1 has no plan file: rank 0's plan is used. Rank 1 is killed in epoch 3.
     first = _hosts(["train"], [host0, host1], ["plan.yaml", "missing.yaml"],
-                   [f"vars.deaths={deaths}", "checkpoint.keep=2"])
+                   [f"vars.deaths={deaths}", "checkpoint.keep=2", "checkpoint.upload=shipped"])
     assert [p.returncode != 0 for p in first] == [True, True], [p.stdout + p.stderr for p in first]
     assert deaths.read_text().count("\n") == 1
     # Each host holds its own rank's checkpoints and a copy of the plan; `keep` prunes
@@ -330,6 +330,10 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
     again = _hosts(["resume"], [host0, host1], [None, None], [])
     assert [p.returncode for p in again] == [0, 0], [p.stdout + p.stderr for p in again]
     assert "resumed from checkpoint epoch 2" in again[0].stdout
+    # Rank 0's directory lacks rank 1's files: the upload says so (no "can be deleted").
+    said = again[0].stdout + again[0].stderr
+    assert "upload of node 'local' skipped" in said and "holds rank 0 of 2 of epoch 4" in said, said
+    assert "deleted" not in said and not (host0 / "run" / "shipped").exists()
     for host, other in ((host0, 1), (host1, 0)):
         assert sorted(p.name for p in (host / "run" / "ckpt").iterdir()) == ["local.3", "local.4"]
         # `ckpt list` on one host: its own ranks intact, the others elsewhere.

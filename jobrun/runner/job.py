@@ -239,6 +239,16 @@ class JobRunner:
         if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
             dest = self.run_dir.under(ck.upload)
             for node in self.nodes:
+                held = [r for r in range(self.cfg.world_size)
+                        if store.rank_dir(self.ckpt_dir, node, self._last_saved, r).is_dir()]
+                if len(held) < self.cfg.world_size:  # several hosts, no shared disk
+                    self._warn(
+                        f"upload of node {node!r} skipped: {self.ckpt_dir} holds rank "
+                        f"{', '.join(map(str, held)) or 'none'} of {self.cfg.world_size} of epoch "
+                        f"{self._last_saved} (the others are on other hosts); copy each host's "
+                        f"{node}.{self._last_saved} to {dest}, or give the hosts one shared "
+                        "checkpoint directory")
+                    continue
                 try:
                     path = store.upload(self.ckpt_dir, node, self._last_saved, dest)
                     self.display.line(f"uploaded {node} epoch {self._last_saved} to {path}")
