@@ -351,3 +351,20 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
     listed = jobrun("ckpt", "list", host1 / "run").out.splitlines()
     assert "ok here" in listed[1] and listed[1].split()[0] == "3"
     assert "INVALID" in listed[2] and "COMMIT" in listed[2] and listed[2].split()[0] == "4"
+
+
+def test_two_hosts_without_a_shared_disk_resume_from_the_best_epoch(tmp_path):
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+    (hosts[0] / "plan.yaml").write_text(PLAN)
+    first = _hosts(["train"], hosts, ["plan.yaml", "missing.yaml"],
+                   ["max_epochs=3", "checkpoint.best={monitor: loss, mode: max}"])
+    assert [p.returncode for p in first] == [0, 0], [p.stdout + p.stderr for p in first]
+    # Rank 0's directory holds only its own rank's files, and still knows the best epoch.
+    listed = jobrun("ckpt", "list", hosts[0] / "run")
+    best = [line.split()[0] for line in listed.out.splitlines() if "best loss (max)" in line]
+    assert len(best) == 1 and best[0] in ("1", "2", "3"), listed.out
+    again = _hosts(["resume"], hosts, [None, None], ["--epoch", "best", "max_epochs=4"])
+    assert [p.returncode for p in again] == [0, 0], [p.stdout + p.stderr for p in again]
+    assert f"resumed from checkpoint epoch {best[0]}" in again[0].stdout, again[0].stdout

@@ -158,7 +158,7 @@ class _Lead:
         plan, changes, stored = resume_plan(run, sets)
         ckpt_dir = checkpoints_of(run, plan)
         info = run.info()
-        epoch = best_or(epoch, ckpt_dir, plan, run)
+        epoch = best_or(epoch, ckpt_dir, plan, run, hosts=run.several_hosts())
         if already_finished(run, epoch, changes):
             return {"done": True}
         store.clean(ckpt_dir)

@@ -36,9 +36,7 @@ class _Run:
         self.path, self.ckpt_dir = run.path, ckpt_dir
         self.plan = run.plan()
         self.nodes = list(self.plan.nodes)
-        info = run.info()
-        # Ranks on several hosts without a shared disk: each host holds its own ranks' files.
-        self.hosts = "host_copy_of" in info or (type(info.get("hosts")) is int and info["hosts"] > 1)
+        self.hosts = run.several_hosts()
 
     def infos(self) -> list[store.EpochInfo]:
         return store.list_checkpoints(self.ckpt_dir) if self.ckpt_dir.is_dir() else []
@@ -80,13 +78,14 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
     run = _Run(run_dir)
     infos = run.infos()
     best = run.best
-    ranked = ranked_epochs(infos, run.nodes, best.monitor) if best else []
+    here = store.intact_epochs(run.ckpt_dir, run.nodes, infos) if run.hosts and best else []
+    ranked = ranked_epochs(infos, run.nodes, best.monitor, here) if best else []
     top = ranked[0][0] if ranked else None
     rows: list[dict[str, Any]] = []
     for info in infos:
         for node, n in sorted(info.nodes.items()):
             problem = n.problem
-            elsewhere = _on_other_hosts(run.ckpt_dir, node, n) if run.hosts and not n.ok else None
+            elsewhere = _on_other_hosts(run.ckpt_dir, n) if run.hosts and not n.ok else None
             if verify and (n.ok or elsewhere):
                 problems = [p for r in n.ranks for p in store.verify(run.ckpt_dir, node, info.epoch, rank=r)] \
                     or rng.saved_problems(run.ckpt_dir, node, info.epoch, n.ranks)
@@ -107,17 +106,12 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
     return _table(rows, best)
 
 
-def _on_other_hosts(ckpt_dir: Path, node: str, n: store.NodeInfo) -> list[int] | None:
-    """The ranks of a node's saved epoch that are not here, when the ranks that are here
-    are intact (cheap checks): on a host of a run without a shared disk, the others are on
-    other hosts. None when something else is wrong."""
-    if n.world_size is None or not n.ranks or max(n.ranks) >= n.world_size:
+def _on_other_hosts(ckpt_dir: Path, n: store.NodeInfo) -> list[int] | None:
+    """The ranks of a node's saved epoch that are not here, when those here are intact
+    (on a host of a run without a shared disk, the others are on other hosts)."""
+    if not store.ranks_intact(ckpt_dir, n):
         return None
-    if any(store.verify(ckpt_dir, node, n.epoch, rank=r, hashes=False, decode=False) for r in n.ranks):
-        return None
-    if any(store.read_manifest(ckpt_dir, node, n.epoch, r).get("world_size") != n.world_size for r in n.ranks):
-        return None  # the ranks here disagree on how many there were
-    return sorted(set(range(n.world_size)) - set(n.ranks)) or None
+    return sorted(set(range(n.world_size or 0)) - set(n.ranks)) or None
 
 
 def _table(rows: list[dict[str, Any]], best: ir.Best | None) -> str:

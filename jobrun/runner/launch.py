@@ -150,14 +150,19 @@ def checkpoints_of(run: RunDir, plan: ir.Plan) -> Path:
     return ckpt_dir
 
 
-def best_or(epoch: int | str | None, ckpt_dir: Path, plan: ir.Plan, run: RunDir) -> int | None:
-    """``--epoch best``: the best epoch by the plan's checkpoint.best (every process of a
-    torchrun job reads the same manifests); any other value as it is."""
+def best_or(epoch: int | str | None, ckpt_dir: Path, plan: ir.Plan, run: RunDir, *,
+            hosts: bool = False) -> int | None:
+    """``--epoch best``: the best epoch by the plan's checkpoint.best; any other value as
+    it is. ``hosts``: rank 0 of a run on several hosts, whose directory may hold only its
+    host's ranks (no shared disk): an epoch counts when the ranks here are intact, and
+    the ranks check together that all of them hold it (pick.pick_epoch)."""
     if epoch != "best":
         return epoch
     from jobrun.runner.monitor import best_epoch
 
-    return best_epoch(store.list_checkpoints(ckpt_dir), list(plan.nodes), plan, str(run.path))
+    infos, nodes = store.list_checkpoints(ckpt_dir), list(plan.nodes)
+    here = store.intact_epochs(ckpt_dir, nodes, infos) if hosts else []
+    return best_epoch(infos, nodes, plan, str(run.path), here)
 
 
 def already_finished(run: RunDir, epoch: int | None, changes: list[str]) -> bool:

@@ -226,8 +226,10 @@ def epoch_value(meta: dict[str, Any], monitor: ir.Monitor) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def best_epoch(infos: list[Any], nodes: list[str], plan: ir.Plan, where: str) -> int:
-    """The best epoch of a run (`--epoch best`), or a UsageError saying why there is none."""
+def best_epoch(infos: list[Any], nodes: list[str], plan: ir.Plan, where: str,
+               complete: Collection[int] = ()) -> int:
+    """The best epoch of a run (`--epoch best`), or a UsageError saying why there is none
+    (``complete``: as for ranked_epochs)."""
     best = plan.checkpoint.best if plan.checkpoint is not None else None
     if best is None:
         raise UsageError(
@@ -235,7 +237,7 @@ def best_epoch(infos: list[Any], nodes: list[str], plan: ir.Plan, where: str) ->
             hint="give --epoch E (see `jobrun ckpt list`), or add checkpoint: {best: {monitor: val_loss, "
                  "mode: min}} to the plan for the next run",
         )
-    ranked = ranked_epochs(infos, nodes, best.monitor)
+    ranked = ranked_epochs(infos, nodes, best.monitor, complete)
     if not ranked:
         raise UsageError(
             f"no complete checkpoint of {where} recorded a value of {best.monitor.name.name!r}",

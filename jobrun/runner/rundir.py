@@ -133,6 +133,13 @@ class RunDir:
         return p if p.is_absolute() else self.path / p
 
     # -- run.json ----------------------------------------------------------------------
+    def several_hosts(self) -> bool:
+        """Whether the run's ranks ran on several hosts (rank 0's run.json records how many;
+        another host's copy says it is one): without a shared disk, each host's directory
+        holds only its own ranks' checkpoint files."""
+        info = self.info()
+        return "host_copy_of" in info or (type(info.get("hosts")) is int and info["hosts"] > 1)
+
     def info(self) -> dict[str, Any]:
         if self._info is None:
             self._info = self._read_info()

@@ -282,6 +282,30 @@ def saved_by(ckpt_dir: str | os.PathLike[str], nodes: list[str], rank: int, worl
     return found
 
 
+def ranks_intact(ckpt_dir: str | os.PathLike[str], n: NodeInfo) -> bool:
+    """Whether the ranks of a node's saved epoch that are here are intact (cheap checks)
+    and agree on how many ranks saved it: on a host of a job without a shared disk, the
+    host's share of a complete epoch, whose other ranks are on other hosts."""
+    if n.world_size is None or not n.ranks or max(n.ranks) >= n.world_size:
+        return False
+    for r in n.ranks:
+        if verify(ckpt_dir, n.node, n.epoch, rank=r, hashes=False, decode=False):
+            return False
+        if (manifest_of(n.path / f"rank-{r}") or {}).get("world_size") != n.world_size:
+            return False
+    return True
+
+
+def intact_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str],
+                  infos: list[EpochInfo] | None = None) -> list[int]:
+    """The epochs, oldest first, for which the ranks of every one of ``nodes`` that are
+    here are intact (:func:`ranks_intact`); ``infos``: list_checkpoints(ckpt_dir), if
+    the caller has it."""
+    infos = list_checkpoints(ckpt_dir) if infos is None else infos
+    return [i.epoch for i in infos
+            if nodes and all(n in i.nodes and ranks_intact(ckpt_dir, i.nodes[n]) for n in nodes)]
+
+
 def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> None:
     """Delete ``nodes``' saves of ``epochs`` here (those this directory holds), each renamed
     away first, so that a crash never leaves half of one visible."""
