@@ -211,7 +211,7 @@ class JobRunner:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
         self._agree_on_stop()
         if saving:
-            self._prune()
+            self._prune_together()
         return stop
 
     def _restore_watch(self, meta: dict[str, Any]) -> bool:
@@ -234,7 +234,7 @@ class JobRunner:
     def _finish(self) -> None:
         self._wait_for_writer()
         if self.plan.checkpoint is not None and self.plan.checkpoint.background:
-            self._prune()  # the last epoch written in the background is complete now
+            self._prune_together()  # the last epoch written in the background is complete now
         ck = self.plan.checkpoint
         if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
             dest = self.run_dir.under(ck.upload)
@@ -410,31 +410,32 @@ class JobRunner:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
         self._last_saved = epoch
+        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        if keep and self.cfg.world_size == 1:  # replicas prune together: _prune_together
+            protect = self.watch.protected(self.ckpt_dir, list(self.nodes))
+            store.prune(self.ckpt_dir, keep, list(self.nodes), protect=protect)
         return total_bytes, total_s
 
-    def _prune(self) -> None:
-        """Delete the saved epochs that `checkpoint.keep` no longer keeps (after a save,
-        where every rank passes; an epoch still being written in the background counts
-        from the next prune, or the one at the end of the job).
+    def _prune_together(self) -> None:
+        """Replicas: delete the saved epochs that `checkpoint.keep` no longer keeps, after
+        a save, where every rank passes (one process prunes right after its write, in
+        the writer thread with async saves; collectives cannot run there). An epoch still
+        being written in the background counts from the next prune, or the one at the
+        end of the job.
 
-        With replicas the ranks decide together: each says which epochs it saved, since
-        on hosts without a shared disk each host holds only its own ranks' files and none
-        sees a complete epoch; rank 0 picks what goes, and the first rank of each host
-        deletes it there. A rank that cannot read or delete only warns: the collectives
-        go on, and nothing is deleted that not every rank saved a newer copy of."""
+        The ranks decide together: each says which epochs it saved, since on hosts
+        without a shared disk each host holds only its own ranks' files and none sees a
+        complete epoch; rank 0 picks what goes, and the first rank of each host deletes it
+        there. A rank that cannot read or delete only warns: the collectives go on, and
+        nothing is deleted that not every rank saved a newer copy of."""
         keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
-        if not keep or self.ckpt_dir is None:
+        if not keep or self.ckpt_dir is None or self.cfg.world_size == 1:
             return
         nodes, world = list(self.nodes), self.cfg.world_size
         try:
-            if world == 1:
-                store.prune(self.ckpt_dir, keep, nodes, protect=self.watch.protected(self.ckpt_dir, nodes))
-                return
             mine = store.saved_by(self.ckpt_dir, nodes, self.rank, world)
         except (CheckpointError, OSError) as e:
             self._warn(f"old checkpoints were not pruned: {e}")
-            if world == 1:
-                return
             mine = []
         from jobrun.runner.group import gather
 
