@@ -78,14 +78,15 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
     run = _Run(run_dir)
     infos = run.infos()
     best = run.best
-    here = store.intact_epochs(run.ckpt_dir, run.nodes, infos) if run.hosts and best else []
+    here = store.intact_epochs(run.nodes, infos) if run.hosts and best else []
     ranked = ranked_epochs(infos, run.nodes, best.monitor, here) if best else []
     top = ranked[0][0] if ranked else None
     rows: list[dict[str, Any]] = []
     for info in infos:
         for node, n in sorted(info.nodes.items()):
             problem = n.problem
-            elsewhere = _on_other_hosts(run.ckpt_dir, n) if run.hosts and not n.ok else None
+            # On a host of a run without a shared disk, the other ranks are on other hosts.
+            elsewhere = n.missing if run.hosts and not n.ok and n.intact_here else None
             if verify and (n.ok or elsewhere):
                 problems = [p for r in n.ranks for p in store.verify(run.ckpt_dir, node, info.epoch, rank=r)] \
                     or rng.saved_problems(run.ckpt_dir, node, info.epoch, n.ranks)
@@ -104,14 +105,6 @@ def list_text(run_dir: str | None, verify: bool = False, as_json: bool = False) 
     if not rows:
         return f"{run.path}: no checkpoints in {run.ckpt_dir}"
     return _table(rows, best)
-
-
-def _on_other_hosts(ckpt_dir: Path, n: store.NodeInfo) -> list[int] | None:
-    """The ranks of a node's saved epoch that are not here, when those here are intact
-    (on a host of a run without a shared disk, the others are on other hosts)."""
-    if not store.ranks_intact(ckpt_dir, n):
-        return None
-    return sorted(set(range(n.world_size or 0)) - set(n.ranks)) or None
 
 
 def _table(rows: list[dict[str, Any]], best: ir.Best | None) -> str:

@@ -161,7 +161,7 @@ def best_or(epoch: int | str | None, ckpt_dir: Path, plan: ir.Plan, run: RunDir,
     from jobrun.runner.monitor import best_epoch
 
     infos, nodes = store.list_checkpoints(ckpt_dir), list(plan.nodes)
-    here = store.intact_epochs(ckpt_dir, nodes, infos) if hosts else []
+    here = store.intact_epochs(nodes, infos) if hosts else []
     return best_epoch(infos, nodes, plan, str(run.path), here)
 
 

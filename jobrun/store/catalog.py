@@ -12,7 +12,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ class NodeInfo:
     ok: bool
     problem: str | None
     meta: dict[str, Any] | None = None  # the lowest rank's manifest meta (the runner's)
+    missing: list[int] = field(default_factory=list)  # ranks of its world size not here
+    intact_here: bool = False  # the ranks here pass the cheap checks and agree on the world size
+
 
 
 @dataclass
@@ -64,11 +67,12 @@ class EpochInfo:
 
 def _node_problems(
     edir: Path, node: str, epoch: int, *, hashes: bool, decode: bool = False
-) -> tuple[list[int], int | None, list[str]]:
-    """(ranks found, world size, problems) of one node's epoch directory."""
+) -> tuple[list[int], int | None, list[str], list[int]]:
+    """(ranks found, world size, problems, ranks missing) of one node's epoch directory;
+    the problems name the missing ranks too."""
     ranks = ranks_in(edir)
     if not ranks:
-        return [], None, [f"{edir}: no rank was saved"]
+        return [], None, [f"{edir}: no rank was saved"], []
     loose = [m for r in ranks if (m := manifest_of(edir / f"rank-{r}")) is not None]
     sizes = {s for m in loose if type(s := m.get("world_size")) is int and s > 0}
     problems = [f"ranks disagree on the world size ({sorted(sizes)})"] if len(sizes) > 1 else []
@@ -83,7 +87,7 @@ def _node_problems(
     for r in ranks:
         ids = {"node": node, "epoch": epoch, "rank": r}
         problems += rank_problems(edir / f"rank-{r}", ids, hashes=hashes, decode=decode)
-    return ranks, (max(sizes) if sizes else None), problems
+    return ranks, (max(sizes) if sizes else None), problems, missing
 
 
 def verify(
@@ -134,7 +138,7 @@ def _epoch_dirs(ckpt_dir: Path) -> Iterator[tuple[str, int, Path]]:
 
 
 def _node_info(node: str, epoch: int, edir: Path) -> NodeInfo:
-    ranks, ws, problems = _node_problems(edir, node, epoch, hashes=False)
+    ranks, ws, problems, missing = _node_problems(edir, node, epoch, hashes=False)
     total, created, seconds = 0, [], []
     meta = None
     for r in ranks:
@@ -150,7 +154,9 @@ def _node_info(node: str, epoch: int, edir: Path) -> NodeInfo:
             seconds.append(float(m["seconds"]))
     return NodeInfo(
         node, epoch, edir, ranks, ws, total, max(created, default=None),
-        max(seconds, default=None), not problems, "; ".join(problems) or None, meta,
+        max(seconds, default=None), not problems, "; ".join(problems) or None, meta, missing,
+        # On a host of a job without a shared disk, its share of a complete epoch.
+        intact_here=ws is not None and len(problems) == bool(missing),
     )
 
 
@@ -259,51 +265,24 @@ def prunable(
         check_node(node)
     if type(keep) is not int or keep < 1:
         raise CheckpointError(f"bad number of checkpoints to keep: {keep!r}", hint="keep >= 1")
-    here = [
-        info.epoch
-        for info in list_checkpoints(ckpt_dir)
-        if nodes and all(n in info.nodes and info.nodes[n].ok for n in nodes)
-    ]
-    every = sorted(set(here).union(complete))
+    every = sorted(set(complete_epochs(ckpt_dir, nodes)).union(complete))
     return [e for e in every[:-keep] if e not in protect]
 
 
 def saved_by(ckpt_dir: str | os.PathLike[str], nodes: list[str], rank: int, world_size: int) -> list[int]:
     """The epochs, oldest first, for which rank ``rank`` of a ``world_size``-rank job saved
-    every one of ``nodes`` here (all its files and markers; no checksums read)."""
-    found = []
-    for info in list_checkpoints(ckpt_dir):
-        if nodes and all(
-            n in info.nodes and info.nodes[n].world_size == world_size
-            and not verify(ckpt_dir, n, info.epoch, rank=rank, hashes=False, decode=False)
-            for n in nodes
-        ):
-            found.append(info.epoch)
-    return found
+    every one of ``nodes`` here, and the ranks here are intact (``NodeInfo.intact_here``:
+    all files and markers there; no checksums read)."""
+    return [info.epoch for info in list_checkpoints(ckpt_dir)
+            if nodes and all(n in info.nodes and rank in info.nodes[n].ranks
+                             and info.nodes[n].world_size == world_size and info.nodes[n].intact_here
+                             for n in nodes)]
 
 
-def ranks_intact(ckpt_dir: str | os.PathLike[str], n: NodeInfo) -> bool:
-    """Whether the ranks of a node's saved epoch that are here are intact (cheap checks)
-    and agree on how many ranks saved it: on a host of a job without a shared disk, the
-    host's share of a complete epoch, whose other ranks are on other hosts."""
-    if n.world_size is None or not n.ranks or max(n.ranks) >= n.world_size:
-        return False
-    for r in n.ranks:
-        if verify(ckpt_dir, n.node, n.epoch, rank=r, hashes=False, decode=False):
-            return False
-        if (manifest_of(n.path / f"rank-{r}") or {}).get("world_size") != n.world_size:
-            return False
-    return True
-
-
-def intact_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str],
-                  infos: list[EpochInfo] | None = None) -> list[int]:
-    """The epochs, oldest first, for which the ranks of every one of ``nodes`` that are
-    here are intact (:func:`ranks_intact`); ``infos``: list_checkpoints(ckpt_dir), if
-    the caller has it."""
-    infos = list_checkpoints(ckpt_dir) if infos is None else infos
-    return [i.epoch for i in infos
-            if nodes and all(n in i.nodes and ranks_intact(ckpt_dir, i.nodes[n]) for n in nodes)]
+def intact_epochs(nodes: list[str], infos: list[EpochInfo]) -> list[int]:
+    """The epochs of ``infos`` (list_checkpoints), oldest first, where the ranks of every
+    one of ``nodes`` that are here are intact (``NodeInfo.intact_here``)."""
+    return [i.epoch for i in infos if nodes and all(n in i.nodes and i.nodes[n].intact_here for n in nodes)]
 
 
 def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> None:
