@@ -13,7 +13,6 @@ Every rank of a data-parallel job runs this same loop on its own device.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -32,7 +31,9 @@ from jobrun.runner import fingerprint, restore, rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
-from jobrun.runner.rundir import Metrics, RunDir, TensorBoard
+from jobrun.runner.records import Metrics, TensorBoard
+from jobrun.runner.rundir import RunDir
+from jobrun.runner.saves import Writer, prune_together
 from jobrun.store import UnsupportedValue
 
 
@@ -77,7 +78,7 @@ class JobRunner:
         self._failed_save: int | None = None  # this rank's failed save since the ranks last agreed
         self._pending_signal: int | None = None
         self._resumable = cfg.resume_epoch is not None  # a checkpoint of this run exists
-        self._writer: _Writer | None = None
+        self._writer: Writer | None = None
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         self.ckpt_dir = self.run_dir.checkpoints
@@ -340,7 +341,7 @@ class JobRunner:
                 self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
                 return "ckpt FAILED"
             blocked = time.perf_counter() - t0
-            self._writer = _Writer(epoch, lambda: self._write_all(epoch, prepared))
+            self._writer = Writer(epoch, lambda: self._write_all(epoch, prepared))
             size = sum(p.tensor_bytes for p in prepared.values())
             return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
         finally:
@@ -417,43 +418,15 @@ class JobRunner:
         return total_bytes, total_s
 
     def _prune_together(self) -> None:
-        """Replicas: delete the saved epochs that `checkpoint.keep` no longer keeps, after
-        a save, where every rank passes (one process prunes right after its write, in
-        the writer thread with async saves; collectives cannot run there). An epoch still
-        being written in the background counts from the next prune, or the one at the
-        end of the job.
-
-        The ranks decide together: each says which epochs it saved, since on hosts
-        without a shared disk each host holds only its own ranks' files and none sees a
-        complete epoch; rank 0 picks what goes, and the first rank of each host deletes it
-        there. A rank that cannot read or delete only warns: the collectives go on, and
-        nothing is deleted that not every rank saved a newer copy of."""
+        """Replicas: prune after a save, where every rank passes (see saves.prune_together;
+        one process prunes right after its write instead, in the writer thread with async
+        saves, where collectives cannot run)."""
         keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
         if not keep or self.ckpt_dir is None or self.cfg.world_size == 1:
             return
-        nodes, world = list(self.nodes), self.cfg.world_size
-        try:
-            mine = store.saved_by(self.ckpt_dir, nodes, self.rank, world)
-        except (CheckpointError, OSError) as e:
-            self._warn(f"old checkpoints were not pruned: {e}")
-            mine = []
-        from jobrun.runner.group import gather
-
-        said = gather(mine)
-        complete = set(said[0]).intersection(*said[1:])
-        doomed: list[int] = []
-        if self.main_rank:
-            try:
-                protect = self.watch.protected(self.ckpt_dir, nodes, complete)
-                doomed = store.prunable(self.ckpt_dir, keep, nodes, protect, complete)
-            except (CheckpointError, OSError) as e:
-                self._warn(f"old checkpoints were not pruned: {e}")
-        doomed = gather(doomed)[0]
-        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
-            try:
-                store.delete_epochs(self.ckpt_dir, nodes, doomed)
-            except (CheckpointError, OSError) as e:
-                self._warn(f"old checkpoints were not pruned: {e}")
+        ckpt_dir, nodes = self.ckpt_dir, list(self.nodes)
+        prune_together(ckpt_dir, keep, nodes, self.rank, self.cfg.world_size,
+                       lambda complete: self.watch.protected(ckpt_dir, nodes, complete), self._warn)
 
     def _wait_for_writer(self) -> None:
         writer, self._writer = self._writer, None
@@ -521,27 +494,6 @@ class JobRunner:
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-class _Writer:
-    """One background checkpoint write; `wait` returns its error (or None)."""
-
-    def __init__(self, epoch: int, fn):
-        self.epoch = epoch
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn()
-            except (CheckpointError, OSError) as e:
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
-        self.thread.start()
-
-    def wait(self) -> BaseException | None:
-        self.thread.join()
-        return self.error
 
 
 def _held_blobs(plan: ir.Plan) -> dict[str, frozenset[str]]:

@@ -1,0 +1,84 @@
+"""The run's records as it trains: metrics.jsonl (rank 0's) and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from jobrun import safefs
+
+
+class Metrics:
+    """Appends one JSON object per line to metrics.jsonl (thread-safe; rank 0 writes).
+
+    Metrics never stop a job: a line that cannot be written (a full disk) is dropped,
+    with one warning on stderr for the whole run.
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.warned = False
+        if path is not None:
+            try:
+                self.fd = safefs.open_write(path, append=True)
+            except OSError as e:
+                self._drop(e)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.fd is None:
+            return
+        line = json.dumps({**record, "time": round(time.time(), 3)}, default=str) + "\n"
+        with self.lock:
+            try:
+                safefs.write_all(self.fd, line.encode())
+            except OSError as e:
+                self._drop(e)
+
+    def _drop(self, e: OSError) -> None:
+        if not self.warned:
+            self.warned = True
+            print(f"warning: cannot write {self.path} ({e.strerror or e}); metrics lines are "
+                  "dropped from now on, training goes on", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class TensorBoard:
+    """Also writes log values as TensorBoard scalars when `tensorboard` is installed.
+
+    Each numeric value becomes the scalar `<task>/<name>` at the step of its `log` call
+    (the how-many-th call of that step: the epoch for a value logged once an epoch, the
+    K-th, 2K-th... call with `every: K`), the same points `metrics.jsonl` holds.
+    """
+
+    def __init__(self, run_dir: Path | None):
+        self.writer = None
+        if run_dir is None:
+            return
+        try:
+            import tensorboard  # noqa: F401 - only its presence matters
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, task: str, step: int, values: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{task}/{name}", value, global_step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
