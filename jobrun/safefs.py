@@ -10,11 +10,14 @@ with a message that names the path; callers turn them into their own JobrunError
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
@@ -69,6 +72,11 @@ def open_write(path: Path, *, append: bool = False, truncate: bool = True) -> in
     return fd
 
 
+def open_read(path: Path) -> int:
+    """A descriptor for reading the regular file ``path`` (a symlink or FIFO is refused)."""
+    return _open(path, os.O_RDONLY)
+
+
 def open_lock(path: Path) -> int:
     """A descriptor for a lock file (read and write, created when missing)."""
     return _open(path, os.O_RDWR | os.O_CREAT)
@@ -106,21 +114,31 @@ def check_replaceable(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` all at once: a new file under a temporary name,
-    fsynced, then renamed over it (a reader sees the old or the new content, never a mix)."""
+    """Replace ``path`` with ``data`` all at once (see :func:`write_with`)."""
+    write_with(path, lambda f: write_all(f.fileno(), data), durable=durable)
+
+
+def write_with(path: Path, fill: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
+    """Replace ``path`` with what ``fill`` writes into the file object it is given, all at
+    once: the one way jobrun writes a file. A fresh temporary name in the target's
+    directory is created exclusively (O_EXCL, O_NOFOLLOW: a link or file planted there
+    is never opened), filled, fsynced, then renamed over ``path``, which must be a
+    regular file or missing (a reader sees the old or the new content, never a mix).
+    A library that writes to a path of its own choosing (matplotlib, safetensors) writes
+    to memory first and comes here with the bytes."""
     check_replaceable(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = create_new(tmp)
     try:
-        try:
-            write_all(fd, data)
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
             if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # ours, made just now; a link swapped in is removed, not followed
         raise
     if durable:
         fsync_dir(path.parent)

@@ -318,10 +318,12 @@ def test_export_into_a_missing_directory_is_one_clear_message(inf_run, tmp_path)
 
 
 def test_export_into_an_unwritable_directory_is_one_clear_message(inf_run, tmp_path, monkeypatch):
-    def refuse(self, *args, **kwargs):
+    from jobrun import safefs
+
+    def refuse(path):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(Path, "write_text", refuse)
+    monkeypatch.setattr(safefs, "create_new", refuse)
     r = jobrun("export", inf_run, "--epoch", "1", "--blob", "big", "-o", tmp_path / "x.json")
     assert r.code == 2 and "Read-only file system" in r.err
     _no_traceback(r)
@@ -385,7 +387,7 @@ def test_overwrite_also_replaces_the_runs_own_absolute_checkpoint_dir(tmp_path):
     assert jobrun("train", plan, "--run-dir", run).code == 0
     r = jobrun("train", plan, "--run-dir", run, "--overwrite", "--set", "max_epochs=1")
     assert r.code == 0, r.text
-    assert sorted(p.name for p in shared.iterdir()) == ["local.0", "local.1"]
+    assert sorted(p.name for p in shared.iterdir()) == [".lock", "local.0", "local.1"]  # the run's lock
 
 
 @pytest.mark.parametrize("what", ["foreign", "checkpoints without run.json"])

@@ -133,9 +133,10 @@ class _Lead:
         run.check_can_train(run.checkpoints, overwrite)
         run.create()
         self.held.enter_context(run.lock())
+        self.held.enter_context(run.lock_checkpoints(run.checkpoints))
         run.check_can_train(run.checkpoints, overwrite)
         if overwrite:
-            run.clear()
+            run.clear(keep=src)
         text = yaml.safe_dump(stored, sort_keys=False)
         run.start(text, new_run_info(plan, src, sets, launch))
         self.run, self.plan = run, plan
@@ -144,6 +145,7 @@ class _Lead:
     def _existing(self, run: RunDir) -> dict[str, Any]:
         self.held.enter_context(run.lock())
         plan, info = run.plan(), run.info()
+        self.held.enter_context(run.lock_checkpoints(run.checkpoints))
         self.run, self.plan = run, plan
         return _settings(run, plan, run.plan_file.read_text(), str(info.get("device") or plan.device),
                          int(info.get("replicas", 1)), restarts_of(info, plan, None), epoch=None,
@@ -157,6 +159,7 @@ class _Lead:
         self.held.enter_context(run.lock())
         plan, changes, stored = resume_plan(run, sets)
         ckpt_dir = checkpoints_of(run, plan)
+        self.held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()
         epoch = best_or(epoch, ckpt_dir, plan, run, hosts=run.several_hosts())
         if already_finished(run, epoch, changes):

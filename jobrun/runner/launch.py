@@ -17,6 +17,7 @@ import hashlib
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,10 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     device_for(launch.device, 1, select=False)  # refuse a device now, before writing anything
     run.check_can_train(run.checkpoints, overwrite)
     run.create()
-    with run.lock():
+    with run.lock(), run.lock_checkpoints(run.checkpoints):
         run.check_can_train(run.checkpoints, overwrite)
         if overwrite:
-            run.clear()
+            run.clear(keep=src)
         run.start(yaml.safe_dump(stored, sort_keys=False), new_run_info(plan, src, sets, launch))
         return start(launch, False, plan)
 
@@ -65,9 +66,10 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         return hosts.resume(run_dir, epoch, sets, replicas, max_restarts, force)
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     run.info()  # a directory that is not a run is refused before anything is written
-    with run.lock():
+    with run.lock(), ExitStack() as held:
         plan, changes, stored = resume_plan(run, sets)
         ckpt_dir = checkpoints_of(run, plan)
+        held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()
         n = replicas or int(info.get("replicas", 1))
         epoch = best_or(epoch, ckpt_dir, plan, run)

@@ -13,7 +13,9 @@ TensorBoard scalars: :mod:`jobrun.runner.records`).
 jobrun writes into a directory only when it is new, empty, or a jobrun run directory, and
 never trains over one that holds checkpoints. Every file it writes here is opened through
 :mod:`jobrun.safefs`, so a symlink or FIFO planted in the directory is an error, not a
-write through it.
+write through it. `train --overwrite` deletes what :data:`RUN_SHAPE` names (the files
+above, metrics.png, tensorboard/) and the old plan's checkpoint epochs, through
+:mod:`jobrun.safedel`; what the user added stays.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobrun import safefs
+from jobrun import safedel, safefs
 from jobrun.errors import JobrunError, UsageError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from jobrun.plans import ir
 
@@ -41,7 +43,18 @@ PLAN_FILE = "plan.yaml"
 METRICS_FILE = "metrics.jsonl"
 CONSOLE_FILE = "console.log"
 LOCK_FILE = ".lock"
+PLOT_FILE = "metrics.png"  # `jobrun plot`'s default output
 MAX_INFO_BYTES = 1 << 20
+
+# The run's manifest of its own files: what jobrun writes in a run directory, and so
+# what `train --overwrite` deletes there (the lock stays: the new run holds it). A
+# half-written file under write_atomic's temporary name is jobrun's too; tensorboard/
+# holds the event files torch's SummaryWriter writes.
+_OWN_FILES = "|".join(map(re.escape, (RUN_FILE, PLAN_FILE, METRICS_FILE, CONSOLE_FILE, PLOT_FILE)))
+RUN_SHAPE = safedel.Shape(
+    files=re.compile(safedel.tmp_name_of(_OWN_FILES)),
+    dirs=((re.compile("tensorboard"), safedel.Shape(files=re.compile(r"events\.out\.tfevents\..+"))),),
+)
 
 # A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
 _held_locks: set[int] = set()  # the run locks this process holds (their fds)
@@ -315,30 +328,67 @@ class RunDir:
             return False
         return old is not None and old.resolve() == checkpoint_dir.resolve()
 
-    def clear(self) -> None:
-        """Delete what an existing run holds (``train --overwrite``): everything in the
-        run directory but the lock, and its checkpoints where its plan put them."""
-        import shutil
-
+    def clear(self, keep: Path | None = None) -> list[str]:
+        """Delete what an existing run wrote (``train --overwrite``): its own files here
+        (:data:`RUN_SHAPE`) and its plan's checkpoint epochs, where the plan put them;
+        ``keep``: a file never deleted (the plan being trained, when it lies here). What
+        else the directory holds is kept, and said on stderr; the list of it is returned."""
         try:
-            old = RunDir(self.path).checkpoints if self._is_run() else None
+            plan = RunDir(self.path).plan() if self._is_run() else None
         except JobrunError:
-            old = None
+            plan = None
+        kept: list[str] = []
         try:
-            if old is not None and old.is_dir():
-                for entry in os.scandir(old):
-                    if _EPOCH_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path)
-            for entry in os.scandir(self.path):
-                if entry.name == LOCK_FILE:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
+            if plan is not None and plan.checkpoint is not None:
+                kept += self._clear_checkpoints(plan)
+            names = [e.name for e in os.scandir(self.path)
+                     if keep is None or not _same_file(self.path / e.name, keep)]
+            ckpt_top = self._checkpoints_top(plan)
+            kept += [k for k in safedel.remove_in(self.path, RUN_SHAPE, names)
+                     if k.rstrip("/") not in (LOCK_FILE, ckpt_top)]
         except OSError as e:
             raise _write_error(Path(e.filename or self.path), e) from None
         self._info = None
+        if kept:
+            print(f"note: train --overwrite kept what jobrun did not write in {self.path}: "
+                  f"{safedel.say_kept(kept)}", file=sys.stderr, flush=True)
+        return kept
+
+    def _checkpoints_top(self, plan: ir.Plan | None) -> str | None:
+        """The run directory's entry that holds a relative checkpoint.dir (None: none)."""
+        if plan is None or plan.checkpoint is None:
+            return None
+        parts = [p for p in Path(plan.checkpoint.dir).expanduser().parts if p != "."]
+        return parts[0] if parts and not Path(parts[0]).is_absolute() and ".." not in parts else None
+
+    def _clear_checkpoints(self, plan: ir.Plan) -> list[str]:
+        """Delete the old plan's epochs in its checkpoint directory; what stays there
+        inside them (relative to the run directory when the checkpoints are under it)."""
+        from jobrun.store.files import checkpoint_dir_shape
+
+        assert plan.checkpoint is not None
+        rel = Path(plan.checkpoint.dir).expanduser()
+        # A path that leaves the run directory is the user's own, taken as written; only
+        # the part below the run directory (which others may write into) is no-follow.
+        outside = rel.is_absolute() or ".." in rel.parts
+        root, below = (Path(os.path.normpath(self.path / rel)), Path()) if outside else (self.path, rel)
+        try:
+            fd = safedel.open_under(root, below)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise UsageError(
+                f"the run's checkpoint directory {root / below} is reached through a symlink (or is "
+                "not a directory), so --overwrite will not delete the checkpoints there",
+                hint="delete them yourself, or set checkpoint.dir to the directory the link "
+                     "points to (an absolute path)") from e
+        try:
+            shape = checkpoint_dir_shape(plan.nodes)
+            names = [n for n in os.listdir(fd) if shape.subdir(n) is not None]
+            kept = safedel.remove_in(fd, shape, names)
+        finally:
+            os.close(fd)
+        return [f"{root}/{k}" if outside else f"{below}/{k}" for k in kept]
 
     def _is_run(self) -> bool:
         try:
@@ -364,8 +414,10 @@ class RunDir:
 
     def start(self, plan_text: str, info: dict[str, Any]) -> None:
         """Write the plan copy and run.json of a new run; a new run's metrics start empty
-        (the directory held a run without checkpoints: its metrics are jobrun's own)."""
-        self.write_plan(plan_text)
+        (the directory held a run without checkpoints: its metrics are jobrun's own).
+        A plan trained from this directory's own plan.yaml is the copy: never written over."""
+        if not _same_file(self.plan_file, Path(str(info.get("source", "")))):
+            self.write_plan(plan_text)
         self.write_info(info)
         try:
             safefs.check_replaceable(self.metrics_file)
@@ -376,25 +428,29 @@ class RunDir:
     @contextmanager
     def lock(self) -> Iterator[None]:
         """An exclusive flock on <run_dir>/.lock while the block runs."""
-        path = self.path / LOCK_FILE
-        try:
-            fd = safefs.open_lock(path)
-        except OSError as e:
-            raise _write_error(path, e) from None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-                raise UsageError(f"run directory {self.path} is in use by {holder}",
-                                 hint="wait for that job to end, or choose another --run-dir") from None
-            os.ftruncate(fd, 0)
-            os.write(fd, f"pid {os.getpid()}".encode())
-            _held_locks.add(fd)
+        with hold_lock(self.path / LOCK_FILE, f"pid {os.getpid()}",
+                       lambda holder: UsageError(f"run directory {self.path} is in use by {holder}",
+                                                 hint="wait for that job to end, or choose another --run-dir")):
             yield
-        finally:
-            _held_locks.discard(fd)
-            os.close(fd)  # also releases the flock
+
+    @contextmanager
+    def lock_checkpoints(self, checkpoint_dir: Path | None) -> Iterator[None]:
+        """An exclusive flock on <checkpoint_dir>/.lock while the block runs, so that two
+        runs given one checkpoint.dir cannot write each other's epochs. A checkpoint
+        directory inside this run directory is covered by the run's own lock."""
+        if checkpoint_dir is None or _inside(checkpoint_dir, self.path):
+            yield
+            return
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _write_error(checkpoint_dir, e) from None
+        me = f"run {self.path.resolve()} (pid {os.getpid()})"
+        with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda holder: UsageError(
+                f"checkpoint directory {checkpoint_dir} is in use by {holder}",
+                hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
+                     "directory (--set checkpoint.dir=DIR), or wait for that run to end")):
+            yield
 
     def truncate_metrics(self, after_epoch: int) -> None:
         """On resume from epoch E, drop what the interrupted run logged after E."""
@@ -417,6 +473,37 @@ class RunDir:
             if not isinstance(epoch, int) or epoch <= after_epoch:
                 kept.append(line)
         self._write(path, "".join(k + "\n" for k in kept).encode())
+
+
+@contextmanager
+def hold_lock(path: Path, me: str, busy: Callable[[str], JobrunError]) -> Iterator[None]:
+    """An exclusive flock on the lock file ``path`` (jobrun's own: opened without following
+    a link, regular files only) while the block runs; it says ``me`` to whoever finds it
+    held, and ``busy(holder)`` is raised when another process holds it."""
+    try:
+        fd = safefs.open_lock(path)
+    except OSError as e:
+        raise _write_error(path, e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+            raise busy(holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+        _held_locks.add(fd)
+        yield
+    finally:
+        _held_locks.discard(fd)
+        os.close(fd)  # also releases the flock
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except OSError:
+        return False
 
 
 def _holds_checkpoints(root: Path, depth: int) -> Path | None:
@@ -456,6 +543,13 @@ def _differences(before: Any, after: Any, at: str = "") -> list[str]:
 
 
 _NONE = object()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _has_ranks(path: Path) -> bool:

@@ -16,15 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobrun import safefs
 from jobrun.errors import CheckpointError
+from jobrun.safedel import remove_in
 from jobrun.store.files import (
     COMMIT_FILE,
     DATA_FILES,
+    EPOCH_SHAPE,
     MANIFEST_FILE,
+    RANK_SHAPE,
     check_count,
     check_node,
+    checkpoint_dir_shape,
     epoch_dir,
-    fsync_dir,
+    make_dirs,
     missing_rank,
     place_dir,
     ranks_in,
@@ -287,7 +292,10 @@ def intact_epochs(nodes: list[str], infos: list[EpochInfo]) -> list[int]:
 
 def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> None:
     """Delete ``nodes``' saves of ``epochs`` here (those this directory holds), each renamed
-    away first, so that a crash never leaves half of one visible."""
+    away first, so that a crash never leaves half of one visible. Only what a save writes
+    is deleted (jobrun.safedel): a file someone added to an epoch stays, in the renamed
+    directory."""
+    shape = checkpoint_dir_shape(nodes)
     for epoch in epochs:
         for node in nodes:
             path = epoch_dir(ckpt_dir, node, epoch)
@@ -301,7 +309,8 @@ def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Co
                     f"cannot delete old checkpoint {node}.{epoch}: {e.strerror or e}",
                     hint=f"check the permissions of {ckpt_dir}",
                 ) from e
-            shutil.rmtree(gone, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_in(Path(ckpt_dir), shape, [gone.name])
     # Not inside epochs: the other ranks may be writing this very epoch while rank 0
     # prunes, and their files in progress are no leftovers.
     clean(ckpt_dir, inside_epochs=False)
@@ -323,12 +332,12 @@ def clean(ckpt_dir: str | os.PathLike[str], inside_epochs: bool = True) -> list[
     ``ckpt_dir`` itself, where prunes leave theirs (the whole clean runs where no rank
     writes: at resume, at a restart before the ranks meet)."""
     root = Path(ckpt_dir)
-    places = [root]
+    places = [(root, checkpoint_dir_shape())]
     for _node, _epoch, edir in _epoch_dirs(root) if inside_epochs else ():
-        places.append(edir)
-        places += [edir / f"rank-{r}" for r in ranks_in(edir)]
+        places.append((edir, EPOCH_SHAPE))
+        places += [(edir / f"rank-{r}", RANK_SHAPE) for r in ranks_in(edir)]
     removed: list[str] = []
-    for d in places:
+    for d, shape in places:
         try:
             entries = list(os.scandir(d))
         except OSError:
@@ -343,12 +352,13 @@ def clean(ckpt_dir: str | os.PathLike[str], inside_epochs: bool = True) -> list[
                 with contextlib.suppress(OSError):
                     os.replace(path, d / m["name"])  # the new copy never arrived: keep the old
                     continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            removed.append(str(path.relative_to(root)))
+            # What a save leaves goes; anything else there (a link, a user's file) stays.
+            try:
+                kept = remove_in(d, shape, [entry.name])
+            except OSError:
+                continue
+            if not kept:
+                removed.append(str(path.relative_to(root)))
     return removed
 
 
@@ -367,26 +377,54 @@ def upload(
 ) -> Path:
     """Copy one node's verified save of ``epoch`` (all ranks) to ``<dest_dir>/<node>``.
 
-    The copy is atomic: written beside, then renamed over any previous one. The result
-    holds ``rank-<r>/`` directories that ``load_dir`` and ``verify_dir`` accept.
+    Each rank's copy is atomic: written beside, then renamed over the previous upload's.
+    An existing ``<dest_dir>/<node>`` is written into, never emptied: what else it holds
+    stays, and a ``rank-<r>`` there that holds files a save does not write is refused.
+    The result holds ``rank-<r>/`` directories that ``load_dir`` and ``verify_dir`` accept.
     """
     problems = verify(ckpt_dir, node, epoch)
     if problems:
         problem(f"cannot upload {node}.{epoch}: {'; '.join(problems)}")
     src = epoch_dir(ckpt_dir, node, epoch)
     dest = Path(dest_dir) / node
-
-    def copy(tmp: Path) -> None:
-        for r in ranks_in(src):
-            os.mkdir(tmp / f"rank-{r}")
-            for name in (*DATA_FILES, MANIFEST_FILE, COMMIT_FILE):
-                shutil.copyfile(src / f"rank-{r}" / name, tmp / f"rank-{r}" / name)
-                with open(tmp / f"rank-{r}" / name, "rb") as f:
-                    os.fsync(f.fileno())
-            fsync_dir(tmp / f"rank-{r}")
-
+    ranks = ranks_in(src)
     try:
-        place_dir(dest, copy, lambda _: None)
+        make_dirs(dest)
+        if dest.is_symlink() or not dest.is_dir():
+            raise CheckpointError(f"cannot upload to {dest}: it is not a directory (a link or a file)",
+                                  hint="remove it, or set checkpoint.upload to another directory")
+        for r in ranks:
+            _refuse_foreign(dest / f"rank-{r}")
+        for r in ranks:
+            place_dir(dest / f"rank-{r}", lambda tmp, r=r: _copy_rank(src / f"rank-{r}", tmp),
+                      lambda _: None)
+        # An earlier upload by more ranks: its extra ranks would make this one two in one.
+        remove_in(dest, EPOCH_SHAPE, [f"rank-{r}" for r in ranks_in(dest) if r not in ranks])
     except OSError as e:
         raise write_error(e, dest, Path(dest_dir)) from e
     return dest
+
+
+def _refuse_foreign(rdir: Path) -> None:
+    """Refuse to replace a rank directory holding files a save does not write."""
+    try:
+        names = os.listdir(rdir) if not rdir.is_symlink() else [""]
+    except FileNotFoundError:
+        return
+    foreign = [n for n in names if not (n and RANK_SHAPE.owns_file(n) and (rdir / n).is_file()
+                                        and not (rdir / n).is_symlink())]
+    if foreign or rdir.is_symlink():
+        what = "is a symlink" if rdir.is_symlink() else f"holds files jobrun did not write ({', '.join(sorted(foreign)[:5])})"
+        raise CheckpointError(f"cannot upload into {rdir}: it {what}",
+                              hint="move them elsewhere, or set checkpoint.upload to another directory")
+
+
+def _copy_rank(src: Path, tmp: Path) -> None:
+    """Copy a rank's files into the new directory ``tmp``: read without following a link,
+    written as new files."""
+    for name in (*DATA_FILES, MANIFEST_FILE, COMMIT_FILE):
+        with os.fdopen(safefs.open_read(src / name), "rb") as fin, \
+                os.fdopen(safefs.create_new(tmp / name), "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())

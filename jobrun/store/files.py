@@ -23,14 +23,16 @@ import json
 import os
 import re
 import secrets
-import shutil
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from jobrun import safefs
 from jobrun.errors import CheckpointError
+from jobrun.safedel import Shape, remove_in
 from jobrun.store import tensorfile
 from jobrun.store.codec import UnsupportedValue, encode
 
@@ -48,6 +50,49 @@ _NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RANK_DIR_RE = re.compile(r"rank-(0|[1-9][0-9]*)")
 
 T = TypeVar("T")
+
+# What a save writes, for the one delete (jobrun.safedel): in a rank directory its files
+# and a COMMIT marker being written; in an epoch directory the rank directories and what
+# place_dir and _drop_ranks_beyond leave there (a temporary copy, an old copy moved
+# aside, a rank renamed away); in the checkpoint directory the epochs of the plan's nodes
+# and epochs renamed away by a prune. Nothing else there is jobrun's.
+_RANK_FILES = re.compile(  # .tmpXXXXXX: what the safetensors library writes, then renames
+    r"tensors\.safetensors|values\.json|MANIFEST\.json|COMMIT|\.COMMIT\.tmp-(?:\d+-)?[0-9a-f]{8}"
+    r"|\.tmp[A-Za-z0-9_]{3,12}")
+
+
+def _has_manifest(dir_fd: int) -> bool:
+    """Whether the directory holds a checkpoint manifest (regular file, ours by format)."""
+    try:
+        fd = os.open(MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return re.search(rb'"format"\s*:\s*"' + FORMAT.encode() + rb'"', head) is not None
+
+
+# A rank directory in place is jobrun's when its manifest says so; one being written or
+# renamed away (a kill may have cut it short before the manifest) by its name alone.
+RANK_SHAPE = Shape(files=_RANK_FILES, record=_has_manifest)
+_RANK_LEFTOVER_SHAPE = Shape(files=_RANK_FILES)
+EPOCH_SHAPE = Shape(dirs=((re.compile(r"rank-(?:0|[1-9][0-9]*)"), RANK_SHAPE),
+                          (re.compile(r"\.(?:tmp|old)-rank-\d+-\d+-[0-9a-f]{8}|\.deleting-rank-\d+-[0-9a-f]{8}"),
+                           _RANK_LEFTOVER_SHAPE)))
+
+
+def checkpoint_dir_shape(nodes: Iterable[str] | None = None) -> Shape:
+    """What jobrun writes in a checkpoint directory: the epochs of ``nodes`` (of any node
+    when None), and those a prune renamed away (``.deleting-<node>.<epoch>-<hex>``)."""
+    node = "|".join(re.escape(check_node(n)) for n in nodes) if nodes is not None else _NODE_RE.pattern
+    epoch = rf"(?:{node or '(?!)'})\.(?:0|[1-9][0-9]*)"
+    return Shape(dirs=((re.compile(rf"{epoch}|\.deleting-{epoch}-[0-9a-f]{{8}}"), EPOCH_SHAPE),))
 
 
 # ---------------------------------------------------------------------------- names
@@ -245,7 +290,7 @@ def _drop_ranks_beyond(edir: Path, world_size: int) -> None:
             gone = edir / f".deleting-rank-{r}-{secrets.token_hex(4)}"
             with contextlib.suppress(OSError):
                 os.replace(stale, gone)
-                shutil.rmtree(gone, ignore_errors=True)
+                remove_in(edir, EPOCH_SHAPE, [gone.name])
 
 
 def _check_ids(node: Any, epoch: Any, rank: Any = 0, world_size: Any = 1) -> None:
@@ -262,8 +307,8 @@ def _entry(size: int, digests: list[str]) -> dict[str, Any]:
 
 
 def _create(path: Path) -> Any:
-    """A new file for writing, unbuffered."""
-    return open(path, "xb", buffering=0)  # noqa: SIM115 - the caller closes it
+    """A new file for writing, unbuffered (created exclusively, never through a link)."""
+    return os.fdopen(safefs.create_new(path), "wb", buffering=0)
 
 
 def _write_file(path: Path, data: bytes) -> int:
@@ -305,7 +350,8 @@ def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None])
     ``fill`` writes a new temporary directory beside ``final``, which is then renamed
     over it (an existing one is moved aside first and deleted only at the very end),
     and ``then`` runs (a COMMIT marker). On any error everything written is removed and
-    the old directory put back, and the error propagates.
+    the old directory put back, and the error propagates. ``final`` is a rank directory
+    (of an epoch, or of an upload): what is deleted is what a save writes there.
     """
     parent = final.parent
     tag = f"{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -337,7 +383,8 @@ def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None])
 
 def _discard(path: Path | None) -> None:
     if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_in(path.parent, EPOCH_SHAPE, [path.name])
 
 
 def write_error(e: OSError, target: Path, where: Path) -> CheckpointError:
