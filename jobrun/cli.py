@@ -196,7 +196,12 @@ def schema(output: str | None) -> None:
 
     text = json.dumps(plan_schema(), indent=2)
     if output:
-        Path(output).write_text(text + "\n")
+        from jobrun import safefs
+
+        try:
+            safefs.write_atomic(Path(output), (text + "\n").encode(), durable=False)
+        except OSError as e:
+            raise _usage(f"cannot write {output}: {e.strerror or e}", "give another -o") from None
         click.echo(f"wrote {output}", err=True)
     else:
         click.echo(text)

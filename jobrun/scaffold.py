@@ -12,6 +12,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from jobrun import safefs
 from jobrun.errors import UsageError, did_you_mean
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -56,7 +57,8 @@ def create(name: str, example: str = DEFAULT, where: Path = Path(".")) -> Path:
     parts = [sub for sub, used in (("models", "models."), ("data", "data/")) if used in text]
     try:
         dest.mkdir(parents=True)
-        (dest / "plan.yaml").write_text(_JOB_LINE.sub(f"job: {name}", text, count=1))
+        safefs.write_atomic(dest / "plan.yaml", _JOB_LINE.sub(f"job: {name}", text, count=1).encode(),
+                            durable=False)
         for sub in parts:
             _copy_tree(_root() / sub, dest / sub)
     except OSError as e:
@@ -73,4 +75,4 @@ def _copy_tree(src, dst: Path) -> None:
         if entry.is_dir():
             _copy_tree(entry, dst / entry.name)
         else:
-            (dst / entry.name).write_bytes(entry.read_bytes())
+            safefs.write_atomic(dst / entry.name, entry.read_bytes(), durable=False)

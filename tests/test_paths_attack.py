@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from runner_util import jobrun
 
 PLAN = """\
@@ -134,19 +135,17 @@ def test_overwrite_keeps_files_the_user_added_and_says_so(tmp_path):
     plan = _plan(tmp_path)
     run = tmp_path / "run"
     assert jobrun("train", plan, "--run-dir", run).code == 0
-    _decoys(run, "my_notes.txt", "figures/", "ckpt/local.1/rank-0/extra.txt")
+    _decoys(run, "my_notes.txt", "figures/", "ckpt/local.1/extra.txt")
     (run / "tensorboard").mkdir(exist_ok=True)
     (run / "tensorboard" / "events.out.tfevents.1.old").write_text("jobrun's\n")
     r = jobrun("train", plan, "--run-dir", run, "--overwrite", "--set", "max_epochs=1")
     assert r.code == 0, r.text
     assert (run / "my_notes.txt").read_text() == "user's my_notes.txt\n"
     assert (run / "figures" / "mine.txt").exists() and (run / "figures" / "rank-0" / "notes.txt").exists()
-    # The new run's save of epoch 1 moved the old rank-0 aside: the user's file stays in it
-    kept = list((run / "ckpt" / "local.1").glob("*/extra.txt"))
-    assert len(kept) == 1 and kept[0].read_text() == "user's ckpt/local.1/rank-0/extra.txt\n"
+    assert (run / "ckpt" / "local.1" / "extra.txt").read_text() == "user's ckpt/local.1/extra.txt\n"
     assert not (run / "tensorboard" / "events.out.tfevents.1.old").exists()  # jobrun's own
     assert "note: train --overwrite kept" in r.err
-    for name in ("my_notes.txt", "figures/", "ckpt/local.1/rank-0/extra.txt"):
+    for name in ("my_notes.txt", "figures/", "ckpt/local.1/extra.txt"):
         assert name in r.err
     assert json.loads((run / "run.json").read_text())["sets"] == ["max_epochs=1"]
     # The new run's epoch 1 replaced the old one's files, not the user's one
@@ -205,3 +204,122 @@ def test_upload_refuses_a_rank_directory_holding_the_users_files(tmp_path):
     assert "upload of node 'local' failed" in r.text and "jobrun did not write (mine.txt)" in r.text
     _clean(r)
     assert _snapshot(up) == before
+
+
+# -- a checkpoint directory is locked by the run that writes it -----------------------------
+
+
+def test_a_second_run_on_a_locked_checkpoint_dir_is_refused_naming_the_first(tmp_path):
+    from jobrun.runner.rundir import RunDir
+
+    shared = tmp_path / "shared"
+    plan = _plan(tmp_path, str(shared))
+    first = RunDir(tmp_path / "first")
+    with first.lock_checkpoints(shared):  # the first run, still writing
+        r = jobrun("train", plan, "--run-dir", tmp_path / "second")
+    assert r.code == 2
+    assert f"checkpoint directory {shared} is in use by run {first.path.resolve()}" in r.err
+    assert "checkpoint.dir" in r.err
+    _clean(r)
+    assert _epochs(shared) == []  # nothing of the second run's written
+    assert jobrun("train", plan, "--run-dir", tmp_path / "second").code == 0  # free again
+
+
+# -- no hang on a FIFO where the run keeps its plan -----------------------------------------
+
+
+@pytest.mark.parametrize("command", ["resume", "ckpt list"])
+def test_a_fifo_at_the_runs_plan_copy_is_a_message_not_a_hang(tmp_path, command):
+    plan = _plan(tmp_path)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    plan.write_text(plan.read_text() + "# edited\n")  # the run now reads its own copy
+    (run / "plan.yaml").unlink()
+    os.mkfifo(run / "plan.yaml")
+    args = ["resume", "--run-dir", run] if command == "resume" else ["ckpt", "list", run]
+    r = jobrun(*args)
+    assert r.code == 2 and "FIFO" in r.err and "plan.yaml" in r.err
+    _clean(r)
+
+
+# -- every writer, attacked the same ways ---------------------------------------------------
+#
+# A writer: what it writes (relative to the test's tmp_path), the plan's extra lines, and
+# the command that writes it once the run has trained. Each is attacked with a symlink to
+# a decoy outside, a FIFO, and a user's file, planted at the target, at the temporary
+# name writers used to use (`.NAME.tmp`), and beside it (a user's file in its directory).
+
+SAVE = """\
+exit:
+  - task: out
+    do: [{save: {in: [total], path: SAVED}}]
+"""
+
+WRITERS = {
+    "run.json": ("run/run.json", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "metrics.jsonl": ("run/metrics.jsonl", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "plan copy": ("run/plan.yaml", "", ["resume", "--run-dir", "run", "max_epochs=3"]),
+    "run lock": ("run/.lock", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "checkpoint lock": ("shared/.lock", "shared", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "checkpoint epoch": ("run/ckpt/local.3", "", ["resume", "--run-dir", "run", "max_epochs=3"]),
+    "checkpoint rank": ("run/ckpt/local.3/rank-0", "", ["resume", "--run-dir", "run", "max_epochs=3"]),
+    "upload": ("up/local/rank-0", "upload", ["resume", "--run-dir", "run", "max_epochs=3"]),
+    "plot": ("run/metrics.png", "", ["plot", "run"]),
+    "export json": ("out.json", "", ["export", "run", "--epoch", "1", "--blob", "total", "-o", "out.json"]),
+    "export pt": ("out.pt", "", ["export", "run", "--epoch", "1", "--blob", "total", "-o", "out.pt"]),
+    "save json": ("run/model.json", "save", ["resume", "--run-dir", "run", "max_epochs=3"]),
+    "save pt": ("run/model.pt", "save", ["resume", "--run-dir", "run", "max_epochs=3"]),
+}
+REFUSALS = ("symlink", "FIFO", "not a regular file", "refusing", "not a directory", "jobrun did not write")
+
+
+@pytest.mark.parametrize("place", ["target", "tmp", "beside"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "user"])
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_no_writer_writes_through_what_was_planted(tmp_path, monkeypatch, writer, kind, place):
+    target_rel, extra, command = WRITERS[writer]
+    ckpt = str(tmp_path / "shared") if extra == "shared" else "ckpt"
+    up = f", upload: {tmp_path / 'up'}" if extra == "upload" else ""
+    plan = _plan(tmp_path, ckpt, extra=up)
+    if extra == "save":
+        plan.write_text(plan.read_text() + SAVE.replace("SAVED", Path(target_rel).name))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
+    before = _snapshot(decoys)
+    target = tmp_path / target_rel
+    is_dir = writer in ("checkpoint epoch", "checkpoint rank", "upload")
+    spot = {"target": target, "tmp": target.with_name(f".{target.name}.tmp"),
+            "beside": target.with_name("mine.txt")}[place]
+    if place == "beside" or (kind == "user" and place == "tmp"):
+        kind = "user"
+    spot.parent.mkdir(parents=True, exist_ok=True)
+    if spot.is_symlink() or spot.is_file():
+        spot.unlink()
+    elif spot.is_dir():
+        import shutil
+
+        shutil.rmtree(spot)
+    if kind == "symlink":
+        spot.symlink_to(decoys / ("victim_dir" if is_dir and place == "target" else "victim.txt"))
+    elif kind == "fifo":
+        os.mkfifo(spot)
+    elif is_dir and place == "target":
+        _decoys(spot.parent, f"{spot.name}/")  # a user's directory of that name
+    else:
+        spot.write_text("the user's own\n")
+    users = {p: p.read_bytes() for p in [spot] if kind == "user" and spot.is_file()}
+    users_dirs = {spot: _snapshot(spot)} if kind == "user" and spot.is_dir() else {}
+    monkeypatch.chdir(tmp_path)
+    r = jobrun(*command)
+    _clean(r)
+    assert _snapshot(decoys) == before  # nothing outside was written through
+    if r.code != 0 or "failed" in r.text:  # one clear message, naming what was planted
+        assert "error: " in r.text or "failed: " in r.text, r.text
+        if kind != "user":
+            assert any(word in r.text for word in REFUSALS), r.text
+    if place != "target":  # a user's file beside, or at an old temporary name, stays as it was
+        for p, data in users.items():
+            assert p.read_bytes() == data
+    for p, snap in users_dirs.items():  # a user's directory where jobrun writes one: kept
+        assert {k: v for k, v in _snapshot(p).items() if k in snap} == snap

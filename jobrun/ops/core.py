@@ -13,6 +13,7 @@ import operator
 from functools import reduce
 from typing import Any
 
+from jobrun import safefs
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 
@@ -200,20 +201,25 @@ def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) 
     suffix = target.suffix.lower()
     named = dict(zip(_names, values))
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
     if suffix == ".json":
-        tmp.write_text(json.dumps({k: plain(v) for k, v in named.items()}, indent=2) + "\n")
+        data = (json.dumps({k: plain(v) for k, v in named.items()}, indent=2) + "\n").encode()
+        fill = lambda f: f.write(data)  # noqa: E731
     elif suffix == ".safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save as to_bytes
 
-        save_file(_flat_tensors(named), tmp)
+        data = to_bytes(_flat_tensors(named))  # the library writes to a path of its own, or to memory
+        fill = lambda f: f.write(data)  # noqa: E731
     elif suffix == ".pt":
         torch = _torch()
-        torch.save({k: _state_of(v) for k, v in named.items()}, tmp)
+        fill = lambda f: torch.save({k: _state_of(v) for k, v in named.items()}, f)  # noqa: E731
     else:
         raise RunError(f"save: unknown file type {suffix or '(none)'!r} for {path}",
                        hint="use .json, .safetensors or .pt")
-    tmp.replace(target)
+    try:
+        safefs.write_with(target, fill)
+    except safefs.UnsafeFile as e:
+        raise RunError(f"save: refusing to write {target}: {e.strerror}",
+                       hint="remove it, or save to another path") from None
 
 
 save.wants_names = True  # type: ignore[attr-defined]

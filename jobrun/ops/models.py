@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobrun import safefs
 from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
@@ -174,7 +175,11 @@ def export(
     if ctx.rank == 0:
         program = _export_program(ctx, model, example_input, dynamic_batch)
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.export.save(program, out)
+        try:
+            safefs.write_with(out, lambda f: torch.export.save(program, f))
+        except safefs.UnsafeFile as e:
+            raise RunError(f"export: refusing to write {out}: {e.strerror}",
+                           hint="remove it, or export to another path") from None
     if ctx.distributed:
         torch.distributed.barrier()
     return str(out)

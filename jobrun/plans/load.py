@@ -88,14 +88,21 @@ def nesting(value: Any, limit: int = MAX_DEPTH) -> int:
     return 1 + max((nesting(v, limit - 1) for v in items if isinstance(v, list | dict)), default=0)
 
 
-def load_file(path: str | Path) -> PMap:
-    """Read and parse a plan file; every failure is a PlanError (exit code 2)."""
+def load_file(path: str | Path, *, run_file: bool = False) -> PMap:
+    """Read and parse a plan file; every failure is a PlanError (exit code 2).
+    ``run_file``: a file jobrun keeps in a run directory (its plan copy), read as one:
+    a regular file only, never through a link (a FIFO planted there would block)."""
     p = Path(path)
     try:
         # At most one byte past the limit, whatever the file is (a pipe, /dev/zero): its
         # size on disk says nothing then.
-        with open(p, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        if run_file:
+            from jobrun import safefs
+
+            data = safefs.read_bounded(p, MAX_FILE_BYTES)
+        else:
+            with open(p, "rb") as f:
+                data = f.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise PlanError(
                 f"plan file is more than the {MAX_FILE_BYTES} bytes allowed",

@@ -147,7 +147,7 @@ class _Lead:
         plan, info = run.plan(), run.info()
         self.held.enter_context(run.lock_checkpoints(run.checkpoints))
         self.run, self.plan = run, plan
-        return _settings(run, plan, run.plan_file.read_text(), str(info.get("device") or plan.device),
+        return _settings(run, plan, run.plan_text(), str(info.get("device") or plan.device),
                          int(info.get("replicas", 1)), restarts_of(info, plan, None), epoch=None,
                          resume=False)
 
@@ -166,7 +166,7 @@ class _Lead:
             return {"done": True}
         store.clean(ckpt_dir)
         restarts = restarts_of(info, plan, max_restarts)
-        text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_file.read_text()
+        text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()
         self.run, self.plan = run, plan
         self.after_pick = lambda e, saved: record_resume(run, e, sets, changes, stored, world, saved,
                                                          restarts)

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jobrun import store
+from jobrun import safefs, store
 from jobrun.errors import CheckpointError, UsageError
 from jobrun.plans import ir
 from jobrun.runner import rng
@@ -230,23 +230,24 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
 
 
 def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any]) -> None:
-    tmp = out.with_name(f".{out.name}.tmp")
     try:
         if suffix == ".safetensors":
             import numpy as np
-            from safetensors.numpy import save_file
+            from safetensors.numpy import save as to_bytes
 
-            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items() if _is_tensor(v)}, tmp)
+            data = to_bytes({k: np.ascontiguousarray(v) for k, v in tensors.items() if _is_tensor(v)})
+            safefs.write_atomic(out, data)
         elif suffix == ".json":
-            tmp.write_text(json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2,
-                                      allow_nan=False) + "\n")
+            text = json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2, allow_nan=False) + "\n"
+            safefs.write_atomic(out, text.encode())
         else:
             import torch
 
-            torch.save({k: torch.from_numpy(v.copy()) if _is_tensor(v) else v for k, v in tensors.items()}, tmp)
-        tmp.replace(out)
+            state = {k: torch.from_numpy(v.copy()) if _is_tensor(v) else v for k, v in tensors.items()}
+            safefs.write_with(out, lambda f: torch.save(state, f))
+    except safefs.UnsafeFile as e:
+        raise UsageError(f"refusing to write {out}: {e.strerror}", hint="remove it, or give another -o") from None
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UsageError(f"cannot write {out}: {e.strerror or e}",
                          hint="check that its directory is writable and has space") from None
 

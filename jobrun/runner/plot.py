@@ -9,6 +9,7 @@ points lie in (E-1, E]. matplotlib is an optional extra: `pip install "jobrun[pl
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections import defaultdict
@@ -116,13 +117,18 @@ def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)
     fig.tight_layout()
+    png = io.BytesIO()
     try:
-        fig.savefig(out, dpi=100)
+        fig.savefig(png, format="png", dpi=100)  # to memory: matplotlib opens a path itself
+    finally:
+        plt.close(fig)
+    try:
+        safefs.write_atomic(out, png.getvalue())
+    except safefs.UnsafeFile as e:
+        raise UsageError(f"refusing to write {out}: {e.strerror}", hint="remove it, or give another -o") from None
     except OSError as e:
         raise UsageError(f"cannot write {out}: {e.strerror or e}",
                          hint="check that its directory is writable and has space") from None
-    finally:
-        plt.close(fig)
 
 
 def _label(run: RunDir, data: dict[RunDir, Any]) -> str:

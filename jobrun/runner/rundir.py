@@ -252,7 +252,7 @@ class RunDir:
         from jobrun.plans.load import load_file
 
         if self.source_changed():
-            return load_file(self.plan_file), str(self.plan_file), []
+            return load_file(self.plan_file, run_file=True), str(self.plan_file), []
         source = str(self.info()["source"])
         return load_file(source), source, [str(x) for x in self.info().get("sets", [])]
 
@@ -264,10 +264,20 @@ class RunDir:
         info = self.info()
         source = Path(str(info.get("source", "")))
         try:
-            return not (source.is_file() and hashlib.sha256(source.read_bytes()).hexdigest()
-                        == info.get("plan_sha256"))
+            return not (source.is_file() and hashlib.sha256(safefs.read_bounded(source, 1 << 26, follow=True))
+                        .hexdigest() == info.get("plan_sha256"))
         except OSError:
             return True
+
+    def plan_text(self) -> str:
+        """The run's plan copy (plan.yaml), read as a file of the run: regular, bounded."""
+        from jobrun.plans.load import MAX_FILE_BYTES
+
+        try:
+            return safefs.read_bounded(self.plan_file, MAX_FILE_BYTES).decode(errors="replace")
+        except OSError as e:
+            raise UsageError(f"cannot read {self.plan_file}: {e.strerror or e}",
+                             hint="it is jobrun's copy of the run's plan; restore it") from None
 
     def changed_plan(self, sets: Sequence[str]) -> tuple[ir.Plan, list[str], Any]:
         """The run's plan with more overrides (a resume that changes it): the plan, what

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -408,15 +409,19 @@ def upload(
 def _refuse_foreign(rdir: Path) -> None:
     """Refuse to replace a rank directory holding files a save does not write."""
     try:
-        names = os.listdir(rdir) if not rdir.is_symlink() else [""]
+        st = os.lstat(rdir)
     except FileNotFoundError:
         return
-    foreign = [n for n in names if not (n and RANK_SHAPE.owns_file(n) and (rdir / n).is_file()
-                                        and not (rdir / n).is_symlink())]
-    if foreign or rdir.is_symlink():
-        what = "is a symlink" if rdir.is_symlink() else f"holds files jobrun did not write ({', '.join(sorted(foreign)[:5])})"
-        raise CheckpointError(f"cannot upload into {rdir}: it {what}",
-                              hint="move them elsewhere, or set checkpoint.upload to another directory")
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+    else:
+        foreign = sorted(e.name for e in os.scandir(rdir)
+                         if not (RANK_SHAPE.owns_file(e.name) and e.is_file(follow_symlinks=False)))
+        if not foreign:
+            return
+        what = f"holds files jobrun did not write ({', '.join(foreign[:5])})"
+    raise CheckpointError(f"cannot upload into {rdir}: it {what}",
+                          hint="move it elsewhere, or set checkpoint.upload to another directory")
 
 
 def _copy_rank(src: Path, tmp: Path) -> None:

@@ -359,6 +359,10 @@ def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None])
     made = placed = had_old = False
     try:
         make_dirs(parent)
+        if os.path.islink(parent):  # jobrun makes this directory: a link there is planted
+            raise OSError(errno.ELOOP, f"{parent} is a symlink; jobrun does not write through it", str(parent))
+        if not _replaceable_dir(final):
+            raise OSError(errno.EEXIST, f"{final} holds files jobrun did not write", str(final))
         os.mkdir(tmp)
         made = True
         result = fill(tmp)
@@ -379,6 +383,21 @@ def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None])
         raise
     _discard(aside if had_old else None)
     return result
+
+
+def _replaceable_dir(final: Path) -> bool:
+    """Whether ``final`` may be moved aside and deleted: missing, a link (moved, never
+    followed), empty, or a save of jobrun's by its manifest."""
+    try:
+        fd = os.open(final, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    try:
+        return _has_manifest(fd) or not os.listdir(fd)
+    finally:
+        os.close(fd)
 
 
 def _discard(path: Path | None) -> None:

@@ -313,7 +313,7 @@ def _read_tensors(path: Path, info: dict[str, Any], as_numpy: bool, hashes: bool
 
 
 def _read_values(path: Path, info: dict[str, Any], hashes: bool) -> dict[str, Any]:
-    raw = path.read_bytes()
+    raw = safefs.read_bounded(path, info["size"])  # regular files only, no more than the manifest says
     if hashes:
         got = tensorfile.checksum_bytes(raw, info["chunk_bytes"])
         if found := _checksum_problem(path, info, got):

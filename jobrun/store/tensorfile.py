@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from jobrun import safefs
+
 _READ = 4 << 20  # the buffer of a checksum read
 
 # numpy dtypes of the safetensors dtypes (numpy has no bfloat16 or float8: their raw bits).
@@ -69,7 +71,7 @@ def checksum_file(path: Path, chunk: int) -> list[str]:
     """The checksums of a file, read from its start to its end."""
     sums = Checksums(chunk)
     buf = memoryview(bytearray(_READ))
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(safefs.open_read(path), "rb", buffering=0) as f:  # regular files only
         while n := f.readinto(buf):
             sums.update(buf[:n])
     return sums.digests()
