@@ -134,3 +134,69 @@ def say_kept(kept: list[str], limit: int = 8) -> str:
     """``a, b/, c`` (at most ``limit`` of them, then how many more)."""
     shown = ", ".join(kept[:limit])
     return shown + (f" and {len(kept) - limit} more" if len(kept) > limit else "")
+
+
+# -- the run's record of files its ops wrote --------------------------------------------------
+
+WRITTEN_FILE = ".jobrun-written"  # one path a line, relative to the run directory
+_MAX_WRITTEN = 1 << 20
+
+
+def record_written(run_dir: Path, path: Path) -> None:
+    """Add ``path`` (a file an op wrote, e.g. `save`) to the run's record, when it lies in
+    the run directory: `train --overwrite` deletes it then. Written through safefs."""
+    from jobrun import safefs
+
+    try:
+        rel = path.relative_to(run_dir)
+    except ValueError:
+        return  # the user's own place, outside the run: never deleted
+    if ".." in rel.parts or not rel.parts or not (run_dir / "run.json").is_file():
+        return  # an op run outside a jobrun run directory (its run.json) records nothing
+    line = str(rel)
+    record = run_dir / WRITTEN_FILE
+    try:
+        if line in _recorded(record):
+            return
+    except OSError:
+        pass
+    fd = safefs.open_write(record, append=True)
+    try:
+        safefs.write_all(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _recorded(record: Path) -> list[str]:
+    from jobrun import safefs
+
+    try:
+        data = safefs.read_bounded(record, _MAX_WRITTEN)
+    except FileNotFoundError:
+        return []
+    return data[:_MAX_WRITTEN].decode(errors="replace").splitlines()
+
+
+def remove_recorded(run_dir: Path, keep: Path | None = None) -> None:
+    """Delete the regular files the run's record names (never ``keep``), each opened below
+    the run directory without following a link; a line that leaves it is ignored."""
+    try:
+        lines = _recorded(run_dir / WRITTEN_FILE)
+    except OSError:
+        return  # a link or FIFO planted there: nothing recorded is trusted
+    for line in lines:
+        rel = Path(line)
+        if not line or rel.is_absolute() or ".." in rel.parts or rel.name in ("", "."):
+            continue
+        if keep is not None and os.path.exists(run_dir / rel) and os.path.samefile(run_dir / rel, keep):
+            continue
+        try:
+            fd = open_under(run_dir, rel.parent)
+        except OSError:
+            continue  # gone, or reached through a link: not followed
+        try:
+            remove_in(fd, Shape(files=re.compile(re.escape(rel.name))), [rel.name])
+        except OSError:
+            pass
+        finally:
+            os.close(fd)

@@ -323,3 +323,32 @@ def test_no_writer_writes_through_what_was_planted(tmp_path, monkeypatch, writer
             assert p.read_bytes() == data
     for p, snap in users_dirs.items():  # a user's directory where jobrun writes one: kept
         assert {k: v for k, v in _snapshot(p).items() if k in snap} == snap
+
+
+def test_overwrite_deletes_what_save_wrote_in_the_run_but_not_the_users_file_of_that_name(tmp_path):
+    plan = _plan(tmp_path)
+    plan.write_text(plan.read_text() + SAVE.replace("SAVED", "out/model.json"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    assert (run / "out" / "model.json").is_file()
+    assert (run / ".jobrun-written").read_text() == "out/model.json\n"  # recorded once
+    (run / "out" / "mine.json").write_text("user's\n")
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite", "--set", "exit=[]")
+    assert r.code == 0, r.text
+    assert not (run / "out" / "model.json").exists()  # the old run's, by its record
+    assert (run / "out" / "mine.json").read_text() == "user's\n"
+    assert "out/" in r.err  # kept (it holds the user's file), and said
+    assert not (run / ".jobrun-written").exists()  # the new run saved nothing
+
+
+def test_a_record_that_leaves_the_run_deletes_nothing(tmp_path):
+    plan = _plan(tmp_path)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    decoys = _decoys(tmp_path / "decoys", "victim.txt")
+    (run / "link").symlink_to(decoys)
+    (run / ".jobrun-written").write_text(f"../decoys/victim.txt\n{decoys}/victim.txt\nlink/victim.txt\n")
+    before = _snapshot(decoys)
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite")
+    assert r.code == 0, r.text
+    assert _snapshot(decoys) == before

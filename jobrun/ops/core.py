@@ -13,7 +13,7 @@ import operator
 from functools import reduce
 from typing import Any
 
-from jobrun import safefs
+from jobrun import safedel, safefs
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 
@@ -217,6 +217,7 @@ def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) 
                        hint="use .json, .safetensors or .pt")
     try:
         safefs.write_with(target, fill)
+        safedel.record_written(ctx.run_dir, target)  # train --overwrite deletes it then
     except safefs.UnsafeFile as e:
         raise RunError(f"save: refusing to write {target}: {e.strerror}",
                        hint="remove it, or save to another path") from None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobrun import safefs
+from jobrun import safedel, safefs
 from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
@@ -177,6 +177,7 @@ def export(
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             safefs.write_with(out, lambda f: torch.export.save(program, f))
+            safedel.record_written(ctx.run_dir, out)  # train --overwrite deletes it then
         except safefs.UnsafeFile as e:
             raise RunError(f"export: refusing to write {out}: {e.strerror}",
                            hint="remove it, or export to another path") from None

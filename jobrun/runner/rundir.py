@@ -13,28 +13,27 @@ TensorBoard scalars: :mod:`jobrun.runner.records`).
 jobrun writes into a directory only when it is new, empty, or a jobrun run directory, and
 never trains over one that holds checkpoints. Every file it writes here is opened through
 :mod:`jobrun.safefs`, so a symlink or FIFO planted in the directory is an error, not a
-write through it. `train --overwrite` deletes what :data:`RUN_SHAPE` names (the files
-above, metrics.png, tensorboard/) and the old plan's checkpoint epochs, through
-:mod:`jobrun.safedel`; what the user added stays.
+write through it. `train --overwrite` deletes what the run wrote and nothing else
+(:mod:`jobrun.runner.overwrite`); what the user added stays.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobrun import safedel, safefs
 from jobrun.errors import JobrunError, UsageError
+from jobrun.runner.locks import hold_lock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Iterator, Sequence
 
     from jobrun.plans import ir
 
@@ -46,32 +45,8 @@ LOCK_FILE = ".lock"
 PLOT_FILE = "metrics.png"  # `jobrun plot`'s default output
 MAX_INFO_BYTES = 1 << 20
 
-# The run's manifest of its own files: what jobrun writes in a run directory, and so
-# what `train --overwrite` deletes there (the lock stays: the new run holds it). A
-# half-written file under write_atomic's temporary name is jobrun's too; tensorboard/
-# holds the event files torch's SummaryWriter writes.
-_OWN_FILES = "|".join(map(re.escape, (RUN_FILE, PLAN_FILE, METRICS_FILE, CONSOLE_FILE, PLOT_FILE)))
-RUN_SHAPE = safedel.Shape(
-    files=re.compile(safedel.tmp_name_of(_OWN_FILES)),
-    dirs=((re.compile("tensorboard"), safedel.Shape(files=re.compile(r"events\.out\.tfevents\..+"))),),
-)
-
 # A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
-_held_locks: set[int] = set()  # the run locks this process holds (their fds)
-
-
-def _drop_locks_in_child() -> None:
-    """A forked child (a DataLoader worker) closes its copy of the run lock's fd: the
-    flock belongs to the open file, so a child outliving a killed job (a worker notices
-    its parent died a few seconds later) would keep the run locked. The parent's own
-    fd keeps the lock held while it runs."""
-    for fd in _held_locks:
-        with suppress(OSError):
-            os.close(fd)
-    _held_locks.clear()
-
-
-os.register_at_fork(after_in_child=_drop_locks_in_child)
+_METRICS_SHAPE = safedel.Shape(files=re.compile(re.escape(METRICS_FILE)))
 _EPOCH_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.\d+")
 
 
@@ -339,66 +314,13 @@ class RunDir:
         return old is not None and old.resolve() == checkpoint_dir.resolve()
 
     def clear(self, keep: Path | None = None) -> list[str]:
-        """Delete what an existing run wrote (``train --overwrite``): its own files here
-        (:data:`RUN_SHAPE`) and its plan's checkpoint epochs, where the plan put them;
-        ``keep``: a file never deleted (the plan being trained, when it lies here). What
-        else the directory holds is kept, and said on stderr; the list of it is returned."""
-        try:
-            plan = RunDir(self.path).plan() if self._is_run() else None
-        except JobrunError:
-            plan = None
-        kept: list[str] = []
-        try:
-            if plan is not None and plan.checkpoint is not None:
-                kept += self._clear_checkpoints(plan)
-            names = [e.name for e in os.scandir(self.path)
-                     if keep is None or not _same_file(self.path / e.name, keep)]
-            ckpt_top = self._checkpoints_top(plan)
-            kept += [k for k in safedel.remove_in(self.path, RUN_SHAPE, names)
-                     if k.rstrip("/") not in (LOCK_FILE, ckpt_top)]
-        except OSError as e:
-            raise _write_error(Path(e.filename or self.path), e) from None
+        """Delete what an existing run wrote (``train --overwrite``): see
+        :func:`jobrun.runner.overwrite.clear`. What it kept, which stderr is told."""
+        from jobrun.runner.overwrite import clear
+
+        kept = clear(self, keep)
         self._info = None
-        if kept:
-            print(f"note: train --overwrite kept what jobrun did not write in {self.path}: "
-                  f"{safedel.say_kept(kept)}", file=sys.stderr, flush=True)
         return kept
-
-    def _checkpoints_top(self, plan: ir.Plan | None) -> str | None:
-        """The run directory's entry that holds a relative checkpoint.dir (None: none)."""
-        if plan is None or plan.checkpoint is None:
-            return None
-        parts = [p for p in Path(plan.checkpoint.dir).expanduser().parts if p != "."]
-        return parts[0] if parts and not Path(parts[0]).is_absolute() and ".." not in parts else None
-
-    def _clear_checkpoints(self, plan: ir.Plan) -> list[str]:
-        """Delete the old plan's epochs in its checkpoint directory; what stays there
-        inside them (relative to the run directory when the checkpoints are under it)."""
-        from jobrun.store.files import checkpoint_dir_shape
-
-        assert plan.checkpoint is not None
-        rel = Path(plan.checkpoint.dir).expanduser()
-        # A path that leaves the run directory is the user's own, taken as written; only
-        # the part below the run directory (which others may write into) is no-follow.
-        outside = rel.is_absolute() or ".." in rel.parts
-        root, below = (Path(os.path.normpath(self.path / rel)), Path()) if outside else (self.path, rel)
-        try:
-            fd = safedel.open_under(root, below)
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise UsageError(
-                f"the run's checkpoint directory {root / below} is reached through a symlink (or is "
-                "not a directory), so --overwrite will not delete the checkpoints there",
-                hint="delete them yourself, or set checkpoint.dir to the directory the link "
-                     "points to (an absolute path)") from e
-        try:
-            shape = checkpoint_dir_shape(plan.nodes)
-            names = [n for n in os.listdir(fd) if shape.subdir(n) is not None]
-            kept = safedel.remove_in(fd, shape, names)
-        finally:
-            os.close(fd)
-        return [f"{root}/{k}" if outside else f"{below}/{k}" for k in kept]
 
     def _is_run(self) -> bool:
         try:
@@ -431,7 +353,7 @@ class RunDir:
         self.write_info(info)
         try:
             safefs.check_replaceable(self.metrics_file)
-            self.metrics_file.unlink(missing_ok=True)
+            safedel.remove_in(self.path, _METRICS_SHAPE, [METRICS_FILE])
         except OSError as e:
             raise _write_error(self.metrics_file, e) from None
 
@@ -453,13 +375,14 @@ class RunDir:
             return
         try:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _write_error(checkpoint_dir, e) from None
+        except OSError:
+            yield  # no checkpoint can be written there: each save says so, training goes on
+            return
         me = f"run {self.path.resolve()} (pid {os.getpid()})"
         with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda holder: UsageError(
                 f"checkpoint directory {checkpoint_dir} is in use by {holder}",
                 hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
-                     "directory (--set checkpoint.dir=DIR), or wait for that run to end")):
+                     "directory (--set checkpoint.dir=DIR), or wait for that run to end"), optional=True):
             yield
 
     def truncate_metrics(self, after_epoch: int) -> None:
@@ -483,30 +406,6 @@ class RunDir:
             if not isinstance(epoch, int) or epoch <= after_epoch:
                 kept.append(line)
         self._write(path, "".join(k + "\n" for k in kept).encode())
-
-
-@contextmanager
-def hold_lock(path: Path, me: str, busy: Callable[[str], JobrunError]) -> Iterator[None]:
-    """An exclusive flock on the lock file ``path`` (jobrun's own: opened without following
-    a link, regular files only) while the block runs; it says ``me`` to whoever finds it
-    held, and ``busy(holder)`` is raised when another process holds it."""
-    try:
-        fd = safefs.open_lock(path)
-    except OSError as e:
-        raise _write_error(path, e) from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-            raise busy(holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, me.encode(), 0)
-        _held_locks.add(fd)
-        yield
-    finally:
-        _held_locks.discard(fd)
-        os.close(fd)  # also releases the flock
 
 
 def _inside(path: Path, root: Path) -> bool:

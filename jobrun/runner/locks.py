@@ -1,0 +1,60 @@
+"""The locks jobrun holds while a run writes: the run directory's and the checkpoint
+directory's (each a `.lock` file of jobrun's own, flock'ed, naming its holder)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from jobrun import safefs
+from jobrun.errors import JobrunError
+
+_held_locks: set[int] = set()  # the run locks this process holds (their fds)
+
+
+def _drop_locks_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copy of the run lock's fd: the
+    flock belongs to the open file, so a child outliving a killed job (a worker notices
+    its parent died a few seconds later) would keep the run locked. The parent's own
+    fd keeps the lock held while it runs."""
+    for fd in _held_locks:
+        with suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
+@contextmanager
+def hold_lock(path: Path, me: str, busy: Callable[[str], JobrunError], optional: bool = False) -> Iterator[None]:
+    """An exclusive flock on the lock file ``path`` (jobrun's own: opened without following
+    a link, regular files only) while the block runs; it says ``me`` to whoever finds it
+    held, and ``busy(holder)`` is raised when another process holds it. ``optional``: a
+    lock file that cannot be created (a read-only or missing place, not a planted link or
+    FIFO) is no lock, and no error."""
+    from jobrun.runner.rundir import _write_error as write_error
+
+    try:
+        fd = safefs.open_lock(path)
+    except OSError as e:
+        if optional and not isinstance(e, safefs.UnsafeFile):
+            yield  # nothing can be written there either (the writes say so)
+            return
+        raise write_error(path, e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+            raise busy(holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode(), 0)
+        _held_locks.add(fd)
+        yield
+    finally:
+        _held_locks.discard(fd)
+        os.close(fd)  # also releases the flock
