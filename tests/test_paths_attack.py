@@ -352,3 +352,98 @@ def test_a_record_that_leaves_the_run_deletes_nothing(tmp_path):
     r = jobrun("train", plan, "--run-dir", run, "--overwrite")
     assert r.code == 0, r.text
     assert _snapshot(decoys) == before
+
+
+# -- the one delete, used by the store: prune, clean, a save's old copy, upload -------------
+
+
+def _saved(tmp_path: Path, epochs=range(3), ranks=(0,)) -> Path:
+    from jobrun import store
+
+    ckpt = tmp_path / "ckpt"
+    for e in epochs:
+        for r in ranks:
+            store.save({"e": e}, {}, ckpt, "n", e, rank=r, world_size=len(ranks))
+    return ckpt
+
+
+def test_prune_keeps_a_users_file_and_never_follows_a_link_in_an_epoch(tmp_path):
+    from jobrun import store
+
+    ckpt = _saved(tmp_path)
+    decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
+    before = _snapshot(decoys)
+    (ckpt / "n.0" / "mine.txt").write_text("user's\n")
+    (ckpt / "n.0" / "rank-0" / "values.json.bak").write_text("user's\n")
+    (ckpt / "n.1" / "rank-7").symlink_to(decoys / "victim_dir")  # a link named like a rank
+    os.mkfifo(ckpt / "n.1" / "rank-0" / ".COMMIT.tmp-1-deadbeef")
+    assert store.prune(ckpt, 1, ["n"]) == [0]  # epoch 1 is incomplete (rank-7)
+    store.delete_epochs(ckpt, ["n"], [1])  # what prune does with an epoch: incomplete here
+    assert _snapshot(decoys) == before
+    left = _snapshot(ckpt)
+    assert sorted(k.split("/", 1)[1] for k in left if k.startswith(".deleting-n.0-") and "/" in k) == \
+        ["mine.txt", "rank-0", "rank-0/values.json.bak"]  # the user's files, in the renamed epoch
+    assert any(k.startswith(".deleting-n.1-") and k.endswith("rank-7") for k in left)
+    assert store.list_checkpoints(ckpt)[-1].epoch == 2 and len(store.list_checkpoints(ckpt)) == 1
+
+
+def test_clean_removes_leftovers_but_not_links_or_fifos_named_like_them(tmp_path):
+    from jobrun import store
+
+    ckpt = _saved(tmp_path)
+    decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
+    before = _snapshot(decoys)
+    dead = 2**22 + 12345
+    (ckpt / ".deleting-n.0-0badf00d").symlink_to(decoys / "victim_dir")
+    (ckpt / "n.1" / f".tmp-rank-0-{dead}-deadbeef").symlink_to(decoys / "victim_dir")
+    os.mkfifo(ckpt / "n.2" / "rank-0" / f".COMMIT.tmp-{dead}-deadbeef")
+    (ckpt / "n.2" / f".old-rank-3-{dead}-deadbeef").mkdir()
+    (ckpt / "n.2" / f".old-rank-3-{dead}-deadbeef" / "tensors.safetensors").write_text("x")
+    assert store.clean(ckpt) == []  # the .old- copy of a missing rank-3 is put back, not removed
+    assert (ckpt / "n.2" / "rank-3" / "tensors.safetensors").exists()
+    assert _snapshot(decoys) == before
+    assert (ckpt / ".deleting-n.0-0badf00d").is_symlink()
+
+
+def test_a_save_never_writes_through_a_linked_epoch_directory(tmp_path):
+    from jobrun import store
+    from jobrun.errors import CheckpointError
+
+    decoys = _decoys(tmp_path / "decoys", "victim_dir/")
+    before = _snapshot(decoys)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "n.0").symlink_to(decoys / "victim_dir")
+    with pytest.raises(CheckpointError, match="symlink"):
+        store.save({"e": 0}, {}, tmp_path / "ckpt", "n", 0)
+    assert _snapshot(decoys) == before
+
+
+def test_upload_by_fewer_ranks_drops_the_earlier_uploads_extra_rank_only(tmp_path):
+    from jobrun import store
+    from jobrun.errors import CheckpointError
+
+    two = _saved(tmp_path / "a", epochs=[1], ranks=(0, 1))
+    one = _saved(tmp_path / "b", epochs=[2])
+    up = tmp_path / "up"
+    store.upload(two, "n", 1, up)
+    (up / "n" / "notes.txt").write_text("user's\n")
+    store.upload(one, "n", 2, up)
+    assert sorted(p.name for p in (up / "n").iterdir()) == ["notes.txt", "rank-0"]
+    assert store.load_dir(up / "n" / "rank-0")[0]["e"] == 2
+    (tmp_path / "up2").mkdir()
+    (tmp_path / "up2" / "n").symlink_to(up / "n")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        store.upload(one, "n", 2, tmp_path / "up2")
+
+
+def test_open_under_refuses_a_link_below_the_root(tmp_path):
+    from jobrun import safedel
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt").symlink_to(tmp_path / "real")
+    with pytest.raises(OSError):
+        safedel.open_under(tmp_path / "run", "ckpt")
+    with pytest.raises(OSError):
+        safedel.open_under(tmp_path / "run", "../real")
+    os.close(safedel.open_under(tmp_path / "run" / "ckpt"))  # the root as the user named it
