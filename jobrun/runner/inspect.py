@@ -6,6 +6,7 @@ An epoch is a number or `best`: the best epoch by the plan's `checkpoint.best`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -245,9 +246,14 @@ def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any
 
             torch.save({k: torch.from_numpy(v.copy()) if _is_tensor(v) else v for k, v in tensors.items()}, tmp)
         tmp.replace(out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UsageError(f"cannot write {out}: {e.strerror or e}",
+    except Exception as e:
+        # The libraries say "cannot write" their own way: safetensors with its error (a
+        # read-only file system), torch.save with a RuntimeError.
+        if not isinstance(e, OSError | RuntimeError) and type(e).__name__ != "SafetensorError":
+            raise
+        with contextlib.suppress(OSError):  # a read-only file system refuses this too
+            tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}",
                          hint="check that its directory is writable and has space") from None
 
 
