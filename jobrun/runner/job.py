@@ -141,6 +141,13 @@ class JobRunner:
                 self._record("failed", e)
                 self.display.to_log(e.format_message())
                 raise
+            except KeyboardInterrupt:  # raised by the user's code, not by a signal (jobrun's is Interrupted)
+                self._stopped(signal.SIGINT)
+            except BaseException as e:
+                # Anything else (a SystemExit from user code, a bug of jobrun's): run.json
+                # must not go on saying "running".
+                self._record("failed", RunError(f"{type(e).__name__}: {e}"))
+                raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
                 self.metrics.close()
