@@ -5,7 +5,11 @@ under it; run.json says "failed" or "interrupted" whatever was raised."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import pytest
 from runner_util import jobrun
 
 from jobrun.errors import RunError
@@ -99,3 +103,59 @@ def test_an_error_of_jobrun_alone_has_no_user_trace():
         found = usertrace.of(e)
     assert found is not None and found.function.endswith("test_an_error_of_jobrun_alone_has_no_user_trace")
     assert "KeyError: 'missing'" in found.text
+
+
+RANK1_CODE = """\
+import os
+
+
+def boom(x):
+    if os.environ.get("RANK") == "1":
+        raise ValueError("rank 1 data is bad")
+    return x
+"""
+
+TORCHRUN_PLAN = """\
+job: tr
+seed: 0
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+      - const: {out: n, value: 0}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - call: {fn: "user_rank1:boom", in: [n], out: m}
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_failure_of_rank_1_is_its_message_everywhere(tmp_path):
+    """Rank 0 meets the broken connection in the runner's own collective (after the epoch),
+    where it printed jobrun's raw traceback; torchrun's summary said "To enable traceback"."""
+    (tmp_path / "user_rank1.py").write_text(RANK1_CODE)
+    (tmp_path / "plan.yaml").write_text(TORCHRUN_PLAN)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "jobrun", "train", str(tmp_path / "plan.yaml"), "--run-dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    head = "error: op `call` in task 'train' on node 'local' (rank 1) failed in user_rank1.boom: " \
+           "ValueError: rank 1 data is bad"
+    assert f"[rank 1] {tmp_path / 'run' / 'plan.yaml'}:" in out and head in out, out
+    assert "[rank0]: Traceback" not in out and "jobrun/runner" not in out, out
+    # torchrun's own summary names jobrun's message as the root cause.
+    assert f"traceback : [rank 1] {tmp_path / 'run' / 'plan.yaml'}" in out, out

@@ -143,9 +143,16 @@ class JobRunner:
                 raise
             except KeyboardInterrupt:  # raised by the user's code, not by a signal (jobrun's is Interrupted)
                 self._stopped(signal.SIGINT)
-            except BaseException as e:
-                # Anything else (a SystemExit from user code, a bug of jobrun's): run.json
-                # must not go on saying "running".
+            except Exception as e:
+                # Outside any op: a collective of the runner's that broke because another
+                # rank left (that rank's message is the one to show), or a bug of jobrun's.
+                error = RunError(f"{type(e).__name__}: {e}")
+                error.__cause__ = e
+                if self._peer_lost(error):
+                    raise error from e
+                self._record("failed", error)
+                raise
+            except BaseException as e:  # a SystemExit... from user code: not "running"
                 self._record("failed", RunError(f"{type(e).__name__}: {e}"))
                 raise
             finally:
