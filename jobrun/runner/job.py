@@ -186,6 +186,9 @@ class JobRunner:
     def _start(self) -> bool:
         self._run_group("init")
         self._fingerprint_init()
+        if self.cfg.world_size > 1:  # hosts whose data files differ must not train together
+            fingerprint.check_ranks({name: {k: v for k, v in node.globals.items() if k not in self.held.get(
+                name, frozenset())} for name, node in self.nodes.items()})
         resume = self.cfg.resume_epoch
         if resume is None:
             self._save(0, stop=False)
