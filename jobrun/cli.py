@@ -67,6 +67,9 @@ class _EpochType(click.ParamType):
             return value
         text = str(value).strip()
         if text.isascii() and text.isdigit():
+            if len(text.lstrip("0")) > 9:  # no run has a billion epochs; int() of 5,000 digits raises
+                self.fail(f"{text[:20]}{'...' if len(text) > 20 else ''} is not an epoch: "
+                          "it has more than 9 digits", param, ctx)
             return int(text)
         self.fail(f"{value!r} is not an epoch: give a number >= 0, or best", param, ctx)
 

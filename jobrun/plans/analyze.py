@@ -71,11 +71,11 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
 
 
 def _check_checkpointed(plan: ir.Plan, ops: Mapping[str, OpSpec], diags: list[Diagnostic]) -> None:
-    """What checkpoints hold is worked out apart (:mod:`jobrun.plans.state`); its warnings."""
-    from jobrun.plans import state
+    """Worked out apart: what checkpoints hold (plans/state.py), instances training one model."""
+    from jobrun.plans import instances, state
 
-    for pos, message, hint in state.problems(plan, ops):
-        diags.append(Diagnostic("warning", pos, message, "checkpoint-blob", hint))
+    diags += [Diagnostic("warning", p, m, "checkpoint-blob", h) for p, m, h in state.problems(plan, ops)]
+    diags += [Diagnostic("error", p, m, "instance-training", h) for p, m, h in instances.problems(plan, ops)]
 
 
 # -- the analyzer --------------------------------------------------------------------------

@@ -54,7 +54,32 @@ Thunk = Callable[[], Any]
 
 
 class OpFailed(RunError):
-    """An op raised: carries the plan position, the task and the node."""
+    """An op raised: carries the plan position, the task and the node; ``trace``: the
+    user's own frames, when the error came from the user's code (shown under the line
+    that names the op and the plan position, before the hint)."""
+
+    trace: str | None = None
+
+    def format_message(self) -> str:
+        if not self.trace:
+            return super().format_message()
+        head = f"{self.pos}: error: {self.message}" if self.pos else f"error: {self.message}"
+        body = "".join("    " + line + "\n" for line in self.trace.rstrip("\n").split("\n"))
+        text = f"{head}\n  traceback of your code (most recent call last):\n{body.rstrip()}"
+        return text + (f"\n  hint: {self.hint}" if self.hint else "")
+
+
+def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) -> OpFailed:
+    """An OpFailed for ``cause``, with the user's frames when it came from user code."""
+    from jobrun.runner import usertrace
+
+    error = OpFailed(message, pos, hint)
+    found = usertrace.of(cause)
+    if found is not None:
+        error.trace = found.text
+        if not isinstance(cause, JobrunError):  # the line names the user's function
+            error.message = message.replace(" failed: ", f" failed in {found.function}: ", 1)
+    return error
 
 
 @dataclasses.dataclass
@@ -347,8 +372,8 @@ class _Generator(Visitor):
                 ) from e
             if isinstance(e, JobrunError):
                 message = e.message.removeprefix(f"{s.op}: ")  # the op is named already
-                raise OpFailed(f"op `{s.op}` {where}: {message}", s.pos, e.hint) from e
-            raise OpFailed(f"op `{s.op}` {where} failed: {type(e).__name__}: {e}", s.pos) from e
+                raise _op_error(f"op `{s.op}` {where}: {message}", s.pos, e.hint, e) from e
+            raise _op_error(f"op `{s.op}` {where} failed: {type(e).__name__}: {e}", s.pos, None, e) from e
 
         return failed
 

@@ -197,3 +197,65 @@ class _Digest:
 
     def hex(self) -> str:
         return f"{self.crc:08x}"
+
+
+# -- ranks that must agree -------------------------------------------------------------------
+
+
+def of_data(blobs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The fingerprint of the data `init` built (tensors, arrays, numbers, strings, lists,
+    dicts), which every rank of a data-parallel job must build alike: objects with a
+    state (models, optimizers, readers) are left out, as a sharded model differs per
+    rank by design."""
+    torch = sys.modules.get("torch")
+    plain = (type(None), bool, int, float, str, list, tuple, dict)
+    return {name: describe(v) for name, v in blobs.items()
+            if isinstance(v, plain) or (torch is not None and isinstance(v, torch.Tensor)
+                                        and not _is_dtensor(v))
+            or (type(v).__module__ == "numpy" and hasattr(v, "shape"))}
+
+
+def _is_dtensor(t: Any) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def check_ranks(nodes: dict[str, dict[str, Any]]) -> None:
+    """Every rank's init must have built the same data (``nodes``: this rank's blobs that
+    checkpoints do not hold, per node): hosts whose data files differ, with the same
+    shapes, trained together without a word. Compared once, after init; every rank gets
+    every fingerprint, so all stop together (a RunError naming the ranks and hosts)."""
+    import socket
+
+    from jobrun.errors import RunError
+    from jobrun.runner.group import gather
+
+    mine = {"host": socket.gethostname(), "nodes": {name: of_data(blobs) for name, blobs in nodes.items()}}
+    differ = rank_differences(gather(mine))
+    if differ:
+        raise RunError(
+            "the ranks' init built different data, so they would train on different things: "
+            + "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else ""),
+            hint="every host must read the same files (copy them from one host), and init must not "
+                 "depend on the rank (each rank's part of the data is what `reader` gives it)")
+
+
+def rank_differences(gathered: list[dict[str, Any]]) -> list[str]:
+    """What the ranks' init built differently, one line per blob (``gathered``: every
+    rank's {"host": ..., "nodes": {node: of_data(...)}}, in rank order); [] when alike."""
+    first = gathered[0]
+    lines = []
+    for rank, theirs in enumerate(gathered[1:], 1):
+        for node, blobs in first["nodes"].items():
+            other = theirs["nodes"].get(node, {})
+            for name in sorted(set(blobs) | set(other)):
+                if blobs.get(name) != other.get(name):
+                    lines.append(
+                        f"blob {name!r} of node {node!r}: rank 0 (host {first['host']}) built "
+                        f"{_built(blobs.get(name))}, rank {rank} (host {theirs['host']}) "
+                        f"{_built(other.get(name))}")
+    return lines
+
+
+def _built(d: Any) -> str:
+    return "nothing" if d is None else _text(d)

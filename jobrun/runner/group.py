@@ -160,3 +160,38 @@ def lost_peer(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+_FAILURE_KEY = "jobrun/failure"
+_MAX_FAILURE_CHARS = 1 << 16
+
+
+def tell_failure(rank: int, text: str) -> None:
+    """Leave this rank's error message in the process group's store, for the ranks whose
+    collectives break when this one leaves (another host prints the same message, not
+    its own broken connection). The first rank to fail sets it; a store gone is ignored."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+            store.compare_set(_FAILURE_KEY, "", json.dumps({"rank": rank, "message": text[:_MAX_FAILURE_CHARS]}))
+    except Exception:  # noqa: BLE001 - the message is printed here anyway
+        pass
+
+
+def peer_failure(wait_s: float = 5.0) -> tuple[int, str] | None:
+    """(rank, message) of the rank whose failure broke this one's collective, when it
+    told it (:func:`tell_failure`) within ``wait_s`` seconds; else None."""
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.wait([_FAILURE_KEY], timedelta(seconds=wait_s))
+        told = json.loads(store.get(_FAILURE_KEY).decode())
+        rank, message = told["rank"], told["message"]
+        if type(rank) is int and isinstance(message, str):
+            return rank, message[:_MAX_FAILURE_CHARS]
+    except Exception:  # noqa: BLE001 - a store gone, a timeout, damaged data: not told
+        pass
+    return None

@@ -147,8 +147,8 @@ class _Lead:
         plan, info = run.plan(), run.info()
         self.held.enter_context(run.lock_checkpoints(run.checkpoints))
         self.run, self.plan = run, plan
-        return _settings(run, plan, run.plan_text(), str(info.get("device") or plan.device),
-                         int(info.get("replicas", 1)), restarts_of(info, plan, None), epoch=None,
+        return _settings(run, plan, run.plan_text(), str(info.device or plan.device),
+                         (info.replicas or 1), restarts_of(info, plan, None), epoch=None,
                          resume=False)
 
     def resume(self, run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...],
@@ -170,7 +170,7 @@ class _Lead:
         self.run, self.plan = run, plan
         self.after_pick = lambda e, saved: record_resume(run, e, sets, changes, stored, world, saved,
                                                          restarts)
-        settings = _settings(run, plan, text, str(info.get("device") or plan.device), world, restarts,
+        settings = _settings(run, plan, text, str(info.device or plan.device), world, restarts,
                              epoch=epoch, resume=True)
         settings["change_ok"] = replicas is not None
         settings["force"] = force or beyond_extending(changes)
@@ -253,15 +253,15 @@ def _prepare_host(held: ExitStack, run: RunDir, plan_dir: Path, settings: dict[s
     with a copy of the plan and a run.json naming it a host copy. Its problems."""
     rank = _rank()
     try:
-        if run.info_file.is_file() and run.info().get("launch_token") == settings["token"]:
+        if run.info_file.is_file() and run.info().launch_token == settings["token"]:
             return []  # rank 0's own directory: a shared filesystem
     except JobrunError:
         pass
     try:
         if not settings["resume"] and not restart_count():
             run.check_can_train(run.checkpoints, overwrite)
-        elif run.info_file.is_file() and run.info().get("job") != settings["job"]:
-            raise UsageError(f"it holds a run of job {run.info().get('job')!r}, not {settings['job']!r}")
+        elif run.info_file.is_file() and run.info().job != settings["job"]:
+            raise UsageError(f"it holds a run of job {run.info().job!r}, not {settings['job']!r}")
         run.create()
         held.enter_context(run.lock())
         if overwrite and not settings["resume"]:

@@ -247,8 +247,9 @@ def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any
             safefs.write_with(out, lambda f: torch.save(state, f))
     except safefs.UnsafeFile as e:
         raise UsageError(f"refusing to write {out}: {e.strerror}", hint="remove it, or give another -o") from None
-    except OSError as e:
-        raise UsageError(f"cannot write {out}: {e.strerror or e}",
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a failed write (a full or read-only file system) as a RuntimeError.
+        raise UsageError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}",
                          hint="check that its directory is writable and has space") from None
 
 

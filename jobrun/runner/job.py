@@ -141,6 +141,20 @@ class JobRunner:
                 self._record("failed", e)
                 self.display.to_log(e.format_message())
                 raise
+            except KeyboardInterrupt:  # raised by the user's code, not by a signal (jobrun's is Interrupted)
+                self._stopped(signal.SIGINT)
+            except Exception as e:
+                # Outside any op: a collective of the runner's that broke because another
+                # rank left (that rank's message is the one to show), or a bug of jobrun's.
+                error = RunError(f"{type(e).__name__}: {e}")
+                error.__cause__ = e
+                if self._peer_lost(error):
+                    raise error from e
+                self._record("failed", error)
+                raise
+            except BaseException as e:  # a SystemExit... from user code: not "running"
+                self._record("failed", RunError(f"{type(e).__name__}: {e}"))
+                raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
                 self.metrics.close()
@@ -172,6 +186,9 @@ class JobRunner:
     def _start(self) -> bool:
         self._run_group("init")
         self._fingerprint_init()
+        if self.cfg.world_size > 1:  # hosts whose data files differ must not train together
+            fingerprint.check_ranks({name: {k: v for k, v in node.globals.items() if k not in self.held.get(
+                name, frozenset())} for name, node in self.nodes.items()})
         resume = self.cfg.resume_epoch
         if resume is None:
             self._save(0, stop=False)

@@ -29,6 +29,7 @@ from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
+from jobrun.records_schema import RunInfo
 from jobrun.runner.pick import pick_epoch, replicas_text
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.workers import Launch, device_for, start
@@ -71,11 +72,11 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         ckpt_dir = checkpoints_of(run, plan)
         held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()
-        n = replicas or int(info.get("replicas", 1))
+        n = replicas or (info.replicas or 1)
         epoch = best_or(epoch, ckpt_dir, plan, run)
         if already_finished(run, epoch, changes):
             return 0
-        device = str(info.get("device") or plan.device)
+        device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, 1, select=False)
         epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None)
@@ -135,7 +136,7 @@ def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str],
     """The plan a resume runs: the run's own, with ``sets`` applied (what changed, and
     the tree to store, when there are any)."""
     if run.source_changed():
-        print(f"warning: {run.info().get('source')} changed since the run started; resume uses the "
+        print(f"warning: {run.info().source} changed since the run started; resume uses the "
               f"plan stored in {run.plan_file} (give changes as KEY=VALUE overrides)", file=sys.stderr)
     if not sets:
         return run.plan(), [], None
@@ -169,19 +170,18 @@ def best_or(epoch: int | str | None, ckpt_dir: Path, plan: ir.Plan, run: RunDir,
 
 def already_finished(run: RunDir, epoch: int | None, changes: list[str]) -> bool:
     info = run.info()
-    if epoch is None and info.get("status") == "finished" and not changes:
-        print(f"{run.path}: job {info.get('job')!r} already finished at epoch {info.get('last_epoch')}; "
+    if epoch is None and info.status == "finished" and not changes:
+        print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}; "
               "nothing to do (use --epoch E to train again from E)")
         return True
     return False
 
 
-def restarts_of(info: dict[str, Any], plan: ir.Plan, given: int | None) -> int:
+def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
     """--max-restarts, else what the run started with, else the plan's."""
     if given is not None:
         return given
-    stored = info.get("max_restarts")
-    return stored if type(stored) is int and stored >= 0 else plan.max_restarts
+    return plan.max_restarts if info.max_restarts is None else info.max_restarts
 
 
 def record_resume(run: RunDir, epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
@@ -193,12 +193,12 @@ def record_resume(run: RunDir, epoch: int, sets: tuple[str, ...], changes: list[
     if changes:
         _warn_changes(changes)
         run.write_plan(yaml.safe_dump(stored, sort_keys=False))
-        facts = {"sets": [*info.get("sets", []), *sets],
-                 "changes": [*info.get("changes", []), {"from_epoch": epoch, "sets": list(sets),
+        facts = {"sets": [*(info.sets or []), *sets],
+                 "changes": [*(info.changes or []), {"from_epoch": epoch, "sets": list(sets),
                                                          "changed": changes}]}
     if saved != replicas:
         print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
-        facts["replica_changes"] = [*info.get("replica_changes", []),
+        facts["replica_changes"] = [*(info.replica_changes or []),
                                     {"from_epoch": epoch, "from": saved, "to": replicas}]
     run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
                     error_at=None, replicas=replicas, max_restarts=restarts, **facts)

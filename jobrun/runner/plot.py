@@ -10,14 +10,14 @@ points lie in (E-1, E]. matplotlib is an optional extra: `pip install "jobrun[pl
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from jobrun import safefs
+from jobrun import records_schema, safefs
 from jobrun.errors import UsageError, did_you_mean
+from jobrun.records_schema import MetricsRecord
 from jobrun.runner.rundir import RunDir
 
 MAX_METRICS_BYTES = 1 << 30
@@ -35,23 +35,19 @@ def series(run: RunDir) -> Series:
         raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
     per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
     outputs: dict[tuple[str, int], float] = {}
-    for line in data.decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a kill
-        epoch = record.get("epoch") if isinstance(record, dict) else None
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
+    for record in read_metrics(run.metrics_file, data):
+        epoch = record.epoch
+        if epoch is None:
             continue
-        if record.get("event") == "epoch" and isinstance(record.get("outputs"), dict):
-            for task in record["outputs"].values():
-                for name, value in (task.items() if isinstance(task, dict) else ()):
+        if record.event == "epoch":
+            for task in record.outputs.values():
+                for name, value in task.items():
                     if _number(value):
-                        outputs[(str(name), epoch)] = float(value)
-        elif record.get("group") == "epoch" and isinstance(record.get("values"), dict):
-            for name, value in record["values"].items():
+                        outputs[(name, epoch)] = float(value)
+        elif record.group == "epoch":
+            for name, value in record.values.items():
                 if _number(value):
-                    per_epoch[(str(name), epoch)].append(float(value))
+                    per_epoch[(name, epoch)].append(float(value))
     # An epoch task's output that the epoch did not also log is a point at the epoch's end.
     for key, value in outputs.items():
         per_epoch.setdefault(key, [value])
@@ -60,6 +56,21 @@ def series(run: RunDir) -> Series:
         n = len(values)
         out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
     return dict(out)
+
+
+def read_metrics(path: Path, data: bytes) -> list[MetricsRecord]:
+    """Every record of metrics.jsonl (lines cut by a kill left out), each checked against
+    its schema; a UsageError naming the file, the line and the field otherwise."""
+    records = []
+    for n, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+        try:
+            record = records_schema.metrics_line(line, f"{path}:{n}")
+        except records_schema.Invalid as e:
+            raise UsageError(f"{e} (the run's metrics file is damaged)",
+                             hint=f"repair or delete that line of {path}") from None
+        if record is not None:
+            records.append(record)
+    return records
 
 
 def _number(value: Any) -> bool:
@@ -99,6 +110,13 @@ def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Metric names and run directories are the user's text, not mathtext (`$\alpha$`
+    # or `\undefinedmacro` would be parsed, and fail).
+    with matplotlib.rc_context({"text.parse_math": False}):
+        _panels(plt, data, names, out)
+
+
+def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path) -> None:
     cols = min(2, len(names))
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)

@@ -81,9 +81,92 @@ def _blob(node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
                 f"{blob!r} on node {node.name!r}, but init did not create one",
                 hint="init must build every object the epochs use (the plan changed?)",
             )
+        _check_fits(node, blob, live, saved, epoch)
         store.restore(live, saved)  # its state dict, and a module's modes and frozen parameters
         return
     node.globals[blob] = _to_device(saved, node.ctx.device)
+
+
+_NEW_RUN_HINT = (
+    "a checkpoint restores into the model init builds from the same plan: when the plan or an "
+    "override (`resume vars.hidden=16`) changes a shape, the run must start anew "
+    "(`jobrun train PLAN --run-dir NEW`); otherwise this checkpoint is from another plan or damaged")
+
+
+def _check_fits(node: NodeRuntime, blob: str, live: Any, saved: SavedState, epoch: int) -> None:
+    """Every tensor of a saved state dict has the shape and dtype of the live object's,
+    and a module's saved keys are its own, before anything is loaded (torch would stop
+    half-way with a size-mismatch traceback, or convert a dtype without a word)."""
+    if not isinstance(saved.state, dict):
+        return
+    where = f"checkpoint epoch {epoch}, blob {blob!r} on node {node.name!r}"
+    now = live.state_dict()
+    if callable(getattr(live, "named_parameters", None)):  # a module: the same keys
+        missing = [k for k in now if k not in saved.state]
+        extra = [k for k in saved.state if k not in now]
+        if missing or extra:
+            parts = [f"{label} {', '.join(map(repr, keys[:4]))}{' ...' if len(keys) > 4 else ''}"
+                     for label, keys in (("the model has no", extra), ("the checkpoint has no", missing))
+                     if keys]
+            raise CheckpointError(f"{where} does not fit the {type(live).__name__} init built: "
+                                  + "; ".join(parts), hint=_NEW_RUN_HINT)
+    for key, saved_v, live_v in [*_pairs(saved.state, now, ""), *_per_param(saved.state, live, where)]:
+        s_shape, l_shape = _shape(saved_v), _shape(live_v)
+        if s_shape != l_shape:
+            raise CheckpointError(
+                f"{where}, key {key!r}: the checkpoint holds a tensor of shape {list(s_shape)}, "
+                f"the {type(live).__name__} init built has {list(l_shape)}", hint=_NEW_RUN_HINT)
+        s_type, l_type = _dtype(saved_v), _dtype(live_v)
+        if s_type != l_type:
+            raise CheckpointError(
+                f"{where}, key {key!r}: the checkpoint holds a tensor of {s_type}, the "
+                f"{type(live).__name__} init built has {l_type}", hint=_NEW_RUN_HINT)
+
+
+# The per-parameter buffers of torch's optimizers that have their parameter's shape
+# (Adafactor's row/column factors, LBFGS's history and a 0-d `step` do not).
+_LIKE_PARAM = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
+                         "square_avg", "acc_delta", "grad_avg", "ax", "prev", "step_size"})
+
+
+def _per_param(saved: dict[Any, Any], live: Any, where: str) -> Iterable[tuple[str, Any, Any]]:
+    """An optimizer's saved per-parameter tensors (momentum, exp_avg...) against the live
+    parameters they belong to: a fresh optimizer has no state to compare with, and torch
+    would load them and fail at the first step."""
+    groups, saved_groups, state = getattr(live, "param_groups", None), saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(saved_groups, list) or not isinstance(state, dict):
+        return
+    params = [p for g in groups for p in g["params"]]
+    ids = [i for g in saved_groups if isinstance(g, dict) for i in g.get("params", ())]
+    if len(ids) != len(params):
+        raise CheckpointError(f"{where}: the checkpoint's {type(live).__name__} holds {len(ids)} parameters, "
+                              f"the one init built {len(params)}", hint=_NEW_RUN_HINT)
+    for i, p in zip(ids, params):
+        for name, v in (state.get(i) or {}).items() if isinstance(state.get(i), dict) else ():
+            if name in _LIKE_PARAM and _shape(v) is not None:
+                yield f"state.{i}.{name}", v, p.detach()
+
+
+def _pairs(saved: Any, live: Any, path: str) -> Iterable[tuple[str, Any, Any]]:
+    """(key path, saved, live) for every tensor both state dicts hold at the same place."""
+    if isinstance(saved, dict) and isinstance(live, dict):
+        for k, v in saved.items():
+            if k in live:
+                yield from _pairs(v, live[k], f"{path}.{k}" if path else str(k))
+    elif _shape(saved) is not None and _shape(live) is not None:
+        yield path, saved, live
+
+
+def _shape(v: Any) -> tuple[int, ...] | None:
+    if isinstance(v, shards.SavedShard):
+        return v.shape  # the whole tensor's (a DTensor's shape is too)
+    shape = getattr(v, "shape", None)
+    return tuple(shape) if shape is not None and hasattr(v, "dtype") else None
+
+
+def _dtype(v: Any) -> str:
+    dtype = (v.local if isinstance(v, shards.SavedShard) else v).dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def _to_device(value: Any, device: str) -> Any:

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobrun import safedel, safefs
+from jobrun import records_schema, safedel, safefs
 from jobrun.errors import JobrunError, UsageError
 from jobrun.runner.locks import hold_lock
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
     from jobrun.plans import ir
+    from jobrun.records_schema import RunInfo
 
 RUN_FILE = "run.json"
 PLAN_FILE = "plan.yaml"
@@ -57,7 +58,7 @@ class RunDir:
     def __init__(self, path: Path, plan: ir.Plan | None = None):
         self.path = path
         self._plan = plan
-        self._info: dict[str, Any] | None = None
+        self._info: RunInfo | None = None
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -69,8 +70,8 @@ class RunDir:
         if root.is_dir():
             for d in root.iterdir():
                 try:
-                    started = float(RunDir(d).info().get("started", 0))
-                except (JobrunError, TypeError, ValueError):
+                    started = float(RunDir(d).info().started or 0)
+                except JobrunError:
                     continue
                 candidates.append((started, str(d)))
         if not candidates:
@@ -126,14 +127,15 @@ class RunDir:
         another host's copy says it is one): without a shared disk, each host's directory
         holds only its own ranks' checkpoint files."""
         info = self.info()
-        return "host_copy_of" in info or (type(info.get("hosts")) is int and info["hosts"] > 1)
+        return "host_copy_of" in info or (info.hosts or 1) > 1
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> RunInfo:
+        """run.json, checked against its schema (records_schema.RUN_INFO)."""
         if self._info is None:
             self._info = self._read_info()
         return self._info
 
-    def _read_info(self) -> dict[str, Any]:
+    def _read_info(self) -> RunInfo:
         try:
             data = safefs.read_bounded(self.info_file, MAX_INFO_BYTES)
         except FileNotFoundError:
@@ -146,23 +148,23 @@ class RunDir:
             ) from None
         except OSError as e:
             raise UsageError(f"cannot read {self.info_file}: {e.strerror or e}") from None
-        try:
-            info = json.loads(data)
-        except ValueError as e:
-            raise UsageError(f"{self.info_file} is damaged: {e}",
-                             hint="it is jobrun's record of the run; restore it or start a new run") from None
-        if not isinstance(info, dict) or not isinstance(info.get("job"), str):
-            raise UsageError(f"{self.info_file} is not a jobrun run record",
+        if len(data) > MAX_INFO_BYTES:
+            raise UsageError(f"{self.info_file} is over {MAX_INFO_BYTES >> 20} MiB: it is no jobrun run record",
                              hint="give the directory `jobrun train` created")
-        return info
+
+        def error(message: str) -> UsageError:
+            return UsageError(message, hint="it is jobrun's record of the run (give the directory "
+                              "`jobrun train` created); restore run.json or start a new run")
+
+        return records_schema.run_info(data, str(self.info_file), error)
 
     def write_info(self, info: dict[str, Any]) -> None:
         text = json.dumps(info, indent=2, sort_keys=True) + "\n"
         self._write(self.info_file, text.encode())
-        self._info = info
+        self._info = None  # read back (and checked) when next needed
 
     def update_info(self, **changes: Any) -> None:
-        self.write_info({**self.info(), **changes})
+        self.write_info({**self.info().record, **changes})
 
     def record_end(self, status: str, error: Any = None, last_epoch: int | None = None,
                    keep_ended: bool = False) -> None:
@@ -173,7 +175,7 @@ class RunDir:
         self._info = None
         if keep_ended:
             try:
-                if self.info().get("status") != "running":
+                if self.info().status != "running":
                     return
             except JobrunError:
                 pass
@@ -195,8 +197,8 @@ class RunDir:
         self._info = None
         try:
             info = self.info()
-            self.write_info({**info, "status": "running", "error": None, "error_at": None,
-                             "restarts": [*info.get("restarts", []), facts]})
+            self.write_info({**info.record, "status": "running", "error": None, "error_at": None,
+                             "restarts": [*(info.restarts or []), facts]})
         except JobrunError as e:
             print(f"warning: the restart was not recorded in {self.info_file}: {e.message}",
                   file=sys.stderr, flush=True)
@@ -228,21 +230,25 @@ class RunDir:
 
         if self.source_changed():
             return load_file(self.plan_file, run_file=True), str(self.plan_file), []
-        source = str(self.info()["source"])
-        return load_file(source), source, [str(x) for x in self.info().get("sets", [])]
+        source = str(self.info().source)
+        return load_file(source), source, list(self.info().sets or [])
 
     def source_changed(self) -> bool:
         """Whether the user's plan file is gone or differs from the one the run started
         with (the run then uses its stored copy, plan.yaml)."""
         import hashlib
 
+        from jobrun.plans.load import MAX_FILE_BYTES
+
         info = self.info()
-        source = Path(str(info.get("source", "")))
+        if not info.source:
+            return True
         try:
-            return not (source.is_file() and hashlib.sha256(safefs.read_bounded(source, 1 << 26, follow=True))
-                        .hexdigest() == info.get("plan_sha256"))
+            # Bounded: a `source` naming a huge file is no plan (a plan is read whole).
+            data = safefs.read_bounded(Path(info.source), MAX_FILE_BYTES, follow=True)
         except OSError:
             return True
+        return len(data) > MAX_FILE_BYTES or hashlib.sha256(data).hexdigest() != info.plan_sha256
 
     def plan_text(self) -> str:
         """The run's plan copy (plan.yaml), read as a file of the run: regular, bounded."""
@@ -272,7 +278,7 @@ class RunDir:
 
     @property
     def plan_dir(self) -> Path:
-        return Path(str(self.info().get("plan_dir") or self.path.resolve()))
+        return Path(self.info().plan_dir or self.path.resolve())
 
     # -- creating a run ----------------------------------------------------------------
     def check_can_train(self, checkpoint_dir: Path | None, overwrite: bool = False) -> None:
@@ -395,15 +401,15 @@ class RunDir:
         except OSError as e:
             raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
         kept = []
-        for line in data.decode(errors="replace").splitlines():
+        for n, line in enumerate(data.decode(errors="replace").splitlines(), 1):
             try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill
-            if not isinstance(record, dict) or record.get("group") in ("download", "exit"):
-                continue  # the interrupted run's end phase runs again
-            epoch = record.get("epoch", 0)
-            if not isinstance(epoch, int) or epoch <= after_epoch:
+                record = records_schema.metrics_line(line, f"{path}:{n}")
+            except records_schema.Invalid as e:
+                raise UsageError(f"{e} (the run's metrics file is damaged)",
+                                 hint=f"repair or delete that line of {path}") from None
+            if record is None or record.group in ("download", "exit"):
+                continue  # a line cut by a kill; the interrupted run's end phase runs again
+            if (record.epoch or 0) <= after_epoch:
                 kept.append(line)
         self._write(path, "".join(k + "\n" for k in kept).encode())
 

@@ -11,6 +11,7 @@ torchrun started, and a restart by torchrun's agent is resumed the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -238,12 +239,35 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
         if alone:
             raise
         if world > 1 and group.lost_peer(e):
+            # Another rank failed: say what it said (on another host too), not the broken
+            # connection, then let the launcher stop this one.
+            told = group.peer_failure()
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            first = rank - local  # this host's ranks: first... (the failed one printed it there)
+            if told is not None and local == 0 and not first <= told[0] < first + int(
+                    os.environ.get("LOCAL_WORLD_SIZE", world)):
+                print(f"[rank {told[0]}] {told[1]}", file=sys.stderr, flush=True)
             _await_stop(launch)
-        print(f"[rank {rank}] {e.format_message()}" if world > 1 else e.format_message(),
-              file=sys.stderr, flush=True)
+        text = f"[rank {rank}] {e.format_message()}" if world > 1 else e.format_message()
+        if world > 1:
+            group.tell_failure(rank, e.format_message())
+        _error_file(text)
+        print(text, file=sys.stderr, flush=True)
         _leave(launch, e.exit_code)
     finally:
         group.stop()
+
+
+def _error_file(text: str) -> None:
+    """Write jobrun's message where the elastic agent (torchrun's, or our launcher's)
+    looks for a failed worker's error, so that its summary shows it instead of "To
+    enable traceback see ..." (torch's error-file format: its record() writes the same)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    with suppress(OSError):
+        safefs.write_atomic(Path(path), json.dumps(data).encode())
 
 
 def _own_session() -> None:

@@ -472,5 +472,5 @@ def decode(tree: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     dec = _Decoder(tensors)
     try:
         return {name: dec.value(v) for name, v in tree.items()}
-    except (KeyError, TypeError, ValueError, RuntimeError, RecursionError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError, RecursionError, OverflowError) as e:
         _bad(f"{type(e).__name__}: {e}")

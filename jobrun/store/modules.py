@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from jobrun import records_schema
 from jobrun.errors import CheckpointError
 
 
@@ -41,12 +42,11 @@ def apply_module_flags(live: Any, flags: Any, type_name: str) -> None:
     """Set the modes and requires_grad of `live` as `flags` (from module_flags) say."""
     if not _is_module(live):
         return
-    if not (
-        isinstance(flags, dict) and isinstance(flags.get("training"), bool)
-        and all(isinstance(flags.get(k), list) for k in ("flipped", "frozen"))
-    ):  # fmt: skip
-        raise CheckpointError(f"the saved flags of a {type_name} are malformed: {flags!r}",
-                              hint="the checkpoint is corrupt; resume from another epoch")
+    try:
+        flags = records_schema.check(flags, records_schema.MODULE_FLAGS)
+    except records_schema.Invalid as e:
+        raise CheckpointError(f"the saved flags of a {type_name} are malformed: {e}",
+                              hint="the checkpoint is corrupt; resume from another epoch") from None
     root = flags["training"]
     live.train(root)
     modules = dict(live.named_modules())

@@ -12,7 +12,6 @@ Checking and verifying never import torch (only ``load`` without ``as_numpy`` do
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import stat
@@ -20,7 +19,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jobrun import safefs
+from jobrun import records_schema, safefs
 from jobrun.errors import CheckpointError
 from jobrun.store import tensorfile
 from jobrun.store.codec import decode
@@ -64,9 +63,9 @@ def _read_json(path: Path, what: str) -> tuple[bytes, Any]:
     if len(raw) > MAX_JSON_BYTES:
         problem(f"{path} is over {MAX_JSON_BYTES >> 20} MiB ({what} corrupt)")
     try:
-        return raw, json.loads(raw)
-    except (ValueError, RecursionError):
-        problem(f"{path} is not valid JSON ({what} corrupt)")
+        return raw, records_schema.parse_json(raw)
+    except ValueError as e:
+        problem(f"{path} is not valid JSON ({what} corrupt: {e})")
 
 
 def _check_manifest(m: Any, path: Path) -> dict[str, Any]:
@@ -84,6 +83,10 @@ def _check_manifest(m: Any, path: Path) -> dict[str, Any]:
             f"{path} has checkpoint format {version!r}; this jobrun reads format {FORMAT_VERSION}",
             hint="upgrade jobrun to read this checkpoint",
         )
+    try:
+        records_schema.check(m, records_schema.MANIFEST)
+    except records_schema.Invalid as e:
+        problem(f"{path}: field {e}")
     ws, rank = m.get("world_size"), m.get("rank")
     if not (type(ws) is int and type(rank) is int and 0 <= rank < ws):
         problem(f"{path}: bad rank {rank!r} / world_size {ws!r}")
@@ -319,9 +322,9 @@ def _read_values(path: Path, info: dict[str, Any], hashes: bool) -> dict[str, An
         if found := _checksum_problem(path, info, got):
             problem(found)
     try:
-        values = json.loads(raw)
-    except (ValueError, RecursionError):
-        problem(f"{path} is not valid JSON")
+        values = records_schema.parse_json(raw)
+    except ValueError as e:
+        problem(f"{path} is not valid JSON ({e})")
     if not isinstance(values, dict) or not isinstance(values.get("blobs"), dict):
         problem(f"{path} holds no blobs")
     return values["blobs"]

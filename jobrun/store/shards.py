@@ -13,16 +13,14 @@ tensor from every rank's shard, for `export` and `ckpt show` of a whole model.
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
+from jobrun import records_schema
 from jobrun.errors import CheckpointError
-
-_PLACEMENT = re.compile(r"S(\d{1,2})|R\Z")
 
 
 @dataclass(frozen=True)
@@ -57,22 +55,35 @@ def facts(t: Any) -> dict[str, Any]:
 
 
 def saved(local: Any, f: Any) -> SavedShard:
-    """A SavedShard from a decoded local tensor and its facts (checked: data, not code)."""
-    def ints(key: str) -> tuple[int, ...]:
-        v = f.get(key) if isinstance(f, dict) else None
-        if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
-            raise CheckpointError(f"a sharded tensor's {key} is not a list of sizes",
-                                  hint="the checkpoint is damaged; resume from another epoch")
-        return tuple(v)
+    """A SavedShard from a decoded local tensor and its facts, checked against the
+    schema and against the local tensor (data, not code): a placement must name a
+    dimension the tensor has, and the local shard must be a part of the global shape."""
+    try:
+        f = records_schema.check(f, records_schema.SHARD_FACTS)
+    except records_schema.Invalid as e:
+        _damaged(f"a sharded tensor's facts are damaged: {e}")
+    shape, stride, placements = tuple(f["shape"]), tuple(f["stride"]), tuple(f["placements"])
+    if len(stride) != len(shape):
+        _damaged(f"a sharded tensor's stride {list(stride)} does not fit its shape {list(shape)}")
+    local_shape = tuple(getattr(local, "shape", ()))
+    if placements == ("R",):
+        expected = shape
+    else:
+        dim = int(placements[0][1:])
+        if dim >= len(shape):
+            _damaged(f"a sharded tensor is placed on dimension {dim}, but its shape {list(shape)} "
+                     f"has {len(shape)} dimension(s)")
+        part = -(-shape[dim] // f["mesh"])  # torch.chunk's size
+        expected = (*shape[:dim], min(local_shape[dim], part) if len(local_shape) > dim else part,
+                    *shape[dim + 1:])
+    if local_shape != expected:
+        _damaged(f"a shard of shape {list(local_shape)} is no part of a tensor of shape {list(shape)} "
+                 f"placed {placements[0]} over {f['mesh']} ranks")
+    return SavedShard(local, shape, stride, placements, f["mesh"])
 
-    placements = f.get("placements") if isinstance(f, dict) else None
-    mesh = f.get("mesh") if isinstance(f, dict) else None
-    if (not isinstance(placements, list) or len(placements) != 1
-            or not all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placements)
-            or type(mesh) is not int or not 1 <= mesh <= 1 << 20):
-        raise CheckpointError("a sharded tensor's placements or mesh size are damaged",
-                              hint="the checkpoint is damaged; resume from another epoch")
-    return SavedShard(local, ints("shape"), ints("stride"), tuple(placements), mesh)
+
+def _damaged(what: str) -> NoReturn:
+    raise CheckpointError(what, hint="the checkpoint is damaged; resume from another epoch")
 
 
 def relive(state: Any, live: Any) -> Any:
@@ -190,15 +201,23 @@ def assemble(shards: list[SavedShard]) -> Any:
     if len(shards) != first.mesh or not all(isinstance(s, SavedShard) for s in shards):
         raise CheckpointError(f"a sharded tensor needs the files of all {first.mesh} ranks; "
                               f"{len(shards)} found", hint="copy every rank's checkpoint here")
+    for r, s in enumerate(shards):
+        if (s.shape, s.placements, s.mesh) != (first.shape, first.placements, first.mesh):
+            _damaged(f"rank {r}'s shard of a tensor is of shape {list(s.shape)} placed "
+                     f"{s.placements[0]} over {s.mesh} ranks; rank 0's of {list(first.shape)} placed "
+                     f"{first.placements[0]} over {first.mesh}")
     if first.placements == ("R",):
         return first.local
     dim = int(first.placements[0][1:])
-    if all(isinstance(s.local, np.ndarray) for s in shards):  # read without torch
-        full = np.concatenate([s.local for s in shards], axis=dim)
-    else:
-        import torch
+    try:
+        if all(isinstance(s.local, np.ndarray) for s in shards):  # read without torch
+            full = np.concatenate([s.local for s in shards], axis=dim)
+        else:
+            import torch
 
-        full = torch.cat([torch.as_tensor(s.local) for s in shards], dim=dim)
+            full = torch.cat([torch.as_tensor(s.local) for s in shards], dim=dim)
+    except (ValueError, RuntimeError, TypeError) as e:
+        _damaged(f"the shards of a tensor of shape {list(first.shape)} do not fit together: {e}")
     if tuple(full.shape) != first.shape:
         raise CheckpointError(f"the shards of a tensor make {tuple(full.shape)}, not {first.shape}",
                               hint="the checkpoint is damaged; resume from another epoch")

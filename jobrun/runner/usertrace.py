@@ -1,0 +1,71 @@
+"""The user's own frames of an error raised in the user's code (a `call`ed function, a
+built class, a loss named by import path): what the user needs to fix it, without
+jobrun's generated code and internals around it.
+
+A frame is the user's when its file lies outside jobrun and outside the Python
+installation's libraries (the standard library, site-packages): a plan's `models.py`, a
+package on PYTHONPATH. When none does (the user's code is an installed package, or the
+error came from torch called directly by an op), every frame outside jobrun is shown.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import jobrun
+
+_JOBRUN = str(Path(jobrun.__file__).resolve().parent)
+_LIBRARIES = tuple(sorted({str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                           if (p := sysconfig.get_paths().get(key))}))
+
+
+@dataclass(frozen=True)
+class UserTrace:
+    function: str  # module.qualname of the outermost user frame (the function jobrun called)
+    text: str  # the traceback of the user's frames and the exception, as Python prints it
+
+
+def _inside(filename: str, roots: tuple[str, ...]) -> bool:
+    if filename.startswith("<"):  # generated code (the executor's), <string>, <frozen ...>
+        return True
+    try:
+        path = str(Path(filename).resolve())
+    except (OSError, RuntimeError):
+        return False
+    return any(path == r or path.startswith(r + "/") for r in roots)
+
+
+def of(error: BaseException) -> UserTrace | None:
+    """The user's part of ``error``'s traceback (or of the first exception in its chain of
+    causes that is no jobrun error), or None when no frame outside jobrun is in it."""
+    from jobrun.errors import JobrunError
+
+    seen: BaseException | None = error
+    for _ in range(8):
+        if not isinstance(seen, JobrunError):
+            break
+        seen = seen.__cause__
+    if seen is None or isinstance(seen, JobrunError):
+        return None
+    entries: list[TracebackType] = []
+    tb = seen.__traceback__
+    while tb is not None:
+        if not _inside(tb.tb_frame.f_code.co_filename, (_JOBRUN,)):
+            entries.append(tb)
+        tb = tb.tb_next
+    if not entries:
+        return None
+    # From the user's first frame on (the libraries it calls included), else all of them.
+    first = next((k for k, t in enumerate(entries)
+                  if not _inside(t.tb_frame.f_code.co_filename, _LIBRARIES)), 0)
+    entries = entries[first:]
+    summary = traceback.StackSummary.extract((t.tb_frame, t.tb_lineno) for t in entries)
+    text = "".join(summary.format()) + "".join(traceback.format_exception_only(type(seen), seen))
+    frame = entries[0].tb_frame
+    module = frame.f_globals.get("__name__")
+    name = frame.f_code.co_qualname
+    return UserTrace(f"{module}.{name}" if isinstance(module, str) else name, text)

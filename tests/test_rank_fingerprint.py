@@ -1,0 +1,85 @@
+"""Ranks whose init built different data (hosts whose data files differ, same shapes)
+stop after init with a message naming the blob, the ranks and their hosts, instead of
+training together on different things."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from runner_util import jobrun_proc
+
+from jobrun.runner import fingerprint
+
+HOST_DATA = """\
+import os
+
+import torch
+
+
+def load():
+    # Each "host" has its own copy of the data file; rank 1's differs (same shape).
+    return torch.ones(8, 4) if os.environ.get("RANK") == "1" else torch.zeros(8, 4)
+"""
+
+PLAN = """\
+job: hosts
+seed: 0
+max_epochs: 1
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - STEP
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+"""
+
+
+def test_of_data_describes_data_and_leaves_objects_with_a_state_out():
+    found = fingerprint.of_data({"t": torch.zeros(2), "a": np.ones(3), "n": 3, "s": "x", "l": [1, 2],
+                                 "model": torch.nn.Linear(2, 2), "gen": torch.Generator()})
+    assert sorted(found) == ["a", "l", "n", "s", "t"]
+
+
+def test_rank_differences_names_the_blob_the_ranks_and_their_hosts():
+    same = {"host": "a", "nodes": {"local": fingerprint.of_data({"x": torch.zeros(2, 2), "k": 3})}}
+    other = {"host": "b", "nodes": {"local": fingerprint.of_data({"x": torch.ones(2, 2), "k": 3})}}
+    assert fingerprint.rank_differences([same, same]) == []
+    (line,) = fingerprint.rank_differences([same, same, other])
+    assert line.startswith("blob 'x' of node 'local': rank 0 (host a) built float32 [2, 2] with CRC-32 ")
+    assert ", rank 2 (host b) float32 [2, 2] with CRC-32 " in line
+    missing = {"host": "c", "nodes": {"local": fingerprint.of_data({"k": 3})}}
+    assert fingerprint.rank_differences([same, missing])[0].endswith("rank 1 (host c) nothing")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("step", "differs"), [
+    ('call: {fn: "host_data:load", out: table}', True),
+    ("fill: {out: table, shape: [8, 4], value: 0.0}", False),  # the same data on every rank
+])
+def test_replicas_whose_data_differs_stop_after_init_naming_the_hosts(tmp_path, step, differs):
+    (tmp_path / "host_data.py").write_text(HOST_DATA)
+    (tmp_path / "plan.yaml").write_text(PLAN.replace("STEP", step))
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+                    cwd=tmp_path, timeout=240)
+    if not differs:
+        assert r.code == 0, r.text
+        return
+    assert r.code == 1, r.text
+    assert "the ranks' init built different data" in r.err
+    assert f"blob 'table' of node 'local': rank 0 (host {os.uname().nodename}) built float32 [8, 4]" in r.err
+    assert "rank 1 (host" in r.err and "Traceback" not in r.text
+    assert not (tmp_path / "run" / "ckpt" / "local.1").exists()

@@ -1,0 +1,117 @@
+"""Restoring a checkpoint into the objects init built checks every tensor's shape and
+dtype (and a module's keys) first: a message naming the epoch, the blob, the key and
+both shapes, and the live model left as init built it; a resume whose override changes
+a shape says the run must start anew."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from runner_util import jobrun
+
+from jobrun.errors import CheckpointError
+from jobrun.runner import restore
+from jobrun.store import SavedState
+
+PLAN = """\
+job: shapes
+seed: 0
+vars: {hidden: 8}
+max_epochs: 1
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 32, passes: 0}
+      - model.mlp: {out: model, sizes: [4, "${hidden}", 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+"""
+
+
+def _node(**blobs):
+    return SimpleNamespace(name="local", globals=dict(blobs), ctx=SimpleNamespace(device="cpu"))
+
+
+def _saved(model, change):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    change(state)
+    return SavedState("torch.nn.modules.linear.Linear", state, None)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda s: s.__setitem__("weight", s["weight"].t().contiguous()),
+     "key 'weight': the checkpoint holds a tensor of shape [3, 2], the Linear init built has [2, 3]"),
+    (lambda s: s.__setitem__("bias", torch.zeros(5)),
+     "key 'bias': the checkpoint holds a tensor of shape [5], the Linear init built has [2]"),
+    (lambda s: s.__setitem__("weight", s["weight"].double()),
+     "key 'weight': the checkpoint holds a tensor of float64, the Linear init built has float32"),
+    (lambda s: s.pop("bias"), "the checkpoint has no 'bias'"),
+    (lambda s: s.__setitem__("extra", torch.zeros(1)), "the model has no 'extra'"),
+])
+def test_a_state_that_does_not_fit_the_model_is_refused_before_anything_is_loaded(change, words):
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = _saved(torch.nn.Linear(3, 2), change)
+    with pytest.raises(CheckpointError) as caught:
+        restore.into(_node(net=model), {"net": saved, "jobrun:rng": None}, 4)
+    assert "checkpoint epoch 4, blob 'net' on node 'local'" in caught.value.message
+    assert words in caught.value.message
+    assert "jobrun train PLAN --run-dir NEW" in caught.value.hint
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_optimizer_state_of_other_shapes_is_refused():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["exp_avg"] = torch.zeros(7)
+    with pytest.raises(CheckpointError, match="key 'state.0.exp_avg': the checkpoint holds a tensor of shape \\[7\\]"):
+        restore._check_fits(_node(), "opt", opt, SavedState("torch.optim.adam.Adam", state, None), 1)
+    fresh = torch.optim.Adam(model.parameters())  # no state yet: compared with the parameters
+    with pytest.raises(CheckpointError, match="key 'state.0.exp_avg'.*shape \\[7\\].*\\[2, 3\\]"):
+        restore._check_fits(_node(), "opt", fresh, SavedState("torch.optim.adam.Adam", state, None), 1)
+    state["param_groups"][0]["params"] = [0]
+    with pytest.raises(CheckpointError, match="holds 1 parameters, the one init built 2"):
+        restore._check_fits(_node(), "opt", fresh, SavedState("torch.optim.adam.Adam", state, None), 1)
+
+
+def test_resume_with_an_override_that_changes_a_shape_says_to_start_anew(tmp_path):
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    run = tmp_path / "run"
+    assert jobrun("train", tmp_path / "plan.yaml", "--run-dir", run).code == 0
+    before = {p: p.read_bytes() for p in sorted((run / "ckpt").rglob("*")) if p.is_file()}
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1", "max_epochs=2", "vars.hidden=16")
+    assert r.code == 1, r.text
+    assert ("checkpoint epoch 1, blob 'model' on node 'local', key '0.weight': the checkpoint holds a "
+            "tensor of shape [8, 4], the Sequential init built has [16, 4]") in r.err
+    assert "`jobrun train PLAN --run-dir NEW`" in r.err and "Traceback" not in r.text
+    assert json.loads((run / "run.json").read_text())["status"] == "failed"
+    assert before == {p: p.read_bytes() for p in sorted((run / "ckpt").rglob("*")) if p.is_file()}
+
+
+def test_a_checkpoint_from_another_plan_is_refused_naming_both_shapes(tmp_path):
+    (tmp_path / "a.yaml").write_text(PLAN)
+    (tmp_path / "b.yaml").write_text(PLAN.replace("hidden: 8", "hidden: 5"))
+    for name in ("a", "b"):
+        assert jobrun("train", tmp_path / f"{name}.yaml", "--run-dir", tmp_path / name).code == 0
+    shutil.rmtree(tmp_path / "a" / "ckpt")
+    shutil.copytree(tmp_path / "b" / "ckpt", tmp_path / "a" / "ckpt")  # b's epochs in a's run
+    r = jobrun("resume", "--run-dir", tmp_path / "a", "--epoch", "1", "max_epochs=2")
+    assert r.code == 1, r.text
+    assert "key '0.weight': the checkpoint holds a tensor of shape [5, 4], the Sequential init built has [8, 4]" in r.err
