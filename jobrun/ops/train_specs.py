@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from jobrun.ops.spec import OpSpec, arg
 
-_LOSS_DOC = "cross_entropy, mse, or a dotted path to a callable(pred, y) giving the batch mean"
+_LOSS_DOC = (
+    "cross_entropy, mse, a dotted path to a callable(pred, y) giving the batch mean, or model: "
+    "the model computes it, model(x, y) (labels=y for Hugging Face) or model(**batch)"
+)
 _STR_OR_NULL = ("or", "str", "null")
 _LIST_OR_NULL = ("or", "list", "null")
 
