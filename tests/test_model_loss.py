@@ -202,3 +202,58 @@ def test_hf_causal_lm_accuracy_compares_shifted_labels():
     expect = (logits[:, :-1].argmax(-1) == x[:, 1:]).float().mean().item()
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1)).item()
     assert acc == pytest.approx(expect) and loss == pytest.approx(ref, rel=1e-5)
+
+
+# ------------------------------------------------------------ nested blobs in build
+
+
+def _plan(tmp_path: Path, build: str) -> Path:
+    plan = tmp_path / "p.yaml"
+    plan.write_text(
+        "job: nested\nmax_epochs: 1\ninit:\n  - task: s\n    do:\n"
+        "      - const: {out: width, value: 3}\n"
+        "      - const: {out: outs, value: 2}\n"
+        f"      - build:\n{build}"
+        "epoch:\n  - task: t\n    do:\n      - call: {fn: 'builtins:repr', in: [model], out: text}\n"
+        "      - log: {in: [text]}\n"
+    )
+    return plan
+
+
+def test_a_nested_target_names_blobs_with_in(tmp_path):
+    plan = _plan(tmp_path, (
+        "          out: model\n"
+        "          target: torch.nn.Sequential\n"
+        "          args:\n"
+        "            - {target: torch.nn.Linear, in: [width, outs], bias: false}\n"
+        "            - {target: torch.nn.Linear, in: outs, args: [5]}\n"
+        "            - {target: torch.nn.Linear, in: {in_features: width, out_features: outs}}\n"
+    ))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    text = logged(tmp_path / "run")[0]["text"]
+    assert "in_features=3, out_features=2, bias=False" in text
+    assert "in_features=2, out_features=5, bias=True" in text
+    assert "(2): Linear(in_features=3, out_features=2, bias=True)" in text
+    printed = jobrun("print", plan).out
+    assert "model = build(width, outs, outs, width, outs, target=" in printed  # the reads are the op's
+
+
+def test_a_nested_in_naming_an_undefined_blob_is_an_analyze_error(tmp_path):
+    plan = _plan(tmp_path, (
+        "          out: model\n"
+        "          target: torch.nn.Sequential\n"
+        "          args: [{target: torch.nn.Linear, in: [widht, outs]}]\n"
+    ))
+    r = jobrun("analyze", plan)
+    assert r.code == 1 and "p.yaml:11:49" in r.out and "widht" in r.out and "did you mean 'width'" in r.out
+
+
+def test_a_nested_in_with_a_literal_is_one_clear_error(tmp_path):
+    plan = _plan(tmp_path, (
+        "          out: model\n"
+        "          target: torch.nn.Sequential\n"
+        "          args: [{target: torch.nn.Linear, in: [3, outs]}]\n"
+    ))
+    r = jobrun("analyze", plan)
+    assert r.code == 2 and "p.yaml:11:" in r.text and "not a blob name" in r.text
