@@ -8,6 +8,7 @@ data-parallel job builds the same parameters (and rank 0's are broadcast anyway)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from jobrun.errors import RunError, did_you_mean
-from jobrun.ops import nested
+from jobrun.ops import nested, optim
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import broadcast_tensors
@@ -139,10 +140,18 @@ def model_mlp(
     return _place_module(ctx, model)
 
 
-def optimizer(ctx: OpContext, model: Any, *, target: str = "torch.optim.SGD", **kwargs: Any):
-    """`optimizer`: model -> opt; every other key goes to the optimizer's constructor."""
+def optimizer(ctx: OpContext, model: Any, *, target: str | None = None,
+              groups: list | None = None, **kwargs: Any):
+    """`optimizer`: model -> opt; `class` names one of torch.optim (else `target`, SGD by
+    default); `groups` makes parameter groups by rule (jobrun.ops.optim); every other key
+    goes to the optimizer's constructor."""
+    path = optim.optimizer_class(kwargs.pop("class", None), target)
     params = model.parameters() if isinstance(model, nn.Module) else model
-    return _instantiate("optimizer", target, [], kwargs, leading=(params,))
+    if groups is not None:
+        cls = resolve(path, "optimizer", "class")
+        options = set(inspect.signature(cls).parameters) | {"lr", "weight_decay"}
+        params = optim.param_groups(model, groups, options)
+    return _instantiate("optimizer", path, [], kwargs, leading=(params,))
 
 
 def scheduler(ctx: OpContext, opt: Any, *, target: str, **kwargs: Any):
