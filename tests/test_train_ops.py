@@ -42,6 +42,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def test_specs_import_without_torch_and_match_the_implementations():
     import inspect
+    import keyword
     import subprocess
     import sys
 
@@ -58,6 +59,9 @@ def test_specs_import_without_torch_and_match_the_implementations():
         params = inspect.signature(getattr(modules[module], name)).parameters
         for a in spec.args:
             assert a.doc, (spec.name, a.name)
+            if keyword.iskeyword(a.name):  # `class`: read from **kwargs
+                assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                continue
             assert params[a.name].kind is inspect.Parameter.KEYWORD_ONLY, (spec.name, a.name)
             if not a.required:
                 assert params[a.name].default == a.default, (spec.name, a.name)
@@ -163,8 +167,9 @@ def test_build_instantiates_nested_targets():
     )
     assert isinstance(model, nn.Sequential) and model[2].bias is None
     assert model(torch.zeros(3, 4)).shape == (3, 2)
-    again = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6])
-    assert torch.equal(again.weight, model[0].weight)  # same seed stream, same init
+    again = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6], fork_rng=True)
+    forked = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6], fork_rng=True)
+    assert torch.equal(again.weight, forked.weight)  # same node seed stream, same init
     layer = models.build(ctx, 3, target="torch.nn.Linear", out_features=2)  # input first
     assert layer.in_features == 3
     with pytest.raises(RunError, match="build: target 'nosuchpkg.Thing' cannot be imported"):
@@ -360,7 +365,7 @@ def test_evaluate_sums_on_the_host_equal_the_device_tensor_sums(kind):
     reader = reader_op(ctx, x, y, batch_size=8)  # a short last batch
     with torch.no_grad():
         sums = [
-            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss, "evaluate"), loss, reader, host))
+            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss, "evaluate"), loss, reader.full_pass(), host))
             for host in (True, False)
         ]
     assert sums[0] == sums[1]

@@ -1,6 +1,6 @@
-"""Training: `train.step`, `evaluate` and their losses (collectives: :mod:`jobrun.ops.dist`).
+"""Training: `train.step` and `evaluate` (losses: :mod:`jobrun.ops.losses`; collectives:
+:mod:`jobrun.ops.dist`).
 
-A loss is "cross_entropy", "mse" or the path of a callable ``(pred, y) -> batch mean``.
 Both ops give the same numbers with one process and with replicas (see
 :mod:`jobrun.ops.dist`): `train.step`'s gradients and loss are those of the global batch.
 """
@@ -8,15 +8,13 @@ Both ops give the same numbers with one process and with replicas (see
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from jobrun.errors import RunError, did_you_mean
+from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import (
@@ -27,57 +25,11 @@ from jobrun.ops.dist import (
     comm_device,
     sparse_params,
 )
-from jobrun.ops.imports import resolve
+from jobrun.ops.losses import LOSSES as _LOSSES
+from jobrun.ops.losses import MODEL, accuracy_logits, forward, step_loss
+from jobrun.ops.losses import loss_fn as _loss_fn
 from jobrun.ops.models import require_optimizer
 from jobrun.ops.reader import Reader
-
-# ---------------------------------------------------------------------------- losses
-
-_LONG = torch.long
-
-
-def _cross_entropy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if y.dtype is _LONG and pred.ndim == 2:
-        # The common case first, in attribute reads: each method call here costs ~1 us
-        # between the step's kernels (cold caches), a tiny model's step ~400 us.
-        return F.cross_entropy(pred, y)
-    if y.is_floating_point() and y.dim() == pred.dim() - 1:
-        y = y.long()  # class indices stored as floats (e.g. read from a CSV file)
-    if pred.dim() > 2 and y.dim() == pred.dim() - 1:
-        # sequence outputs [B, T, V] against labels [B, T]: one class per position
-        return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), y.reshape(-1))
-    return F.cross_entropy(pred, y)
-
-
-def _mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if not y.is_floating_point():
-        y = y.to(pred.dtype)
-    if y.shape != pred.shape and y.numel() == pred.numel():
-        y = y.reshape(pred.shape)  # [n] targets against [n, 1] predictions
-    return F.mse_loss(pred, y)
-
-
-_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cross_entropy": _cross_entropy,
-    "mse": _mse,
-}
-
-
-@functools.lru_cache(maxsize=64)
-def _loss_fn(name: str, op: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A loss by name; a path names a callable(pred, y) giving the batch mean.
-
-    Cached: a dotted path is resolved once, not at every step.
-    """
-    if name in _LOSSES:
-        return _LOSSES[name]
-    if "." in name or ":" in name:
-        return resolve(name, op, "loss")
-    raise RunError(
-        f"{op}: unknown loss {name!r}",
-        hint=did_you_mean(name, _LOSSES) or "cross_entropy, mse, or a dotted path",
-    )
-
 
 # ------------------------------------------------------------------------ train.step
 
@@ -152,10 +104,10 @@ def train_step(
     for i, (xb, yb, n) in enumerate(batches):
         if n:
             if dtype is None:
-                part = loss_fn(model(xb), yb)
+                part = step_loss(loss_fn, model, xb, yb)
             else:
                 with _autocast(device, dtype):
-                    part = loss_fn(model(xb), yb)
+                    part = step_loss(loss_fn, model, xb, yb)
             if summed:
                 part = part * n  # the micro-batch's sum; the gradients are divided by all records later
             else:
@@ -186,7 +138,7 @@ def train_step(
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, float(clip_grad_norm))
+        torch.nn.utils.clip_grad_norm_(model.parameters() if isinstance(model, nn.Module) else params, float(clip_grad_norm))  # a hand loop's order
     if scaler is None:
         opt.step()
     else:
@@ -280,18 +232,24 @@ def _count(y: torch.Tensor) -> int:
 
 def evaluate(
     ctx: OpContext, model: Any, reader: Reader, *, loss: str = "cross_entropy",
-    amp: str | None = None,
+    amp: str | None = None, batches: int | None = None,
 ) -> tuple[float, float | None]:
     """`evaluate`: mean loss and accuracy over one full pass, reduced over ranks.
 
     Accuracy is computed when the labels are class indices (integers, or cross_entropy
     with one dimension less than the predictions); it is None otherwise (regression).
-    ``amp`` autocasts each forward and loss as `train.step`'s does.
+    ``amp`` autocasts each forward and loss as `train.step`'s does. ``batches`` N: the
+    reader's next N batches instead (read as `read` reads them, moving its position), and
+    the loss is the mean of the N batch losses, as a hand loop's estimate (nanoGPT's
+    estimate_loss: float32 losses, their torch mean), each batch's loss the mean over its
+    global batch.
     """
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
-    if reader.field_count == 1:  # a Dataset reader learns its count from its first batch
+    if reader.field_count == 1 and loss != MODEL:  # a Dataset reader learns its count late
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
+    if batches is not None:
+        require_int("evaluate", "batches", batches, 1)
     loss_fn = _loss_fn(loss, "evaluate")
     cast = contextlib.nullcontext() if amp is None else _autocast(ctx.device, amp_dtype(amp, "evaluate"))
     was_training = getattr(model, "training", False)
@@ -299,13 +257,17 @@ def evaluate(
         model.eval()
     try:
         with torch.no_grad(), cast:
-            sums = _eval_sums(ctx, model, loss_fn, loss, reader, _on_host(ctx))
+            passes = reader.full_pass() if batches is None else _next_batches(reader, batches)
+            sums = _eval_sums(ctx, model, loss_fn, loss, passes, _on_host(ctx), batches is not None)
     finally:
         if isinstance(model, nn.Module):
             model.train(was_training)
-    loss_sum, count, correct, classified = _reduce_sums(ctx, sums)
+    loss_sum, count, correct, classified, *each = _reduce_sums(ctx, sums)
     if count == 0:
         raise RunError("evaluate: the reader has no records", hint="check the eval data")
+    if batches is not None:  # the mean of the batch means, in float32 as a hand loop's
+        means = torch.tensor([s / n for s, n in zip(each[::2], each[1::2]) if n], dtype=torch.float32)
+        return means.mean().item(), (correct / classified if classified > 0 else None)
     # Accuracy per label: for sequence outputs every position is one prediction.
     return loss_sum / count, (correct / classified if classified > 0 else None)
 
@@ -314,8 +276,28 @@ def _on_host(ctx: OpContext) -> bool:
     return ctx.device == "cpu" or torch.device(ctx.device).type == "cpu"
 
 
-def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> list[Any]:
-    """[sum of loss * count, count, correct labels, labels compared] over one pass.
+def _next_batches(reader: Reader, n: int) -> Iterator[tuple[Any, ...]]:
+    """The reader's next `n` batches, read as `read` reads them (ends of passes skipped)."""
+    got = ends = 0
+    while got < n:
+        with reader.lock:
+            *fields, done = reader.read()
+        if done:
+            ends += 1
+            if reader.finished or ends > 1 and got == 0:
+                raise RunError(
+                    f"evaluate: the reader ran out after {got} of {n} batches",
+                    hint="give the reader passes: 0 (forever), or ask for fewer batches",
+                )
+            continue
+        got += 1
+        yield tuple(fields)
+
+
+def _eval_sums(ctx, model, loss_fn, loss: str, passes: Iterable[tuple], host: bool,
+               each: bool = False) -> list[Any]:
+    """[sum of loss * count, count, correct labels, labels compared] over the batches;
+    ``each``: then every batch's loss * count and count.
 
     Float64 sums, added batch by batch in order. On the CPU they are Python floats and
     ints (the same IEEE double arithmetic as float64 tensors, without three tensor ops
@@ -325,24 +307,51 @@ def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> li
     loss_sum: Any = 0.0
     count = classified = 0
     correct: Any = 0
-    for fields in reader.full_pass():
-        if len(fields) < 2:
-            raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")
-        x = as_tensor(fields[0], ctx.device, "evaluate input x")
-        y = as_tensor(fields[1], ctx.device, "evaluate input y")
-        n = _count(y)
+    per_batch: list[Any] = []
+    for fields in passes:
+        x, y, n = _eval_batch(ctx, fields, loss)
         if n == 0:
+            if each:  # a rank's empty slice of a global batch: the others have its records
+                per_batch += [0.0, 0]
             continue
-        pred = model(x)
-        part = loss_fn(pred, y)
-        loss_sum = loss_sum + (part.item() if host else part.double()) * n
+        pred, part = forward(loss_fn, model, x, y)
+        weighted = (part.item() if host else part.double()) * n
+        loss_sum = loss_sum + weighted
+        if each:
+            per_batch += [weighted, n]
         count += n
-        labels = not y.is_floating_point() or loss == "cross_entropy"
-        if labels and pred.dim() == y.dim() + 1:
-            hits = (pred.argmax(dim=-1) == (y if y.dtype == torch.long else y.long())).sum()
+        pair = _compared(model, pred, x, y, loss)
+        if pair is not None:
+            guess, labels = pair
+            hits = (guess.argmax(dim=-1) == (labels if labels.dtype == torch.long else labels.long())).sum()
             correct = correct + (int(hits) if host else hits)
-            classified += y.numel()
-    return [loss_sum, count, correct, classified]
+            classified += labels.numel()
+    return [loss_sum, count, correct, classified, *per_batch]
+
+
+def _eval_batch(ctx: OpContext, fields: tuple, loss: str) -> tuple[Any, Any, int]:
+    """(x, y, records) of one batch on the run's device. With `loss: model` a batch may be
+    one mapping (its keys are the model's arguments) and y is None."""
+    first = fields[0] if fields else None
+    if loss == MODEL and isinstance(first, Mapping):
+        x = {k: as_tensor(v, ctx.device, f"evaluate input {k}") for k, v in first.items()}
+        y = as_tensor(fields[1], ctx.device, "evaluate input y") if len(fields) > 1 else None
+        sizes = [v for v in (y, *x.values()) if v is not None]
+        return x, y, _count(sizes[0]) if sizes else 0
+    if len(fields) < 2:
+        raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")
+    x = as_tensor(fields[0], ctx.device, "evaluate input x")
+    y = as_tensor(fields[1], ctx.device, "evaluate input y")
+    return x, y, _count(y)
+
+
+def _compared(model: Any, pred: Any, x: Any, y: Any, loss: str) -> tuple[Any, Any] | None:
+    """(predictions, labels) that accuracy compares, or None (regression, no logits)."""
+    if loss == MODEL:
+        labels = x.get("labels") if y is None and isinstance(x, Mapping) else y
+        return None if pred is None else accuracy_logits(model, pred, labels)
+    labels = not y.is_floating_point() or loss == "cross_entropy"
+    return (pred, y) if labels and pred.dim() == y.dim() + 1 else None
 
 
 def _reduce_sums(ctx: OpContext, sums: list[Any]) -> list[float]:

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from jobrun.ops.spec import OpSpec, arg
 
-_LOSS_DOC = "cross_entropy, mse, or a dotted path to a callable(pred, y) giving the batch mean"
+_LOSS_DOC = (
+    "cross_entropy, mse, a dotted path to a callable(pred, y) giving the batch mean, or model: "
+    "the model computes it, model(x, y) (labels=y for Hugging Face) or model(**batch)"
+)
 _STR_OR_NULL = ("or", "str", "null")
 _LIST_OR_NULL = ("or", "list", "null")
+# torch.optim's optimizers (torch 2.13), for `class:` (any other class: `target`).
+OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS",
+              "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 
 
 def _training(name: str, doc: str, impl: str, example: str, **fields) -> OpSpec:
@@ -78,6 +84,9 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         args=(
             arg("target", "str", doc='"pkg.mod:Class" or dotted "pkg.mod.Class"'),
             arg("args", _LIST_OR_NULL, None, "positional arguments after the inputs"),
+            arg("fork_rng", "bool", False,
+                "draw from a seed of the node's generator, leaving torch's global stream alone "
+                "(false: from torch's global generator, as a hand loop's constructor)"),
         ),
     ),
     _training(
@@ -96,12 +105,20 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         "optimizer",
         "An optimizer over the model's parameters; other keys go to its constructor.",
         "models:optimizer",
-        "- optimizer: {in: model, out: opt, target: torch.optim.SGD, lr: 0.1, momentum: 0.9}",
+        "- optimizer: {in: model, out: opt, class: SGD, lr: 0.1, momentum: 0.9}",
         inputs=("model",),
         outputs=("opt",),
         extra_args=True,
         keeps=("model",),  # stepping it changes the parameters
-        args=(arg("target", "str", "torch.optim.SGD", "dotted path of the optimizer class"),),
+        args=(
+            arg("class", ("or", ("choice", *OPTIMIZERS), "null"), None,
+                "an optimizer of torch.optim by name, e.g. AdamW (or `target`)"),
+            arg("target", _STR_OR_NULL, None,
+                "dotted path of the optimizer class (null: torch.optim.SGD)"),
+            arg("groups", _LIST_OR_NULL, None,
+                "parameter groups by rule: [{ndim_below: 2, weight_decay: 0.0}] (selectors "
+                "ndim_below, ndim_at_least, names: shell patterns; other keys: the group's options)"),
+        ),
     ),
     _training(
         "scheduler",
@@ -147,7 +164,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "evaluate",
-        "Mean loss and accuracy over one full pass of a reader, no gradients, all ranks.",
+        "Mean loss and accuracy over one full pass of a reader (or its next `batches`), no gradients, all ranks.",
         "train:evaluate",
         "- evaluate: {in: [model, test], out: [test_loss, test_acc]}",
         inputs=("model", "reader"),
@@ -156,6 +173,9 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
             arg("amp", ("or", ("choice", "bf16", "fp16"), "null"), None,
                 "mixed precision: autocast the forward and the loss, as train.step's amp"),
+            arg("batches", ("or", "int", "null"), None,
+                "the reader's next N batches (moving its position) instead of one full pass; "
+                "loss: the mean of the N batch losses, as a hand loop's estimate"),
         ),
     ),
     _training(
