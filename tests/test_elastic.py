@@ -104,7 +104,7 @@ def test_a_rank_that_dies_more_often_than_allowed_stops_the_job_cleanly(tmp_path
     assert len(deaths.read_text().splitlines()) == 2, r.text  # the first try and the one restart
     assert r.out.count("restarting every rank") == 1
     assert "replica rank 1 failed (exit code -9): killed by signal 9" in r.err
-    assert "(after 1 restart)" in r.err and f"jobrun resume --run-dir {run}" in r.err
+    assert "(after 1 restart)" in r.err and f"jobrun resume {run}" in r.err
     assert "Traceback" not in r.text and "torch.distributed" not in r.text
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "failed" and len(info["restarts"]) == 1

@@ -33,7 +33,7 @@ def test_a_new_plan_trains_as_it_is(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["plan.yaml"]
     t = jobrun("train", "demo/plan.yaml")
     assert t.code == 0, t.text
-    assert (tmp_path / "runs" / "demo" / "run.json").is_file()
+    assert (tmp_path / "runs" / "demo" / "1" / "run.json").is_file()
 
 
 def test_an_example_with_user_code_and_data_comes_with_them(tmp_path, monkeypatch):

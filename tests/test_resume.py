@@ -145,7 +145,7 @@ def test_kill_9_during_saves(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
 def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
@@ -159,6 +159,7 @@ def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     assert proc.returncode == code, out
     assert f"stopped by {sig.name}" in out and "jobrun resume" in out
     assert "Traceback" not in out
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
     assert _final(run) == _final(reference)

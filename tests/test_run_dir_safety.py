@@ -73,7 +73,7 @@ def test_checkpoints_are_never_trained_over_whatever_run_json_says(trained, dama
     before = _snapshot(run)
     r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 2
-    assert "already holds checkpoints" in r.err and "jobrun resume --run-dir" in r.err
+    assert "already holds checkpoints" in r.err and "jobrun resume " in r.err
     _no_traceback(r)
     assert _snapshot(run) == before
 
@@ -408,7 +408,7 @@ def test_refusal_hint_offers_resume_and_overwrite(trained):
     plan, run = trained
     r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 2
-    assert f"jobrun resume --run-dir {run}" in r.err and "--overwrite" in r.err
+    assert f"jobrun resume {run}" in r.err and "--overwrite" in r.err
 
 
 # -- resume with overrides -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM at any moment of a run's start: a clean exit 130/143, one message,
+"""Ctrl-C, SIGTERM and SIGUSR1 at any moment of a run's start: a clean exit 130/143, one message,
 no crash, no traceback, and no `jobrun resume` offered when there is nothing to resume."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _ENTRY = ("import sys; import jobrun.cli as cli; print('ready', flush=True); "
           "sys.argv[0] = 'jobrun'; cli.main()")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
 @pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, 0.9])
 def test_a_signal_during_start_up_exits_cleanly(tmp_path, sig, delay):
     p = subprocess.Popen([sys.executable, "-c", _ENTRY, "train", str(PLAN), "--run-dir",
@@ -57,9 +57,11 @@ def test_a_signal_during_start_up_exits_cleanly(tmp_path, sig, delay):
     assert p.returncode == 128 + sig, (p.returncode, out, err)
     assert "Traceback" not in out + err
     assert signal.Signals(sig).name in err, (out, err)
+    if "nothing was written" in err:  # it came before train wrote anything: it wrote nothing
+        assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_during_init_says_so_and_offers_no_resume(tmp_path, sig):
     plan = tmp_path / "plan.yaml"
     plan.write_text(SLOW_INIT)
@@ -92,4 +94,4 @@ def test_a_signal_after_checkpoint_0_offers_resume_with_the_run_dir(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, (out, err)
     assert "stopped by SIGINT" in out + err
-    assert f"jobrun resume --run-dir {run}" in out + err
+    assert f"jobrun resume {run}" in out + err

@@ -484,7 +484,7 @@ class JobRunner:
             raise Interrupted(signum)
 
         signals.reset()
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in signals.SIGNALS}  # SIGUSR1: SLURM's warning
         try:
             yield
         finally:
