@@ -216,3 +216,63 @@ def test_every_hint_names_options_its_command_has():
                 wrong.append(f"{where}: no command has {opt}")
     assert checked > 10
     assert not wrong, "\n".join(wrong)
+
+
+# -- the epoch's mean loss -------------------------------------------------------------------
+
+MEAN_PLAN = """\
+job: mean
+seed: 0
+max_epochs: 2
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 4, classes: 2, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 16, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.5}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+          - log: {in: [loss_last], msg: step}
+      - log: {in: [loss, loss_last], msg: epoch}
+    outputs: [loss]
+"""
+
+
+def test_the_epoch_shows_the_mean_loss_of_its_steps(tmp_path, monkeypatch):
+    from runner_util import logged
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.yaml").write_text(MEAN_PLAN)
+    assert jobrun("analyze", "plan.yaml").code == 0  # loss_last is known to analyze
+    r = jobrun("train", "plan.yaml", "--run-dir", "run")
+    assert r.code == 0, r.text
+    steps, epochs = logged(tmp_path / "run", "step"), logged(tmp_path / "run", "epoch")
+    assert len(steps) == 12 and len(epochs) == 2
+    for e in (1, 2):
+        values = [s["loss_last"] for s in steps if s["_epoch"] == e]
+        end = next(x for x in epochs if x["_epoch"] == e)
+        assert len(values) == 6 and len(set(values)) == 6
+        assert end["loss"] == pytest.approx(sum(values) / 6, rel=1e-6)
+        assert end["loss_last"] == values[-1]
+        line = next(x for x in r.out.splitlines() if x.startswith(f"epoch {e}/2 "))
+        assert float(re.search(r" loss=(\S+)", line).group(1)) == pytest.approx(end["loss"], rel=1e-3)
+    outputs = [json.loads(line)["outputs"]["train"]["loss"] for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"event": "epoch"' in line]
+    assert outputs == [pytest.approx(x["loss"], abs=1e-6) for x in epochs]
+
+
+def test_monitoring_a_computed_value_says_to_add_it_to_the_outputs(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(MEAN_PLAN.replace("max_epochs: 2", "max_epochs: 2\nearly_stop: {monitor: loss_last}"))
+    r = jobrun("analyze", plan)
+    assert r.code == 1
+    assert "early_stop monitors 'loss_last', which is not an output of any epoch task" in r.out
+    assert "add 'loss_last' to the `outputs` of epoch task 'train', which computes it" in r.out
+    assert "did you mean" not in r.out

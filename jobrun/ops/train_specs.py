@@ -101,11 +101,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         outputs=("opt",),
         extra_args=True,
         keeps=("model",),  # stepping it changes the parameters
-        # Typed here so that analyze refuses `vars.lr=abc` before anything runs.
-        args=(arg("target", "str", "torch.optim.SGD", "dotted path of the optimizer class"),
-              arg("lr", "float", None, "the learning rate"),
-              arg("momentum", "float", None, "SGD's momentum"),
-              arg("weight_decay", "float", None, "L2 penalty")),
+        args=(arg("target", "str", "torch.optim.SGD", "dotted path of the optimizer class"),),
     ),
     _training(
         "scheduler",
