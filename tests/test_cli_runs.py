@@ -276,3 +276,43 @@ def test_monitoring_a_computed_value_says_to_add_it_to_the_outputs(tmp_path):
     assert "early_stop monitors 'loss_last', which is not an output of any epoch task" in r.out
     assert "add 'loss_last' to the `outputs` of epoch task 'train', which computes it" in r.out
     assert "did you mean" not in r.out
+
+
+# -- small things ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_files_jobrun_writes_follow_the_umask(tmp_path, umask, mode):
+    from jobrun import safefs
+
+    old = os.umask(umask)
+    try:
+        safefs.write_atomic(tmp_path / "a.json", b"{}")
+        os.close(safefs.open_write(tmp_path / "b.log", append=True))
+    finally:
+        os.umask(old)
+    assert [(tmp_path / n).stat().st_mode & 0o777 for n in ("a.json", "b.log")] == [mode, mode]
+
+
+def test_new_copies_only_what_the_example_uses(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert jobrun("new", "shapes", "--from", "cnn").code == 0
+    files = sorted(str(p.relative_to(tmp_path / "shapes")) for p in (tmp_path / "shapes").rglob("*") if p.is_file())
+    assert files == ["data/make_shapes.py", "data/shapes.npz", "plan.yaml"]
+    text = (tmp_path / "shapes" / "plan.yaml").read_text()
+    assert "plans/" not in text and "shapes/data/shapes.npz" in text
+    assert jobrun("new", "lm", "--from", "charlm").code == 0
+    files = sorted(str(p.relative_to(tmp_path / "lm")) for p in (tmp_path / "lm").rglob("*") if p.is_file())
+    assert files == ["data/tiny.txt", "models/__init__.py", "models/charlm.py", "plan.yaml"]
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("max_epoch=3", "did you mean 'max_epochs' or 'epoch'?"),
+    ("vars.lrr=3", "did you mean 'vars.lr'?"),
+    ("checkpoint.kep=2", "did you mean 'checkpoint.keep'?"),
+])
+def test_override_hints_do_not_offer_to_add_a_misspelt_key(here, override, hint):
+    r = jobrun("analyze", "plan.yaml", override)
+    assert r.code == 2 and f"hint: {hint}" in r.err and "+" not in r.err.split("hint:")[1]
+    added = jobrun("analyze", "plan.yaml", "vars.warmup=3")
+    assert added.code == 2 and "write +vars.warmup=3" in added.err

@@ -159,7 +159,12 @@ def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     assert proc.returncode == code, out
     assert f"stopped by {sig.name}" in out and "jobrun resume" in out
     assert "Traceback" not in out
-    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "interrupted"
+    # last_epoch: the last epoch that ran to its end (not the one running), whose
+    # checkpoint is the newest unless the signal came between its end and its save
+    newest = max(int(p.parent.parent.name.split(".")[1]) for p in (run / "ckpt").glob("local.*/rank-0/COMMIT"))
+    assert newest <= info["last_epoch"] <= newest + 1
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
     assert _final(run) == _final(reference)

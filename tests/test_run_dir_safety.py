@@ -338,7 +338,7 @@ def test_run_json_records_finished_failed_and_resumed(tmp_path):
     r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 1
     info = json.loads((run / "run.json").read_text())
-    assert info["status"] == "failed" and info["last_epoch"] == 1
+    assert info["status"] == "failed" and info["last_epoch"] == 0  # epoch 1 failed: 0 is the last complete
     assert "bad luck" in info["error"]
     assert info["error_at"] == f"{plan}:11:9"  # the failing call
     r = jobrun("resume", "--run-dir", run)
