@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from runner_util import jobrun
+from runner_util import HANG_S, jobrun
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +79,7 @@ def test_pyproject_lists_every_package():
 @pytest.mark.slow
 def test_the_wheel_holds_the_examples(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr[-2000:]
     wheel = next(tmp_path.glob("jobrun-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner_util import ckpt_values, jobrun, logged
+from runner_util import HANG_S, ckpt_values, jobrun, logged
 
 # Random draws, a shuffled reader and a model-free "training" loop: every kind of state
 # the runner must restore (node generator, global RNGs, reader position, blobs).
@@ -151,11 +151,11 @@ def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     plan.write_text(PLAN)
     run = tmp_path / "run"
     proc = _start(plan, run)
-    deadline = time.time() + 60
+    deadline = time.time() + HANG_S
     while time.time() < deadline and not (run / "ckpt" / "local.1" / "rank-0" / "COMMIT").exists():
         time.sleep(0.05)
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == code, out
     assert f"stopped by {sig.name}" in out and "jobrun resume" in out
     assert "Traceback" not in out
@@ -486,7 +486,7 @@ def test_two_runners_cannot_share_a_run_dir(tmp_path):
     run = tmp_path / "run"
     proc = _start(plan, run)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + HANG_S
         while time.time() < deadline and not (run / "ckpt").exists():
             time.sleep(0.05)
         r = jobrun("resume", "--run-dir", run)

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from runner_util import jobrun
+from runner_util import HANG_S, jobrun
 
 PLAN = """\
 job: counter
@@ -474,8 +474,8 @@ def test_a_plan_from_a_pipe_is_read(tmp_path):
 
     text = (Path(__file__).resolve().parent.parent / "plans" / "counter.yaml").read_text()
     p = subprocess.run([sys.executable, "-m", "jobrun", "analyze", "/dev/stdin"], input=text,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0 and "ok" in p.stderr
     big = subprocess.run([sys.executable, "-m", "jobrun", "analyze", "/dev/stdin"],
-                         input="#" * (65 << 20), capture_output=True, text=True, timeout=60)
+                         input="#" * (65 << 20), capture_output=True, text=True, timeout=HANG_S)
     assert big.returncode == 2 and "bytes allowed" in big.stderr
