@@ -147,7 +147,7 @@ def _start(plan: Path, run: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("to,sig", [("launcher", signal.SIGINT), ("group", signal.SIGINT),
-                                    ("launcher", signal.SIGTERM)])
+                                    ("launcher", signal.SIGTERM), ("launcher", signal.SIGUSR1)])
 def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(reference, tmp_path, to, sig):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
@@ -158,15 +158,15 @@ def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(refere
         assert time.monotonic() < deadline and p.poll() is None, p.communicate()
         time.sleep(0.02)
     time.sleep(0.1)  # in the middle of epoch 2
-    t0 = time.monotonic()
     os.killpg(p.pid, sig) if to == "group" else p.send_signal(sig)
     out, err = p.communicate(timeout=HANG_S)
-    elapsed = time.monotonic() - t0
-    assert p.returncode == 128 + sig, (out, err)
-    assert elapsed < 5, elapsed  # torch's agent would SIGKILL the workers after 5 s
+    # SIGUSR1 (SLURM's warning) reaches the ranks as the SIGTERM torch's agent forwards.
+    stopped = signal.SIGTERM if sig == signal.SIGUSR1 else sig
+    assert p.returncode == 128 + stopped, (out, err)
     log = (run / "console.log").read_text()
+    # torch's agent SIGKILLs workers that take over 5 s to stop: they stopped in time
     assert "forcefully" not in log and "SIGKILL" not in log + out + err
-    assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in out + err
+    assert f"stopped by {stopped.name}" in err and "Traceback" not in out + err
     # Both ranks stopped at the same point: the same checkpoints, none half written.
     saved = sorted(p.name for p in (run / "ckpt").iterdir())
     assert all(sorted(x.name for x in (run / "ckpt" / e).iterdir()) == ["rank-0", "rank-1"] for e in saved)
