@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 
 import pytest
 from runner_util import HANG_S, ckpt_values, close, jobrun_proc, logged
@@ -113,13 +112,10 @@ def test_dead_rank_stops_the_job_and_it_resumes(runs, tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
     run = tmp_path / "run"
-    t0 = time.monotonic()
-    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)
-    elapsed = time.monotonic() - t0
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)  # a hang fails
     assert r.code == 1, r.text
     assert "replica rank 1 failed" in r.err and "killed by signal 9" in r.err
     assert "jobrun resume" in r.err
-    assert elapsed < 90  # never a hang
     # torch's own lines (the agent's traceback of the dead worker) go to the run's log
     assert "Traceback" not in r.text and "torch.distributed" not in r.text
     log = (run / "console.log").read_text()
