@@ -49,11 +49,11 @@ def here(tmp_path, monkeypatch):
 # -- fail fast -------------------------------------------------------------------------------
 
 
-def _train_without_torch(cwd: Path, *args: str) -> tuple[int, str, bool]:
+def _train_without_torch(cwd: Path, *args: str, command: str = "train") -> tuple[int, str, bool]:
     """`jobrun train ARGS` in a fresh interpreter: exit code, stderr, whether torch was imported."""
     code = (
         "import sys\nfrom jobrun.cli import main\n"
-        f"try:\n    main({['train', *args]!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        f"try:\n    main({[command, *args]!r})\nexcept SystemExit as e:\n    code = e.code\n"
         "print('torch' in sys.modules, code)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
@@ -85,6 +85,14 @@ def test_an_occupied_run_dir_is_refused_before_torch(here):
     code, err, imported = _train_without_torch(here, "plan.yaml", "--run-dir", "mine")
     assert code == 2 and not imported
     assert "already holds checkpoints" in err and "jobrun resume mine" in err
+
+
+def test_resume_refuses_a_bad_override_or_run_before_torch(here):
+    assert jobrun("train", "plan.yaml").code == 0
+    code, err, imported = _train_without_torch(here, "runs/counter/1", "vars.lr=abc", command="resume")
+    assert code == 2 and not imported and "expected a number" in err
+    code, err, imported = _train_without_torch(here, "runs/counter/9", command="resume")
+    assert code == 2 and not imported and "there is no run in runs/counter/9" in err
 
 
 # -- a run per experiment --------------------------------------------------------------------
