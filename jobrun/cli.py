@@ -264,7 +264,7 @@ def resume(args: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
     Overrides change the plan from here on: `jobrun resume max_epochs=20` extends a
     finished run; other changes are allowed with a warning (the result is no longer the
     one an uninterrupted run gives) and are recorded in run.json. `--replicas M` goes on
-    with M replicas from a checkpoint of another number (docs/commands.md says what is kept).
+    with M replicas from a checkpoint of another number (docs/multi-host.md says what is kept).
     """
     from jobrun.runner.launch import resume as run_resume
 
