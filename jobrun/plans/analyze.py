@@ -464,8 +464,7 @@ class _Analyzer(Visitor):
             if ref.name not in outputs:
                 makers = [t.name for t in plan.epoch.tasks if ref.name in written(t)]  # computed, not output
                 self._emit(
-                    "error", code, ref.pos,
-                    f"{what} {ref.name!r}, which is not an output of any epoch task",
+                    "error", code, ref.pos, f"{what} {ref.name!r}, which is not an output of any epoch task",
                     f"add {ref.name!r} to the `outputs` of epoch task {makers[0]!r}, which computes it"
                     if makers else did_you_mean(ref.name, outputs)
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
