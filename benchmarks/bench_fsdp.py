@@ -71,7 +71,7 @@ epoch:
           - if: end
             then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
           - train.step: {{in: [model, opt, xb, yb], out: loss, amp: AMP}}
-    outputs: [loss]
+    outputs: [loss_last]  # the hand loop reports the epoch's last loss
 """
 
 
@@ -174,7 +174,7 @@ def _rank_main(argv: list[str]) -> None:
             hand.append(loop[0].epoch())
 
         ours = [e.seconds for e in run_plan(plan, root / "run", between, rank=rank, world_size=world)]
-        losses = [e["outputs"]["train"]["loss"] for e in metrics(root / "run") if e.get("event") == "epoch"] \
+        losses = [e["outputs"]["train"]["loss_last"] for e in metrics(root / "run") if e.get("event") == "epoch"] \
             if rank == 0 else []
         out = {"jobrun": ours, "hand": [t for t, _ in hand], "jobrun_loss": losses,
                "hand_loss": [loss for _, loss in hand]}

@@ -49,8 +49,11 @@ def main(ctx: click.Context) -> None:
     jobrun analyze plans/mlp.yaml    check the plan before running it
     """
     if ctx.invoked_subcommand in ("train", "resume"):
-        import torch  # noqa: F401 - imported while signals wait, see jobrun/signals.py
-    signals.interruptible()
+        # They check the plan, the overrides and the run directory before importing
+        # torch; until they write, a signal ends them at once (jobrun/signals.py).
+        signals.exit_at_once()
+    else:
+        signals.interruptible()
 
 
 _sets = click.option(
@@ -58,12 +61,13 @@ _sets = click.option(
     help="Override a plan value by dotted path (vars.lr=0.05, epoch.0.do.1.loop=20).",
 )
 class _EpochType(click.ParamType):
-    """An epoch number, or `best` (the best epoch by the plan's checkpoint.best)."""
+    """An epoch number, `latest` (the latest complete checkpoint) or `best` (the best
+    epoch by the plan's checkpoint.best)."""
 
-    name = "E|best"
+    name = "N|latest|best"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
-        if isinstance(value, int) or value == "best":
+        if isinstance(value, int) or value in ("best", "latest"):
             return value
         text = str(value).strip()
         if text.isascii() and text.isdigit():
@@ -71,7 +75,7 @@ class _EpochType(click.ParamType):
                 self.fail(f"{text[:20]}{'...' if len(text) > 20 else ''} is not an epoch: "
                           "it has more than 9 digits", param, ctx)
             return int(text)
-        self.fail(f"{value!r} is not an epoch: give a number >= 0, or best", param, ctx)
+        self.fail(f"{value!r} is not an epoch: give a number >= 0, latest or best", param, ctx)
 
 
 _EPOCH = _EpochType()
@@ -81,7 +85,17 @@ _max_restarts = click.option(
 )
 _format = click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+    help="json: machine-readable (= --json).",
 )
+_json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")
+_run_arg = click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+
+
+def _pick(run_dir: str | None) -> str:
+    """The run a command works on: the one given, else the latest (it says which)."""
+    from jobrun.runner.runs import pick
+
+    return str(pick(run_dir))
 
 
 def _compile(plan: str, sets: tuple[str, ...] = ()):
@@ -95,12 +109,14 @@ def _compile(plan: str, sets: tuple[str, ...] = ()):
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--factor-prefixes", is_flag=True, help="Write enc/[w, b] for enc/w, enc/b.")
 @_format
+@_json
 @_sets
-def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt: str,
+def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt: str, as_json: bool,
               sets: tuple[str, ...]) -> None:
     """Show the whole job as readable pseudo-code (after KEY=VALUE overrides, as train)."""
     from jobrun.plans import printer
 
+    fmt = "json" if as_json else fmt
     p = _compile(plan, sets + _positional(overrides))
     if fmt == "json":
         click.echo(json.dumps(printer.render_json(p), indent=2))
@@ -116,14 +132,16 @@ def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt:
 @click.argument("plan", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @_format
+@_json
 @_sets
-def analyze(plan: str, overrides: tuple[str, ...], fmt: str, sets: tuple[str, ...]) -> None:
+def analyze(plan: str, overrides: tuple[str, ...], fmt: str, as_json: bool, sets: tuple[str, ...]) -> None:
     """Check a plan: undefined blobs, races, unknown ops and arguments, stop conditions.
 
     Exit 0 when clean, 1 when errors were found, 2 when the file cannot be read as a plan.
     """
     from jobrun.plans.analyze import analyze as run_analysis
 
+    fmt = "json" if as_json else fmt
     try:
         p = _compile(plan, sets + _positional(overrides))
     except JobrunError as e:
@@ -162,7 +180,7 @@ def _error_json(e: JobrunError) -> dict[str, Any]:
 
 @main.command()
 @click.argument("name", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_json
 def ops(name: str | None, as_json: bool) -> None:
     """List the ops, or show one op's signature."""
     from jobrun.ops import describe
@@ -213,7 +231,8 @@ def schema(output: str | None) -> None:
 @main.command()
 @click.argument("plan", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: runs/<job>.")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Train in this directory (refused if it holds checkpoints). Default: a new runs/<job>/<N>.")
 @_sets
 @click.option("--replicas", type=click.IntRange(1, 1024), help="Data-parallel processes on this host.")
 @click.option("--device", help="auto, cpu, cuda or cuda:N (overrides the plan).")
@@ -236,28 +255,42 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 
 
 @main.command()
-@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: the latest run under ./runs.")
+@click.argument("args", nargs=-1, metavar="[RUN_DIR] [KEY=VALUE]...")
+@click.option("--run-dir", type=click.Path(file_okay=False), hidden=True, help="= RUN_DIR.")
 @click.option("--epoch", type=_EPOCH,
-              help="Default: the latest complete checkpoint; best: the best by checkpoint.best.")
+              help="Default: latest (the latest complete checkpoint); best: the best by checkpoint.best.")
 @click.option("--replicas", type=click.IntRange(1, 1024),
               help="Go on with this many replicas (default: as many as the run had).")
 @_max_restarts
 @click.option("--force", is_flag=True,
               help="Resume although init built other data than when the run started.")
 @_sets
-def resume(overrides: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
+def resume(args: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
            replicas: int | None, max_restarts: int | None, force: bool, sets: tuple[str, ...]) -> None:
-    """Continue a run from a checkpoint, exactly where it stopped.
+    """Continue a run (default: the latest) from a checkpoint, exactly where it stopped.
 
     Overrides change the plan from here on: `jobrun resume max_epochs=20` extends a
     finished run; other changes are allowed with a warning (the result is no longer the
     one an uninterrupted run gives) and are recorded in run.json. `--replicas M` goes on
-    with M replicas from a checkpoint of another number (the README says what is kept).
+    with M replicas from a checkpoint of another number (docs/multi-host.md says what is kept).
     """
     from jobrun.runner.launch import resume as run_resume
 
-    sys.exit(run_resume(run_dir, epoch, sets + _positional(overrides), replicas, max_restarts, force=force))
+    dirs = [a for a in args if "=" not in a]
+    if len(dirs) > 1 or (dirs and run_dir):
+        raise _usage(f"give one run directory, not {' and '.join([*([run_dir] if run_dir else []), *dirs])}",
+                     "overrides are KEY=VALUE (e.g. max_epochs=20)")
+    given = dirs[0] if dirs else run_dir
+    path = given if given is not None or _under_torchrun() else _pick(None)
+    overrides = tuple(a for a in args if "=" in a)
+    sys.exit(run_resume(path, None if epoch == "latest" else epoch, sets + overrides, replicas,
+                        max_restarts, force=force))
+
+
+def _under_torchrun() -> bool:
+    from jobrun.runner.launch import under_torchrun
+
+    return under_torchrun()
 
 
 def _positional(overrides: tuple[str, ...]) -> tuple[str, ...]:
@@ -276,36 +309,72 @@ def _usage(message: str, hint: str | None = None):
 
 
 @main.command("plot")
-@click.argument("run_dirs", nargs=-1, type=click.Path(file_okay=False))
+@click.argument("run_dirs", nargs=-1, type=click.Path(file_okay=False), metavar="[RUN_DIR]...")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="A .png file. Default: RUN_DIR/metrics.png (one run), ./metrics.png (several).")
 @click.option("--metric", "metrics", multiple=True, help="Only this metric (repeatable). Default: all.")
 def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...]) -> None:
-    """Draw the values a run logged against epochs (several runs: overlaid)."""
+    """Draw the values runs logged against epochs (default: the latest run; several: overlaid)."""
     from jobrun.runner.plot import plot
 
-    click.echo(f"wrote {plot(list(run_dirs), output, metrics)}")
+    click.echo(f"wrote {plot(list(run_dirs) or [_pick(None)], output, metrics)}")
+
+
+@main.command("runs")
+@_json
+def runs_cmd(as_json: bool) -> None:
+    """List the runs under ./runs: job, status, epochs, best monitored value, start, overrides."""
+    from jobrun.runner.runs import runs_text
+
+    click.echo(runs_text(as_json))
 
 
 @main.group()
 def ckpt() -> None:
-    """Inspect the checkpoints of a run."""
+    """Inspect the checkpoints of a run (default: the latest run)."""
 
 
 @ckpt.command("list")
-@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@_run_arg
 @click.option("--verify", is_flag=True, help="Also check every file's checksums (reads everything).")
-@click.option("--json", "as_json", is_flag=True)
+@_json
 def ckpt_list(run_dir: str | None, verify: bool, as_json: bool) -> None:
     """Epochs, nodes, sizes, save times, and whether each checkpoint is valid."""
     from jobrun.runner import inspect
 
-    click.echo(inspect.list_text(run_dir, verify=verify, as_json=as_json))
+    click.echo(inspect.list_text(_pick(run_dir), verify=verify, as_json=as_json))
+
+
+@ckpt.command("verify")
+@_run_arg
+@click.option("--epoch", type=_EPOCH, help="Only this epoch (N, latest or best). Default: every epoch.")
+@_json
+def ckpt_verify(run_dir: str | None, epoch: int | str | None, as_json: bool) -> None:
+    """Read every checkpoint file and check its checksums. Exit 1 when one is damaged."""
+    from jobrun.runner import inspect
+
+    path = _pick(run_dir)
+    rows = json.loads(inspect.list_text(path, verify=True, as_json=True))["checkpoints"]
+    if epoch is not None:
+        wanted = inspect.epoch_of(path, epoch)
+        rows = [r for r in rows if r["epoch"] == wanted]
+        if not rows:
+            raise _usage(f"{path} has no checkpoint of epoch {wanted}", "`jobrun ckpt list` shows the epochs")
+    bad = [r for r in rows if not r["valid"] and not r["on_other_hosts"]]
+    if as_json:
+        click.echo(json.dumps({"run_dir": path, "checked": rows, "damaged": len(bad)}, indent=2))
+    else:
+        for r in rows:
+            state = "ok" if r["valid"] else "on other hosts" if r["on_other_hosts"] else f"DAMAGED: {r['problem']}"
+            click.echo(f"epoch {r['epoch']} node {r['node']}: {state}")
+        click.echo(f"{path}: {len(rows) - len(bad)} of {len(rows)} checkpoint(s) intact", err=True)
+    sys.exit(1 if bad else 0)
 
 
 @ckpt.command("show")
-@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--epoch", type=_EPOCH, required=True, help="A number, or best (by checkpoint.best).")
+@_run_arg
+@click.option("--epoch", type=_EPOCH, default="latest", show_default=True,
+              help="N, latest (complete) or best (by checkpoint.best).")
 @click.option("--node", help="Default: every node.")
 @click.option("--rank", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--blob", "blobs", multiple=True, help="Only these blobs (repeatable).")
@@ -317,18 +386,19 @@ def ckpt_show(run_dir: str | None, epoch: int | str, node: str | None, rank: int
     """Print the blobs of one checkpoint: tensors as dtype and shape, other values."""
     from jobrun.runner import inspect
 
-    click.echo(inspect.show_text(run_dir, epoch, node, rank, blobs, as_json=as_json, values=values))
+    click.echo(inspect.show_text(_pick(run_dir), epoch, node, rank, blobs, as_json=as_json, values=values))
 
 
 @main.command("export")
-@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--epoch", type=_EPOCH, help="A number, or best (by checkpoint.best).")
-@click.option("--best", is_flag=True, help="The best epoch by checkpoint.best (= --epoch best).")
+@_run_arg
+@click.option("--epoch", type=_EPOCH, default="latest", show_default=True,
+              help="N, latest (complete) or best (by checkpoint.best).")
+@click.option("--best", is_flag=True, help="= --epoch best.")
 @click.option("--node", help="Default: the job's first node.")
 @click.option("--blob", "blobs", multiple=True, required=True, help="Blob to export (repeatable).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="A .safetensors, .json or .pt file.")
-def export_cmd(run_dir: str | None, epoch: int | str | None, best: bool, node: str | None,
+def export_cmd(run_dir: str | None, epoch: int | str, best: bool, node: str | None,
                blobs: tuple[str, ...], output: str) -> None:
     """Write chosen blobs of one checkpoint to a file.
 
@@ -337,9 +407,7 @@ def export_cmd(run_dir: str | None, epoch: int | str | None, best: bool, node: s
     """
     from jobrun.runner import inspect
 
-    if best and epoch is not None and epoch != "best":
+    if best and epoch not in ("best", "latest"):
         raise _usage(f"give --best or --epoch {epoch}, not both")
-    if not best and epoch is None:
-        raise _usage("which checkpoint? give --epoch E, or --best", "`jobrun ckpt list` shows the epochs")
-    path = inspect.export(run_dir, "best" if best else epoch, node, blobs, output)
+    path = inspect.export(_pick(run_dir), "best" if best else epoch, node, blobs, output)
     click.echo(f"wrote {path}")

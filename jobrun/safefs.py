@@ -35,8 +35,9 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _open(path: Path, flags: int, mode: int = 0o644) -> int:
-    """os.open without following a final symlink, refusing anything but a plain file."""
+def _open(path: Path, flags: int, mode: int = 0o666) -> int:
+    """os.open without following a final symlink, refusing anything but a plain file.
+    A new file gets 0o666 less the umask, as open() and shell redirections give."""
     try:
         fd = os.open(path, flags | _NOFOLLOW, mode)
     except OSError as e:

@@ -54,25 +54,39 @@ def create(name: str, example: str = DEFAULT, where: Path = Path(".")) -> Path:
     dest = where / name
     if dest.exists():
         raise UsageError(f"{dest} exists already", hint="choose another name, or remove it")
-    parts = [sub for sub, used in (("models", "models."), ("data", "data/")) if used in text]
+    files = _used_files(text)
     try:
         dest.mkdir(parents=True)
-        safefs.write_atomic(dest / "plan.yaml", _JOB_LINE.sub(f"job: {name}", text, count=1).encode(),
+        safefs.write_atomic(dest / "plan.yaml",
+                            _renamed(_JOB_LINE.sub(f"job: {name}", text, count=1), example, dest).encode(),
                             durable=False)
-        for sub in parts:
-            _copy_tree(_root() / sub, dest / sub)
+        for rel in files:
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            safefs.write_atomic(dest / rel, (_root() / rel).read_bytes(), durable=False)
     except OSError as e:
         raise UsageError(f"cannot write {dest}: {e.strerror or e}",
                          hint="choose a writable directory") from None
     return dest
 
 
-def _copy_tree(src, dst: Path) -> None:
-    dst.mkdir()
-    for entry in src.iterdir():
-        if entry.name == "__pycache__":
+def _used_files(text: str) -> list[str]:
+    """The files under data/ and models/ the example names (`data/shapes.npz`,
+    `models.charlm:CharLM`, `plans/data/make_shapes.py`), with models/__init__.py."""
+    out = []
+    for sub, mark in (("data", "data/{}"), ("models", "models.{}")):
+        if not (_root() / sub).is_dir():
             continue
-        if entry.is_dir():
-            _copy_tree(entry, dst / entry.name)
-        else:
-            safefs.write_atomic(dst / entry.name, entry.read_bytes(), durable=False)
+        for entry in sorted((_root() / sub).iterdir(), key=lambda e: e.name):
+            stem = entry.name.removesuffix(".py") if sub == "models" else entry.name
+            if entry.is_file() and re.search(re.escape(mark.format(stem)) + r"(?![\w.])|"
+                                             + re.escape(f"{sub}/{entry.name}"), text):
+                out.append(f"{sub}/{entry.name}")
+    if any(f.startswith("models/") for f in out) and (_root() / "models" / "__init__.py").is_file():
+        out.append("models/__init__.py")
+    return sorted(set(out))
+
+
+def _renamed(text: str, example: str, dest: Path) -> str:
+    """The example's comments name the new plan's paths (`jobrun train NAME/plan.yaml`)."""
+    text = text.replace(f"plans/{example}.yaml", str(dest / "plan.yaml"))
+    return re.sub(r"\bplans/(data|models)/", lambda m: f"{dest / m.group(1)}/", text)

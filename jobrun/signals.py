@@ -1,21 +1,32 @@
-"""SIGINT/SIGTERM while jobrun starts.
+"""SIGINT/SIGTERM/SIGUSR1 while jobrun starts.
 
 A KeyboardInterrupt raised while a C extension initialises (torch takes about a second to
-import) can crash the interpreter (SIGSEGV, or abort in pybind11). So from the moment the
-CLI module is imported, a signal is only remembered; :func:`interruptible` is called once
-the heavy imports are done, and from then on a signal raises :class:`Interrupted` (the job
-runner installs its own handler, which also lets a checkpoint save finish first).
+import, far more on a loaded machine) can crash the interpreter (SIGSEGV, or abort in
+pybind11). So from the moment the CLI module is imported, a signal is only remembered;
+:func:`interruptible` is called once the heavy imports are done, and from then on a signal
+raises :class:`Interrupted` (the job runner installs its own handler, which also lets a
+checkpoint save finish first).
+
+`train` and `resume` check everything they can before they import torch, and until they
+write into the run directory a signal ends them at once (:func:`exit_at_once`): nothing is
+written yet, so there is nothing to keep, and os._exit unwinds nothing a half-imported
+extension could trip on.
+
+SIGUSR1 (SLURM's warning before it preempts or times out a job, `--signal=USR1@90`) stops
+a job as SIGTERM does: a checkpoint state that resumes exactly, status interrupted, exit
+128+10 = 138.
 
 With replicas, a signal is acted on where every rank agrees to stop (see below).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 _pending: list[int] = []
 
 
@@ -29,8 +40,31 @@ def _raise(signum: int, frame: Any) -> None:
     raise Interrupted(signum, during="start-up")
 
 
+def _exit_now(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    os.write(2, f"interrupted during start-up ({name}); nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+def exit_at_once() -> None:
+    """Until :func:`interruptible`: a signal ends the process at once (nothing is written
+    yet); one that came while deferred ends it now."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        if signal.getsignal(s) in (_remember, _raise):
+            signal.signal(s, _exit_now)
+    if _pending:
+        _exit_now(_pending[0], None)
+
+
+def import_torch() -> None:
+    """Import torch (a second or more) while a signal still ends the process at once."""
+    import torch  # noqa: F401
+
+
 def defer() -> None:
-    """Remember SIGINT/SIGTERM instead of acting on them (a signal the shell set to be
+    """Remember SIGINT/SIGTERM/SIGUSR1 instead of acting on them (a signal the shell set to be
     ignored, as for a background job, stays ignored)."""
     if threading.current_thread() is not threading.main_thread():
         return
@@ -44,7 +78,7 @@ def interruptible() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     for s in SIGNALS:
-        if signal.getsignal(s) is _remember:
+        if signal.getsignal(s) in (_remember, _exit_now):
             signal.signal(s, _raise)
     if _pending:
         _raise(_pending[0], None)
@@ -61,6 +95,7 @@ def interruptible() -> None:
 # terminal or the launcher) and do the same.
 
 GRACE_S = 2.0  # below torch's elastic agent's 5 s before it SIGKILLs its workers
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's: the ranks stop as for SIGTERM
 _SIGTERM_WEIGHT = 4096.0  # flags of up to 4095 ranks add up exactly in a float32
 _requested: list[int] = []
 _timer: list[threading.Timer] = []
@@ -89,7 +124,7 @@ def requested() -> int:
 def flag() -> float:
     """This rank's stop flag, to be summed over ranks and given to :func:`agree`."""
     sig = requested()
-    return 0.0 if not sig else _SIGTERM_WEIGHT if sig == signal.SIGTERM else 1.0
+    return 0.0 if not sig else _SIGTERM_WEIGHT if sig in STOP_SIGNALS else 1.0
 
 
 def agree(total: float) -> None:

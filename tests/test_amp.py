@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runner_util import jobrun, logged
+from runner_util import HANG_S, jobrun, logged
 
 from jobrun import store
 from jobrun.ops import train
@@ -208,7 +208,7 @@ def test_fsdp_with_amp_trains_as_ddp_and_resumes_bit_exact(tmp_path, amp):
     plan.write_text(text)
     for parallel in ("fsdp", "ddp"):
         r = jobrun_proc("train", plan, "--run-dir", tmp_path / parallel, "--replicas", "2",
-                        f"parallel={parallel}", timeout=300)
+                        f"parallel={parallel}", timeout=HANG_S)
         assert r.code == 0, r.text
     fs, dd = tmp_path / "fsdp", tmp_path / "ddp"
     if amp == "fp16":
@@ -227,7 +227,7 @@ def test_fsdp_with_amp_trains_as_ddp_and_resumes_bit_exact(tmp_path, amp):
     assert _state(fs, 4)["model"]["0.weight"].local.dtype == torch.float32
     run = tmp_path / "resumed"
     shutil.copytree(fs, run)
-    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", timeout=300)
+    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", timeout=HANG_S)
     assert r.code == 0, r.text
     for rank in (0, 1):
         assert _same(_state(run, 4, rank), _state(fs, 4, rank)), f"rank {rank} diverged"

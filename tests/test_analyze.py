@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from runner_util import HANG_S
 
 from jobrun.errors import Pos
 from jobrun.ops.registry import registry
@@ -969,7 +970,7 @@ def test_output_is_deterministic_across_processes(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             cwd=ROOT,
-            timeout=60,
+            timeout=HANG_S,
         )
         assert done.returncode == 0, done.stderr
         outputs.add(done.stdout)
@@ -1007,7 +1008,7 @@ def test_analyze_never_imports_torch() -> None:
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

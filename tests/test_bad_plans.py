@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from runner_util import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "bad_plans"
@@ -111,7 +112,7 @@ def test_bad_plan_in_a_new_process(case: Case, tmp_path: Path, monkeypatch) -> N
     (tmp_path / "empty.yaml").write_bytes(b"")
     path = case.path.replace("<tmp>", str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "jobrun", case.cmd, path, *case.args], cwd=ROOT,
-                          capture_output=True, text=True, errors="replace", timeout=120)
+                          capture_output=True, text=True, errors="replace", timeout=HANG_S)
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.returncode == case.exit
     assert proc.stderr == _run(case, tmp_path).stderr

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runner_util import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart", "fsdp")
@@ -45,7 +46,7 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     p = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())

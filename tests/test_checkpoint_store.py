@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from runner_util import HANG_S
 
 from jobrun import store as ck
 from jobrun.errors import CheckpointError
@@ -638,7 +639,7 @@ def test_sigkill_during_save(tmp_path: Path, point: str) -> None:
         assert child.stdout.readline().strip() == "paused"
         child.send_signal(signal.SIGKILL)
     finally:
-        child.wait(timeout=20)
+        child.wait(timeout=HANG_S)
     assert child.returncode == -signal.SIGKILL
 
     assert ck.verify(ckpt, "n", 0) == []

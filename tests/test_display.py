@@ -23,6 +23,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+from runner_util import HANG_S  # noqa: E402
+
 from jobrun.runner.display import Display  # noqa: E402
 
 COUNTER = """\
@@ -50,7 +52,7 @@ def _run(tmp_path, text: str, **env: str) -> tuple[subprocess.CompletedProcess, 
     plan = tmp_path / "plan.yaml"
     plan.write_text(text)
     p = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+                       capture_output=True, text=True, timeout=HANG_S, env={**os.environ, **env})
     return p, (tmp_path / "run" / "console.log").read_text()
 
 

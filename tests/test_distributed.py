@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 
 import pytest
-from runner_util import ckpt_values, close, jobrun_proc, logged
+from runner_util import HANG_S, ckpt_values, close, jobrun_proc, logged
 
 PLAN = """
 job: dp
@@ -113,13 +112,10 @@ def test_dead_rank_stops_the_job_and_it_resumes(runs, tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
     run = tmp_path / "run"
-    t0 = time.monotonic()
-    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=180)
-    elapsed = time.monotonic() - t0
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)  # a hang fails
     assert r.code == 1, r.text
     assert "replica rank 1 failed" in r.err and "killed by signal 9" in r.err
     assert "jobrun resume" in r.err
-    assert elapsed < 90  # never a hang
     # torch's own lines (the agent's traceback of the dead worker) go to the run's log
     assert "Traceback" not in r.text and "torch.distributed" not in r.text
     log = (run / "console.log").read_text()
@@ -144,7 +140,7 @@ def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
     env = {**os.environ, "JOBRUN_TEST_NO_DIE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "jobrun", "train", str(plan), "--run-dir", str(run)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(x.name for x in (run / "ckpt" / "local.3").iterdir()) == ["rank-0", "rank-1"]
     assert _weights(run) == _weights(runs / "two")
@@ -157,7 +153,7 @@ def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
     info = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps({**info, "status": "running"}))
     cmd = [*cmd[:cmd.index("train")], "resume", "--run-dir", str(run)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("warning: skipping checkpoint epoch 3:") == 1
     assert "rank-1/tensors.safetensors: checksum mismatch" in p.stdout

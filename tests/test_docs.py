@@ -14,7 +14,8 @@ indentation).
 A ```text block of `$ jobrun ...` commands runs them on the plan it shows (the plan its
 output names, else the nearest whole plan above it) in a temporary directory, and
 compares what they print with the page: durations and checkpoint sizes are masked,
-floats may differ in their last digits, and a `...` line stands for any lines.
+floats may differ in their last digits, and a `...` line stands for any lines. The line
+`train` prints to name the new run directory (runs/<job>/<N>) is not shown on the page.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def test_shown_output(run: Block, tmp_path, monkeypatch, one_thread) -> None:
     monkeypatch.chdir(tmp_path)
     for argv, shown in _commands(run):
         r = jobrun(*argv)
-        got = (r.out + r.err).splitlines()
+        got = [g for g in (r.out + r.err).splitlines() if not g.startswith("run directory runs/")]
         assert r.code == 0, f"{run.where}: `jobrun {' '.join(argv)}` failed:\n{r.text}"
         assert _matches([s.rstrip() for s in shown], [g.rstrip() for g in got]), (
             f"{run.where}: `jobrun {' '.join(argv)}` on the plan at line {plan.line} prints\n"
@@ -268,3 +269,57 @@ def test_every_example_kind_is_present() -> None:
     trained = [r for r in RUN_BLOCKS if "$ jobrun train" in r.text]
     assert len(plans) >= 6 and len(errors) >= 2 and len(snippets) >= 5 and len(trained) >= 5
     assert "../shared" not in DOC.read_text(encoding="utf-8")
+
+
+# -- the README and docs/ as a user's guide --------------------------------------------------
+
+ROOT = DOC.parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_starts_with_install_and_run_then_the_tests() -> None:
+    text = README.read_text(encoding="utf-8")
+    first = _blocks(text)[0]
+    lines = first.text.splitlines()
+    assert first.lang == "bash" and len(lines) == 2
+    assert "torch==2.13.0" in lines[0] and lines[0].endswith("jobrun train plans/mlp.yaml")
+    assert "download.pytorch.org/whl/cpu" in lines[0]  # the CPU build where PyPI's is CUDA's
+    assert lines[1] == 'pip install -e ".[test]" && python -m pytest -q'
+    assert len(text.splitlines()) <= 320, "the README is a guide: reference material goes to docs/"
+
+
+def test_every_link_in_the_readme_and_docs_leads_somewhere() -> None:
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which is not there"
+    linked = set(re.findall(r"\]\(docs/([^)#]+)", README.read_text(encoding="utf-8")))
+    missing = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in linked)
+    assert not missing, f"the README does not lead to {missing}"
+
+
+def test_commands_shown_in_the_readme_and_docs_exist() -> None:
+    """Every `jobrun CMD --opt` in a code block names a command and options it has."""
+    from jobrun.cli import main
+
+    def options(cmd) -> set[str]:
+        return {o for p in cmd.params for o in getattr(p, "opts", []) if o.startswith("-")}
+
+    shown = 0
+    for page in PAGES:
+        for block in _blocks(page.read_text(encoding="utf-8")):
+            for line in block.text.splitlines():
+                m = re.search(r"(?:^\$ |^|&& |srun )jobrun ((?:[a-z]+)(?: [a-z]+)?)(.*)", line.split("#")[0])
+                if not m or block.lang not in ("bash", "text", ""):
+                    continue
+                words = m.group(1).split()
+                cmd = main.commands.get(words[0])
+                assert cmd is not None, f"{page.name}:{block.line}: no command {words[0]!r}: {line}"
+                if len(words) > 1 and hasattr(cmd, "commands") and words[1] in cmd.commands:
+                    cmd = cmd.commands[words[1]]
+                for opt in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", m.group(2)):
+                    shown += 1
+                    assert opt in options(cmd), f"{page.name}:{block.line}: `jobrun {m.group(1)}` has no {opt}"
+    assert shown > 20

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner_util import ckpt_values, close, jobrun, jobrun_proc, logged, metrics
+from runner_util import HANG_S, ckpt_values, close, jobrun, jobrun_proc, logged, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def reference(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("elastic")
     plan = root / "plan.yaml"
     plan.write_text(PLAN)
-    r = jobrun_proc("train", plan, "--run-dir", root / "run", "--replicas", "2", timeout=180)
+    r = jobrun_proc("train", plan, "--run-dir", root / "run", "--replicas", "2", timeout=HANG_S)
     assert r.code == 0, r.text
     return root / "run"
 
@@ -75,7 +75,7 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_killed(referenc
     plan.write_text(PLAN)
     run, deaths = tmp_path / "run", tmp_path / "deaths"
     r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", "--max-restarts", "1",
-                    f"vars.deaths={deaths}", timeout=240)
+                    f"vars.deaths={deaths}", timeout=HANG_S)
     assert r.code == 0, r.text
     assert len(deaths.read_text().splitlines()) == 1  # it did die, once
     assert "rank 1 died (killed by SIGKILL); restarting every rank" in r.out
@@ -99,12 +99,12 @@ def test_a_rank_that_dies_more_often_than_allowed_stops_the_job_cleanly(tmp_path
     plan.write_text(PLAN.replace("max_epochs: 4", "max_epochs: 3\nmax_restarts: 1"))
     run, deaths = tmp_path / "run", tmp_path / "deaths"
     r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", f"vars.deaths={deaths}",
-                    "vars.times=5", timeout=240)
+                    "vars.times=5", timeout=HANG_S)
     assert r.code == 1, r.text
     assert len(deaths.read_text().splitlines()) == 2, r.text  # the first try and the one restart
     assert r.out.count("restarting every rank") == 1
     assert "replica rank 1 failed (exit code -9): killed by signal 9" in r.err
-    assert "(after 1 restart)" in r.err and f"jobrun resume --run-dir {run}" in r.err
+    assert "(after 1 restart)" in r.err and f"jobrun resume {run}" in r.err
     assert "Traceback" not in r.text and "torch.distributed" not in r.text
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "failed" and len(info["restarts"]) == 1
@@ -121,7 +121,7 @@ def test_a_save_that_fails_on_another_rank_is_reported_by_rank_0(reference, tmp_
                                  "      - const: {out: epoch_no, value: 0}\n"
                                  '      - call: {fn: "jobrun_test_helpers:fail_saves_on_rank"}\n'))
     run = tmp_path / "run"
-    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=180)
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)
     assert r.code == 0, r.text
     assert "[rank 1] warning: checkpoint of epoch 2 was NOT saved: " in r.err
     assert "No space left on device" in r.err
@@ -132,7 +132,7 @@ def test_a_save_that_fails_on_another_rank_is_reported_by_rank_0(reference, tmp_
     listed = jobrun("ckpt", "list", run).out
     assert "rank 1 of 2 missing" in next(ln for ln in listed.splitlines() if ln.split()[0] == "2")
     assert _weights(run) == _weights(reference)  # the other epochs were saved as ever
-    again = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", timeout=180)
+    again = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", timeout=HANG_S)
     assert again.code != 0 and "epoch 2" in again.err
 
 
@@ -147,32 +147,32 @@ def _start(plan: Path, run: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("to,sig", [("launcher", signal.SIGINT), ("group", signal.SIGINT),
-                                    ("launcher", signal.SIGTERM)])
+                                    ("launcher", signal.SIGTERM), ("launcher", signal.SIGUSR1)])
 def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(reference, tmp_path, to, sig):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
     run = tmp_path / "run"
     p = _start(plan, run)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not (run / "ckpt" / "local.1" / "rank-1" / "COMMIT").exists():
         assert time.monotonic() < deadline and p.poll() is None, p.communicate()
         time.sleep(0.02)
     time.sleep(0.1)  # in the middle of epoch 2
-    t0 = time.monotonic()
     os.killpg(p.pid, sig) if to == "group" else p.send_signal(sig)
-    out, err = p.communicate(timeout=60)
-    elapsed = time.monotonic() - t0
-    assert p.returncode == 128 + sig, (out, err)
-    assert elapsed < 5, elapsed  # torch's agent would SIGKILL the workers after 5 s
+    out, err = p.communicate(timeout=HANG_S)
+    # SIGUSR1 (SLURM's warning) reaches the ranks as the SIGTERM torch's agent forwards.
+    stopped = signal.SIGTERM if sig == signal.SIGUSR1 else sig
+    assert p.returncode == 128 + stopped, (out, err)
     log = (run / "console.log").read_text()
+    # torch's agent SIGKILLs workers that take over 5 s to stop: they stopped in time
     assert "forcefully" not in log and "SIGKILL" not in log + out + err
-    assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in out + err
+    assert f"stopped by {stopped.name}" in err and "Traceback" not in out + err
     # Both ranks stopped at the same point: the same checkpoints, none half written.
     saved = sorted(p.name for p in (run / "ckpt").iterdir())
     assert all(sorted(x.name for x in (run / "ckpt" / e).iterdir()) == ["rank-0", "rank-1"] for e in saved)
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
     if to == "launcher" and sig == signal.SIGINT:
-        again = jobrun_proc("resume", "--run-dir", run, timeout=180)
+        again = jobrun_proc("resume", "--run-dir", run, timeout=HANG_S)
         assert again.code == 0, again.text
         assert _weights(run) == _weights(reference)
 
@@ -237,7 +237,7 @@ def mlp_runs(tmp_path_factory) -> Path:
     plan.write_text(MLP)
     for name, replicas, epochs in (("whole", 1, 4), ("one", 1, 2), ("two", 2, 2)):
         r = jobrun_proc("train", plan, "--run-dir", root / name, "--replicas", str(replicas),
-                        f"max_epochs={epochs}", f"vars.ids={root / name}.ids", timeout=180)
+                        f"max_epochs={epochs}", f"vars.ids={root / name}.ids", timeout=HANG_S)
         assert r.code == 0, r.text
     return root
 
@@ -249,7 +249,7 @@ def test_resume_with_another_number_of_replicas(mlp_runs, tmp_path, before, afte
     shutil.copytree(mlp_runs / name, run)
     shutil.copy(mlp_runs / f"{name}.ids", ids)
     r = jobrun_proc("resume", "--run-dir", run, "--replicas", str(after), "max_epochs=4",
-                    f"vars.ids={ids}", timeout=180)
+                    f"vars.ids={ids}", timeout=HANG_S)
     assert r.code == 0, r.text
     assert f"resuming with {after} replica" in r.err and "resumed from checkpoint epoch 2" in r.out
     # The global position in the pass is kept: the same global batches as the run never
@@ -305,7 +305,7 @@ def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[s
                 "-m", "jobrun", *command, *([plan] if plan else []), "--run-dir", "run", *extra]
         procs.append(subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=240), *p.communicate()) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=HANG_S), *p.communicate()) for p in procs]
 
 
 def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_util import ckpt_values, jobrun, jobrun_proc, logged
+from runner_util import HANG_S, ckpt_values, jobrun, jobrun_proc, logged
 from safetensors.torch import load_file
 from torch import nn
 
@@ -268,7 +268,7 @@ def test_kill_9_mid_run_then_resume_is_bit_exact(tmp_path, name: str) -> None:
     cmd = [sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run), *sets]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + HANG_S
         while kill_after not in _checkpointed(run):
             assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()}"
             assert time.monotonic() < deadline, "no checkpoint after 90 s"

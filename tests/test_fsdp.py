@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from runner_util import ckpt_values, close, jobrun, jobrun_proc, logged
+from runner_util import HANG_S, ckpt_values, close, jobrun, jobrun_proc, logged
 
 from jobrun import store
 from jobrun.store.shards import SavedShard
@@ -143,7 +143,7 @@ print(json.dumps({{"seen": seen, "out": str(out.dtype),
                    "grads": sorted({{str(p.grad.dtype) for p in model.parameters()}})}}))
 dist.destroy_process_group()
 """
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.splitlines()[-1])
     assert got["seen"] == [[dtype, dtype]]  # the layer computes with gathered amp parameters
@@ -157,7 +157,7 @@ def runs(tmp_path_factory):
     (root / "plan.yaml").write_text(PLAN)
     for name, sets in (("fsdp", []), ("ddp", ["parallel=ddp"])):
         r = jobrun_proc("train", root / "plan.yaml", "--run-dir", root / name, "--replicas", "2", *sets,
-                        timeout=300)
+                        timeout=HANG_S)
         assert r.code == 0, r.text
         assert "Warning" not in r.err, r.err  # e.g. torch 2.13 deprecating a collective StepTotals used
     return root
@@ -209,7 +209,7 @@ def test_saved_and_exported_models_are_whole(runs, tmp_path):
 def test_fsdp_resume_is_exact(runs, tmp_path):
     run = tmp_path / "fsdp"
     shutil.copytree(runs / "fsdp", run)
-    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1", timeout=300)
+    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1", timeout=HANG_S)
     assert r.code == 0, r.text
     assert _model(run) == _model(runs / "fsdp")
 
@@ -219,7 +219,7 @@ def test_fsdp_resume_is_exact(runs, tmp_path):
 def test_fsdp_resume_with_another_number_of_ranks(runs, tmp_path, to):
     run = tmp_path / "fsdp"
     shutil.copytree(runs / "fsdp", run)
-    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1", "--replicas", to, timeout=300)
+    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1", "--replicas", to, timeout=HANG_S)
     assert r.code == 0, r.text
     assert "resuming with 1 replica from a checkpoint of 2" in r.err
     want = _model(runs / "fsdp")
@@ -227,7 +227,7 @@ def test_fsdp_resume_with_another_number_of_ranks(runs, tmp_path, to):
     for key in want:
         assert close(got[key], want[key], 1e-5), key
     # And back to 2 ranks: the whole model of 1 rank is sharded again.
-    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", "--replicas", "2", timeout=300)
+    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "2", "--replicas", "2", timeout=HANG_S)
     assert r.code == 0, r.text
     again = _model(run)
     for key in want:
@@ -245,7 +245,7 @@ def test_char_lm_trains_the_same_with_fsdp_and_ddp(tmp_path):
     for name, sets in (("ddp", ["parallel=ddp"]), ("fsdp", ["parallel=fsdp"]),
                        ("typed", ["parallel=fsdp", layers])):
         r = jobrun_proc("train", plan, "--run-dir", tmp_path / name, "--replicas", "2", "max_epochs=1",
-                        "vars.layers=1", *sets, timeout=300)
+                        "vars.layers=1", *sets, timeout=HANG_S)
         assert r.code == 0, r.text
         losses[name] = logged(tmp_path / name)[0]
     for name in ("fsdp", "typed"):
@@ -257,7 +257,7 @@ def test_char_lm_trains_the_same_with_fsdp_and_ddp(tmp_path):
 def test_fsdp_layers_the_model_lacks_is_one_clear_error(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("parallel: fsdp", "parallel: fsdp\nfsdp_layers: [torch.nn.Conv2d]"))
-    r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2", timeout=300)
+    r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2", timeout=HANG_S)
     assert r.code == 1
     assert "fsdp_layers: the model has no torch.nn.Conv2d" in r.err
     assert "its modules are: Linear, ReLU" in r.err and "Traceback" not in r.err
@@ -276,7 +276,7 @@ def test_a_killed_fsdp_rank_restarts_and_ends_as_an_uninterrupted_run(runs, tmp_
     plan = tmp_path / "plan.yaml"
     plan.write_text(text)
     r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2", "--max-restarts", "1",
-                    timeout=300)
+                    timeout=HANG_S)
     assert r.code == 0, r.text
     assert (tmp_path / "deaths").read_text().count("\n") == 1
     assert "restart 1: rank 1 died" in r.out + r.err
@@ -342,7 +342,7 @@ def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
     got = []
     for p in procs:
-        out, err = p.communicate(timeout=180)
+        out, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err
         assert "Warning" not in err, err  # e.g. torch's deprecation of a collective
         got.append(json.loads(out.splitlines()[-1]))

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from runner_util import jobrun
+from runner_util import HANG_S, jobrun
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,7 @@ def test_a_new_plan_trains_as_it_is(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["plan.yaml"]
     t = jobrun("train", "demo/plan.yaml")
     assert t.code == 0, t.text
-    assert (tmp_path / "runs" / "demo" / "run.json").is_file()
+    assert (tmp_path / "runs" / "demo" / "1" / "run.json").is_file()
 
 
 def test_an_example_with_user_code_and_data_comes_with_them(tmp_path, monkeypatch):
@@ -79,7 +79,7 @@ def test_pyproject_lists_every_package():
 @pytest.mark.slow
 def test_the_wheel_holds_the_examples(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr[-2000:]
     wheel = next(tmp_path.glob("jobrun-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())

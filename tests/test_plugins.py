@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runner_util import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_PATH = ROOT / "tests" / "plugin_pkg"
@@ -43,7 +44,7 @@ def jobrun(*args: str, plugin: bool = True, code: str | None = None) -> subproce
     paths = ([str(PLUGIN_PATH)] if plugin else []) + [str(ROOT), *inherited]
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "jobrun", *args]
     return subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
     )
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runner_util import HANG_S
 
 from jobrun.errors import Pos
 from jobrun.plans import ir
@@ -474,7 +475,7 @@ def test_deterministic() -> None:
 def _jobrun(*args: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "jobrun", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -505,7 +506,7 @@ def test_print_imports_neither_torch_nor_rich(tmp_path: Path) -> None:
         "heavy = sorted(m for m in ('torch', 'rich') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner_util import ckpt_values, jobrun, logged
+from runner_util import HANG_S, ckpt_values, jobrun, logged
 
 # Random draws, a shuffled reader and a model-free "training" loop: every kind of state
 # the runner must restore (node generator, global RNGs, reader position, blobs).
@@ -145,20 +145,26 @@ def test_kill_9_during_saves(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
 def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
     run = tmp_path / "run"
     proc = _start(plan, run)
-    deadline = time.time() + 60
+    deadline = time.time() + HANG_S
     while time.time() < deadline and not (run / "ckpt" / "local.1" / "rank-0" / "COMMIT").exists():
         time.sleep(0.05)
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == code, out
     assert f"stopped by {sig.name}" in out and "jobrun resume" in out
     assert "Traceback" not in out
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "interrupted"
+    # last_epoch: the last epoch that ran to its end (not the one running), whose
+    # checkpoint is the newest unless the signal came between its end and its save
+    newest = max(int(p.parent.parent.name.split(".")[1]) for p in (run / "ckpt").glob("local.*/rank-0/COMMIT"))
+    assert newest <= info["last_epoch"] <= newest + 1
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
     assert _final(run) == _final(reference)
@@ -480,7 +486,7 @@ def test_two_runners_cannot_share_a_run_dir(tmp_path):
     run = tmp_path / "run"
     proc = _start(plan, run)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + HANG_S
         while time.time() < deadline and not (run / "ckpt").exists():
             time.sleep(0.05)
         r = jobrun("resume", "--run-dir", run)

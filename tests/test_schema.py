@@ -12,6 +12,7 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
+from runner_util import HANG_S
 
 from jobrun.ops.registry import registry
 from jobrun.plans import keys as plan_keys
@@ -251,13 +252,13 @@ def test_every_op_is_a_step(schema: dict[str, Any]) -> None:
 
 def test_cli_schema_prints_a_valid_schema(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "jobrun", "schema"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     Draft202012Validator.check_schema(printed)
     assert printed == json.loads(json.dumps(plan_schema()))
     out = tmp_path / "plan.schema.json"
-    result = subprocess.run([*cmd, "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*cmd, "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text()) == printed
 
@@ -269,7 +270,7 @@ def test_schema_does_not_import_torch() -> None:
         "plan_schema()\n"
         "assert 'torch' not in sys.modules\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
 
 

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from runner_util import HANG_S
 
 from jobrun import signals
 from jobrun.errors import Interrupted
@@ -33,7 +34,7 @@ def test_a_signal_waits_for_the_agreement_then_its_grace_ends(monkeypatch):
     assert signals.request(signal.SIGINT) is False  # remembered, for the next agreement
     assert signals.requested() == signal.SIGINT and signals.flag() == 1.0
     assert signals.request(signal.SIGINT) is False  # a second Ctrl-C (the launcher's) within it
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while not fired and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fired == [signal.SIGINT]  # the grace is over: the handler runs again ...

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from runner_util import HANG_S
 from torch import nn
 
 from jobrun.errors import RunError
@@ -476,7 +477,7 @@ def _dp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _spawn(world: int, tmp_path: Path, timeout: float = 120.0) -> list[dict]:
+def _spawn(world: int, tmp_path: Path, timeout: float = HANG_S) -> list[dict]:
     import torch.multiprocessing as mp
 
     procs = mp.start_processes(

@@ -26,7 +26,7 @@ from jobrun.plans import ir, precision
 from jobrun.plans.compare import Kinds
 from jobrun.plans.flow import DEF, MAYBE, Changes, Definitions, Effect, Flow, Frame, Read, TaskCtx
 from jobrun.plans.signatures import Signatures
-from jobrun.plans.visit import Visitor
+from jobrun.plans.visit import Visitor, also_written, written
 
 _MAX_SUGGESTIONS = 50  # difflib is slow on huge name sets: bound the cost of hints
 
@@ -272,7 +272,7 @@ class _Analyzer(Visitor):
         for item in call.ins:
             if type(item) is ir.BlobRef:
                 self._read(item)
-        for out in call.outs:
+        for out in (*call.outs, *also_written(call)):
             self._write(out)
         self.call = None
         assert self.ctx is not None
@@ -462,10 +462,11 @@ class _Analyzer(Visitor):
         ]
         for code, what, ref in watched:
             if ref.name not in outputs:
+                makers = [t.name for t in plan.epoch.tasks if ref.name in written(t)]  # computed, not output
                 self._emit(
-                    "error", code, ref.pos,
-                    f"{what} {ref.name!r}, which is not an output of any epoch task",
-                    did_you_mean(ref.name, outputs)
+                    "error", code, ref.pos, f"{what} {ref.name!r}, which is not an output of any epoch task",
+                    f"add {ref.name!r} to the `outputs` of epoch task {makers[0]!r}, which computes it"
+                    if makers else did_you_mean(ref.name, outputs)
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
                 )
 

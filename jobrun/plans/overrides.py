@@ -238,8 +238,7 @@ class _Override:
             raise self.fail(
                 f"{where} has no {'key or ' if own else ''}step named {part!r}", at.pos,
                 _then(_close(part, [*names, *own], f"{where}.")
-                      or f"its steps: {', '.join(names) or 'none'} (by id or op name)",
-                      f"to add a new key, write +{'.'.join(self.parts)}={self.raw}" if own else ""),
+                      or f"its steps: {', '.join(names) or 'none'} (by id or op name)", ""),
             )
         if len(matches) > 1:
             shown = "; ".join(f"{'.'.join([*at.trail, *t, _op_name(m) if _step_kind(m) == 'op' else ''])}"
@@ -302,12 +301,16 @@ class _Override:
             return
         parent = self.path(at.depth)
         choices = [str(k) for k in at.node] + [k for k in known if k not in at.node]
-        hint = _close(part, choices, f"{parent}." if parent else "") or (
+        close = _close(part, choices, f"{parent}." if parent else "")
+        hint = close or (
             f"{parent or 'the plan'} has: {', '.join(choices)}" if choices else f"{parent} is empty"
         )
+        # `+` only where a new key can mean something: not for a near miss (max_epoch),
+        # nor in a mapping whose keys the plan format fixes.
+        adds = not close and at.kind not in _KNOWN and at.kind != "step"
         raise self.fail(
             f"{self.path(at.depth + 1)} does not exist in the plan", at.pos,
-            _then(hint, f"to add a new key, write +{'.'.join(self.parts)}={self.raw}"),
+            _then(hint, f"to add a new key, write +{'.'.join(self.parts)}={self.raw}" if adds else ""),
         )
 
     def known(self, at: _At) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from jobrun.errors import Pos, did_you_mean
-from jobrun.ops.spec import OpSpec
+from jobrun.ops.spec import OpSpec, arg
 from jobrun.plans import ir
 from jobrun.plans.keys import DURATION
 
@@ -79,6 +79,8 @@ class _SpecInfo:
 def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem | None:
     a = spec.arg(key)
     pos = call.pos_of(key)
+    if a is None and key in _PASSED_ON.get(call.op, {}):
+        a = arg(key, _PASSED_ON[call.op][key])  # passed on to torch, but only as this type
     if a is None:
         if spec.extra_args:
             return None
@@ -107,6 +109,10 @@ def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem |
 
 
 # -- argument types ------------------------------------------------------------------------
+
+# Keys an op passes on to a constructor whose type is known all the same: `vars.lr=abc`
+# is refused by analyze at the argument, not by torch after init.
+_PASSED_ON = {"optimizer": {"lr": "float", "momentum": "float", "weight_decay": "float"}}
 
 
 def _is_int(v: Any) -> bool:

@@ -25,6 +25,23 @@ def children(node: Any) -> tuple[tuple[ir.Step, ...], ...]:
     return ()
 
 
+def also_written(call: ir.OpCall) -> tuple[ir.BlobRef, ...]:
+    """What an op writes besides its outs: train.step's `<loss>_last`, the last step's
+    loss (after a loop, the loss itself holds the mean over the loop's steps)."""
+    if call.op == "train.step" and call.outs:
+        return (ir.BlobRef(call.outs[0].name + "_last", call.outs[0].pos),)
+    return ()
+
+
+def written(node: Any) -> set[str]:
+    """The blobs the ops in a node (a task, a step) write, at any depth."""
+    out = {o.name for o in (*node.outs, *also_written(node))} if isinstance(node, ir.OpCall) else set()
+    for block in children(node):
+        for step in block:
+            out |= written(step)
+    return out
+
+
 class Visitor:
     def visit(self, node: Any) -> Any:
         method = getattr(self, "visit_" + type(node).__name__, None)

@@ -47,7 +47,7 @@ from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
-from jobrun.plans.visit import Visitor
+from jobrun.plans.visit import Visitor, also_written, children
 from jobrun.runner.codegen import Handler, Source
 
 Thunk = Callable[[], Any]
@@ -245,6 +245,8 @@ class _Generator(Visitor):
         self.node = node
         self.ops = registry()
         self.reports = ""  # the `with reports()` variable of the block being written
+        # The innermost loop's train.step outputs: name -> (sum, count) variables.
+        self.means: dict[str, tuple[str, str]] | None = None
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
             "ctx": ctx, "G": g, "T": local, "results": _results,
@@ -311,6 +313,18 @@ class _Generator(Visitor):
             else:
                 code.line(f"r = {call}")
                 self._outputs(outs)
+                for extra in also_written(s):  # train.step's <loss>_last
+                    self._store(extra.name, "r")
+                if s.op == "train.step" and self.means and outs[0] in self.means:
+                    self._accumulate(outs[0])
+
+    def _accumulate(self, name: str) -> None:
+        """Sum a train.step loss over its loop without converting it (a device tensor
+        stays one: no sync per step); the loop's end stores the mean (visit_Loop)."""
+        code = self.code
+        total, count = self.means[name]
+        code.line(f"{total} = r if {count} == 0 else {total} + r")
+        code.line(f"{count} += 1")
 
     def _outputs(self, outs: list[str]) -> None:
         code = self.code
@@ -431,6 +445,10 @@ class _Generator(Visitor):
                 code.env[n] = s.count
             if s.count is None:
                 code.line(f"{i} = -1")
+            outer, self.means = self.means, {}
+            for name in _step_losses(s.body):
+                self.means[name] = (code.fresh("sum"), code.fresh("count"))
+                code.line(f"{self.means[name][1]} = 0")
             with code.loop("while True:" if s.count is None else f"for {i} in range({n}):"):
                 if s.count is None:
                     code.line(f"{i} += 1")
@@ -439,15 +457,28 @@ class _Generator(Visitor):
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
+            means, self.means = self.means, outer
+            self._store_means(means)
+
+    def _store_means(self, means: dict[str, tuple[str, str]]) -> None:
+        """After a loop of train.steps, its output holds the mean over the loop's steps
+        (Lightning's on_epoch loss: what the epoch line, log and outputs show);
+        `<name>_last` keeps the last step's value."""
+        code = self.code
+        for name, (total, count) in means.items():
+            with code.block(f"if {count}:"):
+                self._store(name, f"{total} / {count}")
 
     # -- concurrency ----------------------------------------------------------------------
     def visit_Parallel(self, s: ir.Parallel) -> None:
         code = self.code
         branches = []
+        outer, self.means = self.means, None  # a function of its own: no loop's sums here
         for b in s.branches:
             branches.append(code.fresh("branch", b.name or ""))
             with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
+        self.means = outer
         thunks = "".join(f"partial({b}, L), " for b in branches)
         call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
@@ -456,10 +487,25 @@ class _Generator(Visitor):
     def visit_Report(self, s: ir.Report) -> None:
         code = self.code
         body = code.fresh("report")
+        outer, self.means = self.means, None
         with code.function(body, "L"):
             self.visit_block(s.body)
+        self.means = outer
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
+
+
+def _step_losses(body: tuple[ir.Step, ...]) -> list[str]:
+    """The outputs of the train.steps a loop runs itself (not in a loop, parallel or
+    report of its own)."""
+    out: list[str] = []
+    for step in body:
+        if isinstance(step, ir.OpCall):
+            if step.op == "train.step" and step.outs and step.outs[0].name not in out:
+                out.append(step.outs[0].name)
+        elif not isinstance(step, ir.Loop | ir.Parallel | ir.Report):
+            out += [n for block in children(step) for n in _step_losses(block) if n not in out]
+    return out
 
 
 def _results(result: Any, n: int) -> tuple[Any, ...]:

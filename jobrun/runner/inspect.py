@@ -44,6 +44,12 @@ class _Run:
     def epoch(self, epoch: Epoch) -> int:
         if epoch == "best":
             return best_epoch(self.infos(), self.nodes, self.plan, str(self.path))
+        if epoch == "latest":  # as resume picks it, without reading the checksums
+            complete = store.complete_epochs(self.ckpt_dir, self.nodes) if self.ckpt_dir.is_dir() else []
+            if not complete:
+                raise CheckpointError(f"no complete checkpoint in {self.ckpt_dir}",
+                                      hint="`jobrun ckpt list` shows what is there")
+            return complete[-1]
         return int(epoch)
 
     @property
@@ -67,6 +73,11 @@ class _Run:
                      for r in range(store.read_manifest(self.ckpt_dir, node, epoch)["world_size"])]
             blobs = shards.whole(trees)
         return blobs
+
+
+def epoch_of(run_dir: str | None, epoch: Epoch) -> int:
+    """The epoch number ``epoch`` (N, latest or best) means in a run."""
+    return _Run(run_dir).epoch(epoch)
 
 
 # -- list ------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class JobRunner:
         self._writer: Writer | None = None
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
+        self.completed = 0  # the last epoch that ran to its end (run.json's last_epoch)
         self.ckpt_dir = self.run_dir.checkpoints
         self.watch = Watch(self.plan)  # early_stop and checkpoint.best
         # What checkpoints hold: per node, the blobs steps after init write or change.
@@ -197,7 +198,7 @@ class JobRunner:
             self._restarted(None)
             return False
         meta = self._restore(resume)
-        self.epoch = self._last_saved = resume  # the checkpoint it resumed from is the newest
+        self.epoch = self._last_saved = self.completed = resume  # the checkpoint it resumed from is the newest
         self._restarted(resume)
         early = self._restore_watch(meta)
         # The stop condition of this plan (a resume may have raised max_epochs), on the
@@ -214,6 +215,7 @@ class JobRunner:
                 tctx.epoch = epoch
         t0 = time.perf_counter()
         outputs = self._run_group("epoch")
+        self.completed = epoch
         early = self.watch.after_epoch(outputs, epoch)
         stop = self._should_stop(outputs, epoch) or early is not None
         result = EpochResult(epoch, outputs, time.perf_counter() - t0)
@@ -310,7 +312,7 @@ class JobRunner:
 
     def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
         if self.main_rank:
-            self.run_dir.record_end(status, error, last_epoch=self.epoch)
+            self.run_dir.record_end(status, error, last_epoch=self.completed)
 
     def _run_group(self, name: str) -> dict[str, dict[str, Any]]:
         self.group = name
@@ -501,7 +503,7 @@ class JobRunner:
             raise Interrupted(signum)
 
         signals.reset()
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in signals.SIGNALS}  # SIGUSR1: SLURM's warning
         try:
             yield
         finally:

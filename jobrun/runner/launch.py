@@ -23,15 +23,17 @@ from typing import Any
 
 import yaml
 
-from jobrun import __version__, store
+from jobrun import __version__, signals, store
 from jobrun.errors import PlanError, UsageError
 from jobrun.plans import ir
 from jobrun.plans.compile import compile_tree
+from jobrun.plans.keys import NODE_NAME
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
 from jobrun.runner.pick import pick_epoch, replicas_text
 from jobrun.runner.rundir import RunDir
+from jobrun.runner.runs import new_run_path
 from jobrun.runner.workers import Launch, device_for, start
 
 # -- entry points (called by the CLI) -------------------------------------------------------
@@ -42,15 +44,20 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     if under_torchrun():
         from jobrun.runner import hosts
 
+        _ready()
         return hosts.train(plan_path, run_dir, sets, replicas, device, overwrite, max_restarts)
-    plan, stored = compile_for_run(plan_path, sets, run_dir)
-    run = RunDir(Path(run_dir) if run_dir else Path("runs") / plan.job, plan)
+    rdir: list[Path] = []
+    plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir)
+    run = RunDir(rdir[0], plan)
     src = Path(plan_path).resolve()
+    run.check_can_train(run.checkpoints, overwrite)
+    _ready()  # everything above is refused in a fraction of a second, without torch
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
                     plan.max_restarts if max_restarts is None else max_restarts)
     device_for(launch.device, 1, select=False)  # refuse a device now, before writing anything
-    run.check_can_train(run.checkpoints, overwrite)
-    run.create()
+    run.create(new=run_dir is None)
+    if run_dir is None:
+        print(f"run directory {run.path}", file=sys.stderr)
     with run.lock(), run.lock_checkpoints(run.checkpoints):
         run.check_can_train(run.checkpoints, overwrite)
         if overwrite:
@@ -64,6 +71,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
     if under_torchrun():
         from jobrun.runner import hosts
 
+        _ready()
         return hosts.resume(run_dir, epoch, sets, replicas, max_restarts, force)
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     run.info()  # a directory that is not a run is refused before anything is written
@@ -76,6 +84,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         epoch = best_or(epoch, ckpt_dir, plan, run)
         if already_finished(run, epoch, changes):
             return 0
+        _ready()
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, 1, select=False)
@@ -91,16 +100,35 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
 # -- shared by both ways of starting --------------------------------------------------------
 
 
+def _ready() -> None:
+    """The checks that need no torch are done: import it (a signal still ends the process
+    at once), then a signal raises Interrupted as everywhere else."""
+    signals.import_torch()
+    signals.interruptible()
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None):
+def compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None,
+                    new_run: list[Path] | None = None):
+    """The plan to train, refused with its errors, and the tree to store. ``new_run``: a
+    list to put the run directory in; without --run-dir that is a new runs/<job>/<N>
+    (without ``new_run``, as under torchrun where every rank must name the same one:
+    runs/<job>)."""
     tree = load_file(plan_path)
     apply_sets(tree, sets)
     stored = to_plain(tree)
     job = tree.get("job")
-    rdir = Path(run_dir) if run_dir else Path("runs") / str(job)
+    if run_dir:
+        rdir = Path(run_dir)
+    elif new_run is not None and isinstance(job, str) and NODE_NAME.match(job) and ".." not in job:
+        rdir = new_run_path(job)
+    else:
+        rdir = Path("runs") / str(job)  # a bad job name is refused by compile_tree below
+    if new_run is not None:
+        new_run.append(rdir)
     plan = compile_tree(tree, plan_path, (), run_dir=str(rdir.resolve()),
                         plan_dir=str(Path(plan_path).resolve().parent))
     refuse_errors(plan)

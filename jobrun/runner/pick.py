@@ -62,7 +62,7 @@ def _refuse_world(epoch: int, saved: int, replicas: int) -> CheckpointError:
     return CheckpointError(
         f"checkpoint epoch {epoch} was written by {replicas_text(saved)}; this run has {replicas}",
         hint=f"resume with {replicas_text(saved)} (--replicas {saved}), or give --replicas {replicas} "
-             f"to go on with {replicas} (the README says what a change of replicas preserves)")
+             f"to go on with {replicas} (docs/multi-host.md says what a change of replicas preserves)")
 
 
 def _no_checkpoint(ckpt_dir: Path) -> CheckpointError:

@@ -65,19 +65,10 @@ class RunDir:
 
     @classmethod
     def latest(cls, root: Path = Path("runs")) -> RunDir:
-        """The most recently started run under ./runs (by run.json's `started`)."""
-        candidates = []
-        if root.is_dir():
-            for d in root.iterdir():
-                try:
-                    started = float(RunDir(d).info().started or 0)
-                except JobrunError:
-                    continue
-                candidates.append((started, str(d)))
-        if not candidates:
-            raise UsageError(f"no runs under {root}/ to resume",
-                             hint="give --run-dir DIR, or start one with `jobrun train`")
-        return cls(Path(max(candidates)[1]))
+        """The run started (or resumed) last under ./runs (:mod:`jobrun.runner.runs`)."""
+        from jobrun.runner.runs import latest
+
+        return latest(root)
 
     # -- paths -------------------------------------------------------------------------
     @property
@@ -107,14 +98,13 @@ class RunDir:
         return p if p.is_absolute() else self.path / p
 
     def resume_command(self) -> str:
-        """The command that continues this run (with --run-dir unless it is the default
-        run a bare `jobrun resume` would pick)."""
-        default = Path("runs") / self.plan().job
+        """The command that continues this run (naming it unless it is the latest run,
+        which a bare `jobrun resume` picks)."""
         try:
-            same = self.path.resolve() == default.resolve() and RunDir.latest().path.resolve() == default.resolve()
+            same = RunDir.latest().path.resolve() == self.path.resolve()
         except (JobrunError, OSError):
             same = False
-        return "jobrun resume" if same else f"jobrun resume --run-dir {self.path}"
+        return "jobrun resume" if same else f"jobrun resume {self.path}"
 
     def under(self, path: str) -> Path:
         """A path a plan gives, relative to this run directory unless absolute."""
@@ -144,7 +134,7 @@ class RunDir:
                                  hint="start one with `jobrun train PLAN --run-dir DIR`") from None
             raise UsageError(
                 f"{self.path} is not a jobrun run directory (no {RUN_FILE})",
-                hint="give the directory `jobrun train` created (runs/<job> by default)",
+                hint="give the directory `jobrun train` created (runs/<job>/<N> by default)",
             ) from None
         except OSError as e:
             raise UsageError(f"cannot read {self.info_file}: {e.strerror or e}") from None
@@ -286,7 +276,7 @@ class RunDir:
         directory without checkpoints (``overwrite``: with them; :meth:`clear` removes
         them). ``checkpoint_dir``: where the new plan writes its checkpoints, which must
         hold none either (it may lie outside the run directory)."""
-        hint_resume = (f"continue it with `jobrun resume --run-dir {self.path}`, replace it with "
+        hint_resume = (f"continue it with `jobrun resume {self.path}`, replace it with "
                        "`jobrun train --overwrite`, or choose another --run-dir")
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"--run-dir {self.path} is not a directory", hint="choose another --run-dir")
@@ -341,9 +331,14 @@ class RunDir:
         found = _holds_checkpoints(self.path, depth=3)
         return str(found.relative_to(self.path)) if found else None
 
-    def create(self) -> None:
+    def create(self, new: bool = False) -> None:
+        """``new``: the directory must not exist yet (a new numbered run, which two
+        `train` started at once could both have picked)."""
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True, exist_ok=not new)
+        except FileExistsError:
+            raise UsageError(f"another `jobrun train` made {self.path} at the same moment",
+                             hint="run the command again: it takes the next number") from None
         except OSError as e:
             raise _write_error(self.path, e) from None
 

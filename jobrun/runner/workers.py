@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -90,7 +91,7 @@ def _elastic(launch: Launch) -> int:
         monitor_interval=0.2, start_method="spawn", shutdown_timeout=5,
     )
     try:
-        with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log):
+        with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), _usr1_as_term():
             results = elastic_launch(config, worker)(launch)
     except ChildFailedError as e:
         rank, failure = _culprit(e.failures)
@@ -108,7 +109,7 @@ def _elastic(launch: Launch) -> int:
         error = RunError(
             f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}{tried}",
             hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
-                 f"`jobrun resume --run-dir {launch.run_dir}`",
+                 f"`jobrun resume {launch.run_dir}`",
         )
         RunDir(launch.run_dir).record_end("failed", error, keep_ended=True)
         raise error from None
@@ -270,6 +271,21 @@ def _error_file(text: str) -> None:
         safefs.write_atomic(Path(path), json.dumps(data).encode())
 
 
+@contextmanager
+def _usr1_as_term() -> Iterator[None]:
+    """SIGUSR1 (SLURM's warning before it stops a job) reaches the launcher alone; torch's
+    agent forwards SIGTERM to the ranks, not SIGUSR1, so it becomes a SIGTERM here: the
+    ranks stop together after a checkpoint and the job exits 143."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
 def _own_session() -> None:
     """Put this spawned worker in a session of its own, as torchrun's workers are.
 
@@ -363,7 +379,7 @@ def _await_stop(launch: Launch) -> None:
     def leave(signum: int, frame: Any) -> None:
         _leave(launch, 128 + signum)
 
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in signals.SIGNALS:
         signal.signal(s, leave)
     time.sleep(PEER_LOST_WAIT_S)
 

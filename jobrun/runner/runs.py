@@ -1,0 +1,177 @@
+"""Which run directory a command means: a new one per `train`, the latest for the others,
+and `jobrun runs`, the list of them.
+
+    runs/<job>/<N>/   the N-th run of a job, N = 1 + the highest there (Lightning's
+                      version_N): each `train` without --run-dir makes a new one, so
+                      re-running a plan with other overrides never meets a finished run
+    latest            the run under ./runs started (or resumed) last, by run.json's
+                      `started`: every command that takes a run directory defaults to it
+
+Numbers rather than dates: `runs/mlp/3` is short to type and to say, sorts as it was
+made, and two runs in one second cannot collide. A run directory of the old layout
+(runs/<job> itself a run, or any --run-dir under ./runs) is found and listed as well;
+when runs/<job> is such a run, new runs go next to it as runs/<job>-<N>. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobrun import safefs
+from jobrun.errors import JobrunError, UsageError
+from jobrun.runner.rundir import RUN_FILE, RunDir
+
+ROOT = Path("runs")
+MAX_METRICS_BYTES = 1 << 30
+
+
+def new_run_path(job: str, root: Path = ROOT) -> Path:
+    """Where the next run of ``job`` goes (not created yet): runs/<job>/<N>."""
+    home = root / job
+    parent, prefix = (root, f"{job}-") if (home / RUN_FILE).exists() else (home, "")
+    pattern = re.compile(re.escape(prefix) + r"(\d{1,9})")
+    taken = [int(m.group(1)) for name in _names(parent) if (m := pattern.fullmatch(name))]
+    return parent / f"{prefix}{max(taken, default=0) + 1}"
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(path)]
+    except OSError:
+        return []
+
+
+def find_runs(root: Path = ROOT) -> list[RunDir]:
+    """Every run directory under ``root`` (one or two levels down), oldest start first."""
+    found: list[tuple[float, str, RunDir]] = []
+    for first in sorted(_names(root)):
+        d = root / first
+        for path in [d, *(d / n for n in sorted(_names(d)))]:
+            if not path.is_dir() or path.is_symlink():
+                continue
+            run = RunDir(path)
+            try:
+                started = float(run.info().started or 0)
+            except (JobrunError, TypeError, ValueError):
+                continue
+            found.append((started, str(path), run))
+    return [run for _, _, run in sorted(found, key=lambda t: (t[0], t[1]))]
+
+
+def latest(root: Path = ROOT) -> RunDir:
+    """The run started (or resumed) last under ``root``."""
+    runs = find_runs(root)
+    if not runs:
+        raise UsageError(f"no runs under {root}/", hint="start one with `jobrun train PLAN`, "
+                         "or give the run directory (e.g. `jobrun resume path/to/run`)")
+    return runs[-1]
+
+
+def pick(run_dir: str | None, say: bool = True) -> Path:
+    """The run directory a command works on: the one given, else the latest (named on
+    stderr, so that the user sees which one it picked)."""
+    if run_dir is not None:
+        return Path(run_dir)
+    path = latest().path
+    if say:
+        import click
+
+        click.echo(f"run {path} (the latest; give a run directory to pick another)", err=True)
+    return path
+
+
+# -- jobrun runs --------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    path: str
+    job: str
+    status: str
+    epochs: int | None
+    monitor: str | None
+    best: float | None
+    best_epoch: int | None
+    started: float | None
+    overrides: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def summarize(run: RunDir) -> Summary:
+    info = run.info()
+    monitor, mode = _monitor(run)
+    best = best_epoch = None
+    if monitor is not None:
+        for epoch, value in _values(run, monitor):
+            if best is None or (value < best if mode == "min" else value > best):
+                best, best_epoch = value, epoch
+    # run.json is checked by its schema (records_schema.RUN_INFO): the fields have their types.
+    return Summary(str(run.path), str(info.job), str(info.status or "?"), info.last_epoch,
+                   monitor, best, best_epoch,
+                   None if info.started is None else float(info.started), list(info.sets or []))
+
+
+def _monitor(run: RunDir) -> tuple[str | None, str]:
+    """The output the plan watches (checkpoint.best, else early_stop), and its mode; the
+    stored plan is read as YAML, not compiled (a listing must not fail on one plan)."""
+    try:
+        tree = yaml.safe_load(safefs.read_bounded(run.plan_file, 1 << 24))
+    except (OSError, yaml.YAMLError):
+        return None, "min"
+    if not isinstance(tree, dict):
+        return None, "min"
+    ck = tree.get("checkpoint")
+    for spec in ((ck or {}).get("best") if isinstance(ck, dict) else None, tree.get("early_stop")):
+        if isinstance(spec, dict) and isinstance(spec.get("monitor"), str):
+            return spec["monitor"], "max" if spec.get("mode") == "max" else "min"
+    return None, "min"
+
+
+def _values(run: RunDir, name: str) -> list[tuple[int, float]]:
+    """(epoch, value) of an epoch-task output, from the run's metrics.jsonl."""
+    try:
+        data = safefs.read_bounded(run.metrics_file, MAX_METRICS_BYTES)
+    except OSError:
+        return []
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or record.get("event") != "epoch":
+            continue
+        for outputs in (record.get("outputs") or {}).values():
+            value = outputs.get(name) if isinstance(outputs, dict) else None
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                out.append((int(record.get("epoch", 0)), float(value)))
+    return out
+
+
+def runs_text(as_json: bool, root: Path = ROOT) -> str:
+    summaries = [summarize(run) for run in find_runs(root)]
+    if as_json:
+        return json.dumps([s.to_json() for s in summaries], indent=2)
+    if not summaries:
+        return f"no runs under {root}/ (start one with `jobrun train PLAN`)"
+    rows = [("RUN", "JOB", "STATUS", "EPOCHS", "BEST", "STARTED", "OVERRIDES")]
+    for s in summaries:
+        best = "-" if s.best is None else f"{s.monitor}={s.best:.4g} (epoch {s.best_epoch})"
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.started)) if s.started else "-"
+        rows.append((s.path, s.job, s.status, "-" if s.epochs is None else str(s.epochs), best, started,
+                     " ".join(s.overrides) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1]
+                     for r in rows)

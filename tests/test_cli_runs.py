@@ -1,0 +1,326 @@
+"""A user's day with the commands: a run per experiment, one way to name a run, failing
+fast (before torch is imported), and hints that name options the commands have."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from runner_util import jobrun
+
+from jobrun.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PLAN = """\
+job: counter
+max_epochs: 2
+vars: {lr: 0.1}
+checkpoint: {dir: ckpt, best: {monitor: total, mode: max}}
+init:
+  - task: setup
+    do:
+      - model.mlp: {out: model, sizes: [2, 2]}
+      - optimizer: {in: model, out: opt, lr: "${lr}"}
+      - const: {out: total, value: 0}
+epoch:
+  - task: count
+    do:
+      - add: {in: [total, 1], out: total}
+      - log: {in: [total]}
+    outputs: [total]
+"""
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# -- fail fast -------------------------------------------------------------------------------
+
+
+def _train_without_torch(cwd: Path, *args: str, command: str = "train") -> tuple[int, str, bool]:
+    """`jobrun train ARGS` in a fresh interpreter: exit code, stderr, whether torch was imported."""
+    code = (
+        "import sys\nfrom jobrun.cli import main\n"
+        f"try:\n    main({[command, *args]!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('torch' in sys.modules, code)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    imported, exit_code = p.stdout.split()
+    return int(exit_code), p.stderr, imported == "True"
+
+
+def test_train_refuses_a_misspelt_op_before_importing_torch(here):
+    (here / "bad.yaml").write_text(PLAN.replace("- add:", "- addd:"))
+    code, err, imported = _train_without_torch(here, "bad.yaml")
+    assert code == 2 and "bad.yaml:14:" in err and "unknown op 'addd'" in err and "did you mean 'add'" in err
+    assert not imported
+    assert not (here / "runs").exists()
+
+
+def test_an_override_of_the_wrong_type_is_refused_before_torch(here):
+    code, err, imported = _train_without_torch(here, "plan.yaml", "vars.lr=abc")
+    assert code == 2 and not imported
+    assert "plan.yaml:9:" in err and "argument `lr` of `optimizer` is 'abc'; expected a number" in err
+    assert not (here / "runs").exists()
+    r = jobrun("analyze", "plan.yaml", "vars.lr=abc")
+    assert r.code == 1 and "plan.yaml:9:" in r.out and "expected a number" in r.out
+    assert jobrun("analyze", "plan.yaml", "vars.lr=0.5").code == 0
+
+
+def test_an_occupied_run_dir_is_refused_before_torch(here):
+    assert jobrun("train", "plan.yaml", "--run-dir", "mine").code == 0
+    code, err, imported = _train_without_torch(here, "plan.yaml", "--run-dir", "mine")
+    assert code == 2 and not imported
+    assert "already holds checkpoints" in err and "jobrun resume mine" in err
+
+
+def test_resume_refuses_a_bad_override_or_run_before_torch(here):
+    assert jobrun("train", "plan.yaml").code == 0
+    code, err, imported = _train_without_torch(here, "runs/counter/1", "vars.lr=abc", command="resume")
+    assert code == 2 and not imported and "expected a number" in err
+    code, err, imported = _train_without_torch(here, "runs/counter/9", command="resume")
+    assert code == 2 and not imported and "there is no run in runs/counter/9" in err
+
+
+# -- a run per experiment --------------------------------------------------------------------
+
+
+def test_each_train_makes_a_new_run_and_commands_default_to_the_latest(here):
+    first = jobrun("train", "plan.yaml")
+    assert first.code == 0, first.text
+    assert "run directory runs/counter/1" in first.err
+    second = jobrun("train", "plan.yaml", "max_epochs=3")
+    assert second.code == 0, second.text
+    assert "run directory runs/counter/2" in second.err
+    assert json.loads((here / "runs/counter/1/run.json").read_text())["last_epoch"] == 2
+
+    listed = json.loads(jobrun("runs", "--json").out)
+    assert [(r["path"], r["status"], r["epochs"], r["overrides"]) for r in listed] == [
+        ("runs/counter/1", "finished", 2, []), ("runs/counter/2", "finished", 3, ["max_epochs=3"])]
+    assert [(r["monitor"], r["best"], r["best_epoch"]) for r in listed] == [("total", 2, 2), ("total", 3, 3)]
+    table = jobrun("runs").out
+    assert "runs/counter/2" in table and "total=3 (epoch 3)" in table and "max_epochs=3" in table
+
+    shown = jobrun("ckpt", "show", "--blob", "total", "--json")
+    assert "run runs/counter/2 (the latest" in shown.err
+    assert json.loads(shown.out)["epoch"] == 3  # --epoch latest is the default
+    older = jobrun("ckpt", "show", "runs/counter/1", "--blob", "total", "--json")
+    assert json.loads(older.out)["nodes"]["local"]["total"] == 2
+
+    resumed = jobrun("resume", "runs/counter/1", "max_epochs=4")
+    assert resumed.code == 0, resumed.text
+    assert json.loads((here / "runs/counter/1/run.json").read_text())["last_epoch"] == 4
+    again = jobrun("resume")  # the run resumed last is the latest now
+    assert again.code == 0 and "run runs/counter/1 (the latest" in again.err and "already finished" in again.out
+
+
+def test_run_dir_keeps_its_meaning(here):
+    assert jobrun("train", "plan.yaml", "--run-dir", "mine").code == 0
+    r = jobrun("train", "plan.yaml", "--run-dir", "mine")
+    assert r.code == 2 and "already holds checkpoints" in r.err
+    assert not (here / "runs").exists()
+
+
+def test_ckpt_verify_finds_a_damaged_file(here):
+    assert jobrun("train", "plan.yaml").code == 0
+    assert jobrun("ckpt", "verify").code == 0
+    data = sorted((here / "runs/counter/1/ckpt/local.1/rank-0").glob("*.bin")) \
+        or sorted(p for p in (here / "runs/counter/1/ckpt/local.1/rank-0").rglob("*") if p.is_file()
+                  and p.name not in ("COMMIT", "manifest.json", "meta.json"))
+    blob = max(data, key=lambda p: p.stat().st_size)
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0xFF
+    blob.write_bytes(bytes(raw))
+    r = jobrun("ckpt", "verify", "runs/counter/1", "--json")
+    assert r.code == 1
+    damaged = [(c["epoch"], c["valid"]) for c in json.loads(r.out)["checked"]]
+    assert damaged == [(0, True), (1, False), (2, True)]
+    assert jobrun("ckpt", "verify", "--epoch", "2").code == 0
+
+
+def test_export_takes_the_latest_epoch_by_default(here):
+    assert jobrun("train", "plan.yaml").code == 0
+    r = jobrun("export", "--blob", "total", "-o", "t.json")
+    assert r.code == 0, r.text
+    assert json.loads((here / "t.json").read_text())["total"] == 2
+
+
+def test_no_runs_hint_names_real_commands(here):
+    r = jobrun("ckpt", "list")
+    assert r.code == 2 and "no runs under runs/" in r.err and "--run-dir" not in r.err
+
+
+def test_analyze_and_print_take_json(here):
+    a, b = jobrun("analyze", "plan.yaml", "--json"), jobrun("analyze", "plan.yaml", "--format", "json")
+    assert a.code == b.code == 0 and json.loads(a.out) == json.loads(b.out)
+    assert json.loads(jobrun("print", "plan.yaml", "--json").out) == json.loads(
+        jobrun("print", "plan.yaml", "--format", "json").out)
+
+
+# -- hints name options that exist -----------------------------------------------------------
+
+
+def _commands() -> dict[str, set[str]]:
+    """Every command path ("ckpt list") and the options it takes."""
+    out: dict[str, set[str]] = {}
+
+    def walk(cmd: click.Command, path: str) -> None:
+        out[path] = {o for p in cmd.params for o in getattr(p, "opts", []) if o.startswith("-")}
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
+
+    walk(main, "")
+    return out
+
+
+def _strings() -> list[tuple[str, str]]:
+    """(where, text) of every string constant and f-string in jobrun/."""
+    found = []
+    for path in sorted((ROOT / "jobrun").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append((f"{path.relative_to(ROOT)}:{node.lineno}", node.value))
+            elif isinstance(node, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "X" for v in node.values)
+                found.append((f"{path.relative_to(ROOT)}:{node.lineno}", text))
+    return found
+
+
+_COMMAND = re.compile(r"`jobrun ([a-z][a-z ]*?)((?: [^`]*)?)`")
+
+
+def test_every_hint_names_options_its_command_has():
+    commands = _commands()
+    every = set().union(*commands.values())
+    checked, wrong = 0, []
+    for where, text in _strings():
+        for m in _COMMAND.finditer(text):
+            words = m.group(1).split()
+            path = " ".join(words[:2]) if " ".join(words[:2]) in commands else words[0]
+            if path not in commands:
+                wrong.append(f"{where}: `jobrun {m.group(1)}` is no command")
+                continue
+            for opt in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", m.group(2)):
+                checked += 1
+                if opt not in commands[path]:
+                    wrong.append(f"{where}: `jobrun {path}` has no option {opt}")
+        for opt in re.findall(r"(?:give|use|with|or) (--[a-z][a-z-]+)", text):
+            checked += 1
+            if opt not in every:
+                wrong.append(f"{where}: no command has {opt}")
+    assert checked > 10
+    assert not wrong, "\n".join(wrong)
+
+
+# -- the epoch's mean loss -------------------------------------------------------------------
+
+MEAN_PLAN = """\
+job: mean
+seed: 0
+max_epochs: 2
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 4, classes: 2, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 16, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.5}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+          - log: {in: [loss_last], msg: step}
+      - log: {in: [loss, loss_last], msg: epoch}
+    outputs: [loss]
+"""
+
+
+def test_the_epoch_shows_the_mean_loss_of_its_steps(tmp_path, monkeypatch):
+    from runner_util import logged
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.yaml").write_text(MEAN_PLAN)
+    assert jobrun("analyze", "plan.yaml").code == 0  # loss_last is known to analyze
+    r = jobrun("train", "plan.yaml", "--run-dir", "run")
+    assert r.code == 0, r.text
+    steps, epochs = logged(tmp_path / "run", "step"), logged(tmp_path / "run", "epoch")
+    assert len(steps) == 12 and len(epochs) == 2
+    for e in (1, 2):
+        values = [s["loss_last"] for s in steps if s["_epoch"] == e]
+        end = next(x for x in epochs if x["_epoch"] == e)
+        assert len(values) == 6 and len(set(values)) == 6
+        assert end["loss"] == pytest.approx(sum(values) / 6, rel=1e-6)
+        assert end["loss_last"] == values[-1]
+        line = next(x for x in r.out.splitlines() if x.startswith(f"epoch {e}/2 "))
+        assert float(re.search(r" loss=(\S+)", line).group(1)) == pytest.approx(end["loss"], rel=1e-3)
+    outputs = [json.loads(line)["outputs"]["train"]["loss"] for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"event": "epoch"' in line]
+    assert outputs == [pytest.approx(x["loss"], abs=1e-6) for x in epochs]
+
+
+def test_monitoring_a_computed_value_says_to_add_it_to_the_outputs(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(MEAN_PLAN.replace("max_epochs: 2", "max_epochs: 2\nearly_stop: {monitor: loss_last}"))
+    r = jobrun("analyze", plan)
+    assert r.code == 1
+    assert "early_stop monitors 'loss_last', which is not an output of any epoch task" in r.out
+    assert "add 'loss_last' to the `outputs` of epoch task 'train', which computes it" in r.out
+    assert "did you mean" not in r.out
+
+
+# -- small things ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_files_jobrun_writes_follow_the_umask(tmp_path, umask, mode):
+    from jobrun import safefs
+
+    old = os.umask(umask)
+    try:
+        safefs.write_atomic(tmp_path / "a.json", b"{}")
+        os.close(safefs.open_write(tmp_path / "b.log", append=True))
+    finally:
+        os.umask(old)
+    assert [(tmp_path / n).stat().st_mode & 0o777 for n in ("a.json", "b.log")] == [mode, mode]
+
+
+def test_new_copies_only_what_the_example_uses(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert jobrun("new", "shapes", "--from", "cnn").code == 0
+    files = sorted(str(p.relative_to(tmp_path / "shapes")) for p in (tmp_path / "shapes").rglob("*") if p.is_file())
+    assert files == ["data/make_shapes.py", "data/shapes.npz", "plan.yaml"]
+    text = (tmp_path / "shapes" / "plan.yaml").read_text()
+    assert "plans/" not in text and "shapes/data/shapes.npz" in text
+    assert jobrun("new", "lm", "--from", "charlm").code == 0
+    files = sorted(str(p.relative_to(tmp_path / "lm")) for p in (tmp_path / "lm").rglob("*") if p.is_file())
+    assert files == ["data/tiny.txt", "models/__init__.py", "models/charlm.py", "plan.yaml"]
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("max_epoch=3", "did you mean 'max_epochs' or 'epoch'?"),
+    ("vars.lrr=3", "did you mean 'vars.lr'?"),
+    ("checkpoint.kep=2", "did you mean 'checkpoint.keep'?"),
+])
+def test_override_hints_do_not_offer_to_add_a_misspelt_key(here, override, hint):
+    r = jobrun("analyze", "plan.yaml", override)
+    assert r.code == 2 and f"hint: {hint}" in r.err and "+" not in r.err.split("hint:")[1]
+    added = jobrun("analyze", "plan.yaml", "vars.warmup=3")
+    assert added.code == 2 and "write +vars.warmup=3" in added.err
