@@ -44,7 +44,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
-from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
+from jobrun.ops.reader import Reader, _as_int, _check_int, _mix, mark_records
 
 LOADING_DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
@@ -280,7 +280,10 @@ class DatasetReader(Reader):
         stop = min(start + self.batch_size, end)
         self.position = stop
         lo, hi = self.rank_part(start, stop)
-        return (*self._fields(batch, empty=lo == hi), False)
+        fields = self._fields(batch, empty=lo == hi)
+        if self.world_size > 1 and self.batch_size > 1:
+            mark_records(fields, stop - start)
+        return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         if self._eval_loader is None:

@@ -18,7 +18,7 @@ from torch import nn
 from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
-from jobrun.ops.dist import broadcast_tensors
+from jobrun.ops.dist import broadcast_tensors, replicate_module
 from jobrun.ops.imports import resolve
 
 
@@ -44,6 +44,8 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
             from jobrun.ops.fsdp import shard
 
             shard(module, ctx.fsdp_layers, ctx.fsdp_amp)
+        elif any(p.requires_grad for p in module.parameters()):
+            replicate_module(ctx, module)  # torch's DDP: gradients all-reduced in the backward
     return module
 
 

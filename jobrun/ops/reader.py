@@ -63,6 +63,25 @@ def _rank_bounds(length: int, rank: int, world: int) -> tuple[int, int]:
     return lo, lo + base + (1 if rank < extra else 0)
 
 
+_RECORDS = "_jobrun_records"
+
+
+def mark_records(fields: tuple[Any, ...], records: int) -> tuple[Any, ...]:
+    """Tag the tensors of a rank's part of a global batch with the records of the whole
+    batch (all ranks together): every rank knows them from the split, so `train.step`
+    weights its loss by its share without a collective to count them."""
+    for f in fields:
+        if isinstance(f, torch.Tensor):
+            setattr(f, _RECORDS, records)
+    return fields
+
+
+def global_records(t: Any) -> int | None:
+    """The records of the global batch a tensor is a rank's part of (see
+    :func:`mark_records`); None for a tensor a reader did not split."""
+    return getattr(t, _RECORDS, None)
+
+
 class Reader:
     """What every reader shares: a position in passes over `length` records, read in
     global batches; see the module docstring. Subclasses say how records are fetched
@@ -263,7 +282,10 @@ class TensorReader(Reader):
             if len(fields) == 2:
                 return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
             return (*self._select(idx), False)
-        return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
+        fields = self._take(start, stop, self._pass_order() if self.shuffle else None)
+        if self.world_size > 1 and self.batch_size > 1:
+            mark_records(fields, stop - start)
+        return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         for start in range(0, self.pass_end, self.batch_size):
