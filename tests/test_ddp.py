@@ -49,9 +49,6 @@ epoch:
       - log: {in: [loss_d, loss_g]}
 """
 
-pytestmark = pytest.mark.slow
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
@@ -62,6 +59,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_a_gan_step_written_as_a_call_trains_the_same_models_on_two_replicas(runs):
     """Its backwards go through DDP's hooks: without them the replicas drift apart."""
     one, two = ckpt_values(runs / "r1", 2), ckpt_values(runs / "r2", 2)
@@ -79,6 +77,7 @@ def test_a_gan_step_written_as_a_call_trains_the_same_models_on_two_replicas(run
     assert len(got1) == len(got2) == 2 and all(close(a, b, 1e-5) for a, b in zip(got1, got2))
 
 
+@pytest.mark.slow
 def test_training_steps_read_no_tensor_value_to_the_host(runs):
     """train.step leaves its loss on the device; the loop reads nothing (the uneven last
     batch's weights come from the reader's split, the stop flags through CPU memory)."""
@@ -87,3 +86,91 @@ def test_training_steps_read_no_tensor_value_to_the_host(runs):
         assert [r["reads"] for r in rows] == [0, 0], run
         assert rows[1]["between"] > 0  # the counter counts: epoch 1's log and epoch line read
 
+
+# -- devices ---------------------------------------------------------------------------
+
+
+def test_one_gpu_for_every_replica_is_refused_before_anything_is_written(tmp_path):
+    from runner_util import jobrun
+
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+               "--device", "cuda:1")
+    assert r.code == 2, r.text
+    assert "device 'cuda:1' names one GPU, but 2 replicas each need their own" in r.err
+    assert "use device cuda" in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cuda,mps,world,local,expect", [
+    (True, True, 1, 0, "cuda"), (False, True, 1, 0, "mps"), (False, False, 1, 0, "cpu"),
+    (True, False, 2, 1, "cuda:1"),  # auto with replicas: each rank of a host its own GPU
+])
+def test_devices_auto_picks_cuda_then_mps_then_cpu_and_ranks_get_their_own_gpu(
+        monkeypatch, cuda, mps, world, local, expect):
+    import torch
+
+    from jobrun.runner.workers import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    assert device_for("auto", world) == expect
+
+
+def test_more_ranks_on_a_host_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from jobrun.errors import UsageError
+    from jobrun.runner.workers import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(UsageError, match="rank 2 of this host has no GPU of its own: it has 2"):
+        device_for("cuda", 3, select=False)
+
+
+# -- torch.compile -------------------------------------------------------------------
+
+
+COMPILED = """
+job: compiled
+seed: 1
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 32, features: 4, classes: 3}
+      - reader: {in: [x, y], out: data, batch_size: 8, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 3], compile: COMPILE}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: 4
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: data, out: [xb, yb, end]}}]
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - log: {in: [loss]}
+"""
+
+
+def test_a_compiled_model_trains_as_the_plain_one_and_is_saved_once(tmp_path):
+    from runner_util import jobrun
+
+    runs = {}
+    for flag in ("true", "false"):
+        plan = tmp_path / f"{flag}.yaml"
+        plan.write_text(COMPILED.replace("COMPILE", flag))
+        r = jobrun("train", plan, "--run-dir", tmp_path / flag)
+        assert r.code == 0, r.text
+        runs[flag] = ckpt_values(tmp_path / flag, 2)["model"]["state"]
+    assert runs["true"].keys() == runs["false"].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for key in runs["true"]:
+        assert close(runs["true"][key], runs["false"][key], 1e-5), key

@@ -35,7 +35,11 @@ def _seeded(ctx: OpContext) -> Iterator[None]:
         yield
 
 
-def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
+def _place_module(ctx: OpContext, module: nn.Module, compile: bool = False) -> nn.Module:
+    """The module on the run's device, identical on every rank, made data parallel
+    (ddp) or sharded (fsdp) with replicas; with ``compile``, its forward compiled by
+    torch.compile in place (``nn.Module.compile``: no ``OptimizedModule`` wrapper, so the
+    state dict and checkpoints keep the module's own keys, each weight once)."""
     module = module.to(ctx.device)
     if ctx.distributed:  # cheap insurance: parameters start identical on every rank
         with torch.no_grad():
@@ -46,6 +50,8 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
             shard(module, ctx.fsdp_layers, ctx.fsdp_amp)
         elif any(p.requires_grad for p in module.parameters()):
             replicate_module(ctx, module)  # torch's DDP: gradients all-reduced in the backward
+    if compile:
+        module.compile()
     return module
 
 
@@ -86,11 +92,15 @@ def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leadin
         ) from e
 
 
-def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None, **kwargs: Any):
+def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None, compile: bool = False,
+          **kwargs: Any):
     """`build`: inputs... -> obj. Seeded like model.mlp, so identical on every rank."""
     with _seeded(ctx):
         obj = _instantiate("build", target, args or [], kwargs, leading=inputs)
-    return _place_module(ctx, obj) if isinstance(obj, nn.Module) else obj
+    if compile and not isinstance(obj, nn.Module):
+        raise RunError(f"build: compile applies to modules; {target} made a {type(obj).__name__}",
+                       hint="drop `compile: true`, or build an nn.Module")
+    return _place_module(ctx, obj, compile) if isinstance(obj, nn.Module) else obj
 
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -101,7 +111,8 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
 
 
 def model_mlp(
-    ctx: OpContext, *, sizes: list[int], activation: str = "relu", dropout: float = 0.0
+    ctx: OpContext, *, sizes: list[int], activation: str = "relu", dropout: float = 0.0,
+    compile: bool = False,
 ) -> nn.Module:
     """`model.mlp`: an nn.Sequential of Linear layers, activation (+ dropout) between."""
     if not isinstance(sizes, list | tuple) or len(sizes) < 2:
@@ -124,7 +135,7 @@ def model_mlp(
                 if dropout > 0:
                     layers.append(nn.Dropout(dropout))
         model = nn.Sequential(*layers)
-    return _place_module(ctx, model)
+    return _place_module(ctx, model, compile)
 
 
 def optimizer(ctx: OpContext, model: Any, *, target: str = "torch.optim.SGD", **kwargs: Any):

@@ -78,6 +78,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         args=(
             arg("target", "str", doc='"pkg.mod:Class" or dotted "pkg.mod.Class"'),
             arg("args", _LIST_OR_NULL, None, "positional arguments after the inputs"),
+            arg("compile", "bool", False, "a module: torch.compile its forward (in place, same state keys)"),
         ),
     ),
     _training(
@@ -90,6 +91,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("sizes", "sizes", doc="[in, hidden..., out]"),
             arg("activation", ("choice", "relu", "gelu", "tanh"), "relu", "between layers"),
             arg("dropout", "number", 0.0, "dropout probability after each activation"),
+            arg("compile", "bool", False, "torch.compile its forward (in place, same state keys)"),
         ),
     ),
     _training(
