@@ -174,3 +174,36 @@ def test_a_compiled_model_trains_as_the_plain_one_and_is_saved_once(tmp_path):
     assert runs["true"].keys() == runs["false"].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
     for key in runs["true"]:
         assert close(runs["true"][key], runs["false"][key], 1e-5), key
+
+
+# -- batches on their way to the device ---------------------------------------------------
+
+
+def test_every_reader_tags_a_ranks_part_with_the_records_of_the_global_batch():
+    """What train.step weights a rank's loss with, without a collective to count them."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import global_records, read_op, reader_op
+
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    for rank in (0, 1):
+        ctx = OpContext(rank=rank, world_size=2)
+        for source in ((x, y), (TensorDataset(x, y),)):
+            r = reader_op(ctx, *source, batch_size=3)  # batches of 3 and 2 records
+            (_, yb, _), (xb2, yb2, _) = read_op(ctx, r), read_op(ctx, r)
+            assert [len(yb), len(yb2)] == ([2, 1] if rank == 0 else [1, 1])
+            assert [global_records(yb), global_records(xb2)] == [3, 2]
+    assert global_records(y) is None  # a tensor no reader split: train.step counts it
+
+
+def test_batches_move_to_the_device_by_one_function_keeping_their_structure():
+    import torch
+
+    from jobrun.ops.transfer import ToDevice
+
+    t = torch.arange(4.0)
+    moved = ToDevice("cpu")((t, {"ids": t.long()}, [t, "name"], 3))
+    assert torch.equal(moved[0], t) and moved[1]["ids"].dtype == torch.long
+    assert moved[2][1] == "name" and moved[3] == 3 and isinstance(moved[2], list)
