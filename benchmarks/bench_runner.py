@@ -150,7 +150,7 @@ class HandLoop:
                 break
             loss = train_step(ctx, model, opt, xb, yb)
         val_loss, accuracy = evaluate(ctx, model, self.val_reader)
-        return loss, val_loss, accuracy
+        return float(loss), val_loss, accuracy
 
 
 def _steps_per_epoch(batch: int) -> int:

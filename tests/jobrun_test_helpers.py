@@ -118,3 +118,59 @@ def record_threads(path: str) -> None:
 
     with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as f:
         f.write(str(torch.get_num_threads()))
+
+
+# -- data parallel: a GAN's step written as a `call`, and reads of tensor values --------
+
+def gan_data(n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 2, generator=g), torch.randn(n, 4, generator=g) * 0.5 + 1.0
+
+
+def gan_step(G, D, opt_g, opt_d, z, real):
+    """A GAN's two optimizer steps, as user code writes them: no jobrun op inside."""
+    import torch
+    import torch.nn.functional as F
+
+    fake = G(z)
+    opt_d.zero_grad()
+    d_real, d_fake = D(real), D(fake.detach())
+    loss_d = F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real)) \
+        + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake))
+    loss_d.backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    d_fake = D(fake)
+    loss_g = F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
+    loss_g.backward()
+    opt_g.step()
+    return loss_d.detach(), loss_g.detach()
+
+
+_HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__format__")
+_reads = [0]
+
+
+def count_host_reads() -> None:
+    """Count the calls that read a tensor's value to the host, in this process."""
+    import torch
+
+    if getattr(torch.Tensor, "_jobrun_counted", False):
+        return
+    for name in _HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, **kwargs):
+            _reads[0] += 1
+            return _real(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+    torch.Tensor._jobrun_counted = True
+
+
+def host_reads() -> int:
+    """The reads counted since the last call."""
+    n, _reads[0] = _reads[0], 0
+    return n

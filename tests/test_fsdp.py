@@ -317,7 +317,7 @@ for carry in (True, False):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx = OpContext(rank=rank, world_size=world, parallel="fsdp")
     calls.clear()
-    losses = [train_step(ctx, model, opt, x[s, lo:lo + sizes[rank]], y[s, lo:lo + sizes[rank]])
+    losses = [train_step(ctx, model, opt, x[s, lo:lo + sizes[rank]], y[s, lo:lo + sizes[rank]]).item()
               for s in range(3)]
     weights = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
     out[carry] = {"losses": losses, "all_reduces": len(calls), "weights": weights}
@@ -325,7 +325,7 @@ if rank == 0:  # the same steps in one process, on the whole global batch
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out["one"] = [train_step(OpContext(), model, opt, x[s], y[s]) for s in range(3)]
+    out["one"] = [train_step(OpContext(), model, opt, x[s], y[s]).item() for s in range(3)]
 print(json.dumps(out))
 dist.destroy_process_group()
 """ + _EXIT

@@ -31,7 +31,10 @@ def _fit(ctx: OpContext, model, opt, x, y, *, epochs: int, batch_size: int, **st
             if reader.finished:
                 return losses
             continue
-        losses.append(train.train_step(ctx, model, opt, xb, yb, **step_args))
+        loss = train.train_step(ctx, model, opt, xb, yb, **step_args)
+        # the loss stays a float32 0-d tensor on the device until someone reads it
+        assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.dtype == torch.float32
+        losses.append(loss.item())
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -235,8 +238,8 @@ def test_accumulate_gives_the_same_step():
     twin = copy.deepcopy(model)
     opt = models.optimizer(ctx, model, lr=0.5)
     opt2 = models.optimizer(ctx, twin, lr=0.5)
-    loss1 = train.train_step(ctx, model, opt, x, y)
-    loss3 = train.train_step(ctx, twin, opt2, x, y, accumulate=3)  # uneven: 4, 3, 3
+    loss1 = train.train_step(ctx, model, opt, x, y).item()
+    loss3 = train.train_step(ctx, twin, opt2, x, y, accumulate=3).item()  # uneven: 4, 3, 3
     assert loss3 == pytest.approx(loss1, abs=1e-6)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
@@ -260,7 +263,7 @@ def test_custom_loss_and_float_class_labels():
     x, y = torch.randn(4, 2), torch.tensor([0.0, 1.0, 2.0, 1.0])  # labels read from a CSV
     assert train.train_step(ctx, model, opt, x, y) > 0
     loss = train.train_step(ctx, model, opt, x, y.long(), loss="torch.nn.functional.nll_loss")
-    assert isinstance(loss, float)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0
     with pytest.raises(RunError, match="did you mean 'mse'"):
         train.train_step(ctx, model, opt, x, y, loss="msee")
     with pytest.raises(RunError, match="null"):
@@ -308,7 +311,7 @@ def test_train_step_is_the_hand_written_step_bit_for_bit(loss, kind, clip):
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(list(twin.parameters()), clip)
         opt2.step()
-        assert type(got) is float and got == expected.item()
+        assert got.dtype == torch.float32 and got.item() == expected.item()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
@@ -324,7 +327,8 @@ def test_the_loss_is_the_float32_value_of_the_global_batch_mean(accumulate):
     with torch.no_grad():
         mean = F.cross_entropy(model(x), y).item()  # float64, before the step
     got = train.train_step(ctx, model, opt, x, y, accumulate=accumulate)
-    assert type(got) is float and got == float(np.float32(got))
+    assert got.dtype == torch.float32 and got.dim() == 0
+    got = got.item()
     assert got == pytest.approx(float(np.float32(mean)), rel=1e-6)
     if accumulate == 1:
         assert got == float(np.float32(mean))

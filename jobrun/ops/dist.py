@@ -3,9 +3,10 @@
 With ``ctx.world_size = R > 1`` the runner has initialised torch.distributed (gloo on
 CPU, nccl on CUDA) and every rank runs the same ops on its own slice of each global batch
 (see :mod:`jobrun.ops.reader`). The ops keep ranks identical: models are built from the
-node's seeded generator and broadcast from rank 0 (:mod:`jobrun.ops.models`),
-``train.step`` sums gradients weighted by each rank's share of the global batch, and
-``evaluate`` reduces its sums over ranks (:mod:`jobrun.ops.train`). Every collective is
+node's seeded generator and broadcast from rank 0 (:mod:`jobrun.ops.models`), then made
+data parallel by torch's DDP (:func:`replicate_module`), whose hooks all-reduce gradients
+during every backward; ``train.step`` weights each rank's loss by its share of the global
+batch, and ``evaluate`` reduces its sums over ranks (:mod:`jobrun.ops.train`). Every collective is
 issued by every rank in the same order, also by a rank whose slice is empty.
 """
 
@@ -50,6 +51,123 @@ def broadcast_tensors(ctx: OpContext, tensors: Sequence[torch.Tensor], src: int)
             tensors[i].data.copy_(chunk.view_as(tensors[i]))
 
 
+# ---------------------------------------------------------------- torch's DDP (replicate)
+
+
+def replicate_module(ctx: OpContext, module: nn.Module) -> nn.Module:
+    """Make ``module`` data parallel in place with torch's DDP (the composable
+    ``replicate``: the module keeps its class, attributes and state-dict keys, so
+    checkpoints and user code see the same model as with one process).
+
+    DDP's bucketed hooks all-reduce gradients during every backward through the module,
+    a `call` step's too. Its communication hook (:class:`Carrier`) averages them over the
+    ranks, as DDP's default hook does, except in `train.step`'s backward, whose losses are
+    weighted by each rank's share of the global batch already: there it sums them (the
+    rounding of jobrun's own all-reduce before, see :func:`jobrun.ops.train.train_step`)
+    and carries the step's loss in its first bucket. Modules with sparse gradients
+    (``sparse=True``) are left out of DDP (its buckets are dense): `train.step` gathers
+    their rows itself (:func:`allreduce_sparse`). Parameters and buffers were broadcast
+    from rank 0 already (:mod:`jobrun.ops.models`), so DDP's initial sync is skipped.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    ignored = [m for m in module.modules() if getattr(m, "sparse", False) is True]
+    left_out = {id(p) for m in ignored for p in m.parameters()}
+    if not any(p.requires_grad and id(p) not in left_out for p in module.parameters()):
+        return module  # nothing dense to train: train.step reduces what there is itself
+    dev = torch.device(ctx.device)
+    kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+    replicate(module, ignored_modules=ignored, init_sync=False, **kwargs)
+    carrier = Carrier(ctx.world_size)
+    module.register_comm_hook(carrier, Carrier.hook)
+    replicate.state(module).lazy_init()  # now, on every rank, not in some first forward
+    module._jobrun_carrier = carrier
+    return module
+
+
+def carrier_of(model: Any) -> Carrier | None:
+    """The :class:`Carrier` of a module made data parallel by :func:`replicate_module`."""
+    return getattr(model, "_jobrun_carrier", None)
+
+
+class Carrier:
+    """DDP's communication hook for a replicated module, and what it carries.
+
+    Every bucket is all-reduced asynchronously (DDP overlaps that with the rest of the
+    backward). Outside `train.step` (``weighted`` False) a bucket is divided by the world
+    size first, exactly torch's default ``allreduce_hook``. In `train.step`'s backward
+    (``weighted``) it is summed, and ``pending`` (this rank's weighted loss, a 0-d tensor)
+    rides at the end of the first float32/float64 bucket, so that the summed loss comes
+    back in ``carried`` with the gradients, on the device, read by nobody until someone
+    needs the loss: no collective of its own and no wait for the device. Every rank
+    calls the hook for the same buckets in the same order, so all carry it or none.
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.weighted = False
+        self.pending: torch.Tensor | None = None
+        self.carried: torch.Tensor | None = None
+
+    @staticmethod
+    def hook(self, bucket):  # type: ignore[no-untyped-def]
+        # No annotations: DDP checks them against its own types, which this module's
+        # postponed (string) annotations never equal.
+        buf = bucket.buffer()
+        extra = self.pending
+        if not self.weighted:
+            buf.div_(self.world)
+        elif extra is not None and buf.dtype in (torch.float32, torch.float64):
+            self.pending = None
+            n = buf.numel()
+            flat = torch.cat([buf, extra.detach().reshape(1).to(buf.dtype)])
+            fut = torch.distributed.all_reduce(flat, async_op=True).get_future()
+            return fut.then(lambda f: self._keep(f.value()[0], n))
+        return torch.distributed.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def _keep(self, flat: torch.Tensor, n: int) -> torch.Tensor:
+        self.carried = flat[n:]
+        return flat[:n]
+
+    def take(self) -> torch.Tensor | None:
+        """The summed loss if a bucket carried it (None otherwise); clears both."""
+        carried, self.carried, self.pending = self.carried, None, None
+        return carried
+
+
+class StopFlags:
+    """The ranks' stop flags (a SIGINT/SIGTERM some rank got, see :mod:`jobrun.signals`),
+    agreed on without waiting: each `train.step` of a replicated model starts an
+    asynchronous all-reduce of this rank's flag and, first, reads the one the previous
+    step started, which finished long ago. So a signal stops every rank at the same step,
+    one step after it came, and no step waits for a collective of its own. The flag goes
+    through CPU memory (a gloo group of its own when the job's backend is nccl), read
+    through a numpy view: no read from the device either."""
+
+    def __init__(self) -> None:
+        self._work: Any = None
+        self._group: Any = None
+        self._world: Any = None
+        self._buf = torch.zeros(1, dtype=torch.float64)
+        self._view = self._buf.numpy()
+
+    def exchange(self) -> None:
+        world = torch.distributed.group.WORLD
+        if world is not self._world:  # a new process group (tests run several jobs)
+            self._work, self._world = None, world
+            self._group = None if torch.distributed.get_backend() == "gloo" else \
+                torch.distributed.new_group(backend="gloo")
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            signals.agree(float(self._view[0]))
+        self._view[0] = signals.flag()
+        self._work = torch.distributed.all_reduce(self._buf, group=self._group, async_op=True)
+
+
+stop_flags = StopFlags()
+
+
 class GlobalCount:
     """The global batch size, all-reduced in the background while the forward runs."""
 
@@ -69,7 +187,8 @@ class GlobalCount:
 
 def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tensor,
                     sparse: frozenset[int] = frozenset()) -> float:
-    """Sum gradients (one flat bucket per dtype) and the loss over ranks.
+    """Sum gradients (one flat bucket per dtype) and the loss over ranks, for a model that
+    DDP does not hold (not a Module, or one made by user code rather than `build`).
 
     A rank whose slice was empty has no gradients; a per-parameter "has a gradient" flag
     rides in the float32 bucket with the loss, so that a parameter no rank touched keeps
@@ -79,7 +198,7 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
 
     ``sparse``: the ids of parameters whose gradients are sparse (see
     :func:`sparse_params`); their rows are gathered from every rank instead (see
-    :func:`_allreduce_sparse`). Every rank must pass the same set, which is why it comes
+    `allreduce_sparse`). Every rank must pass the same set, which is why it comes
     from the model's structure and not from the gradients one rank happens to have.
     """
     dev = comm_device(ctx)
@@ -112,7 +231,7 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
         if dtype == torch.float32:
             reduced_meta = flat[flat.numel() - meta.numel() :]
     if sparse:
-        _allreduce_sparse(dev, [p for p in params if id(p) in sparse])
+        allreduce_sparse(dev, [p for p in params if id(p) in sparse])
     flags = reduced_meta[: len(params) + 1].tolist()
     signals.agree(flags.pop())
     for p, flag in zip(params, flags):
@@ -181,7 +300,7 @@ def sparse_params(model: Any) -> frozenset[int]:
     return found
 
 
-def _allreduce_sparse(dev: torch.device, params: list[torch.Tensor]) -> None:
+def allreduce_sparse(dev: torch.device, params: list[torch.Tensor]) -> None:
     """Sum sparse (row) gradients over ranks: every rank gathers the others' rows (indices
     and values, padded to the longest) and coalesces them, so that the gradient stays
     sparse for optimizers that need it (SparseAdam) and costs rows, not the whole table."""

@@ -44,7 +44,8 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
-from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
+from jobrun.ops.reader import Reader, _as_int, _check_int, _mix, mark_records
+from jobrun.ops.transfer import ToDevice
 
 LOADING_DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
@@ -262,6 +263,7 @@ class DatasetReader(Reader):
         self._eval_loader: DataLoader | None = None
         self._iterator: Iterator[Any] | None = None
         self._move = self.device.type != "cpu"
+        self._to_device = ToDevice(self.device)
         if options.num_workers:
             open_readers.add(self)
 
@@ -280,7 +282,10 @@ class DatasetReader(Reader):
         stop = min(start + self.batch_size, end)
         self.position = stop
         lo, hi = self.rank_part(start, stop)
-        return (*self._fields(batch, empty=lo == hi), False)
+        fields = self._fields(batch, empty=lo == hi)
+        if self.world_size > 1 and self.batch_size > 1:
+            mark_records(fields, stop - start)
+        return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         if self._eval_loader is None:
@@ -297,7 +302,7 @@ class DatasetReader(Reader):
         if empty:
             fields = tuple(part(f, 0, 0) for f in fields)
         if self._move:
-            fields = tuple(to_device(f, self.device, self.options.pin_memory) for f in fields)
+            fields = self._to_device(fields)
         if self.field_count != len(fields):
             if self.field_count:
                 raise RunError(
@@ -364,16 +369,6 @@ def part(value: Any, lo: int, hi: int) -> Any:
         not hasattr(value, "ndim") or value.ndim
     ):
         return value[lo:hi]
-    return value
-
-
-def to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=non_blocking)
-    if isinstance(value, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_device(v, device, non_blocking) for v in value)
     return value
 
 

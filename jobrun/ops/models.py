@@ -21,7 +21,7 @@ from jobrun.errors import RunError, did_you_mean
 from jobrun.ops import nested, optim
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
-from jobrun.ops.dist import broadcast_tensors
+from jobrun.ops.dist import broadcast_tensors, replicate_module
 from jobrun.ops.imports import resolve
 from jobrun.ops.nested import NESTING_OPS
 
@@ -41,7 +41,11 @@ def _seeded(ctx: OpContext) -> Iterator[None]:
         yield
 
 
-def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
+def _place_module(ctx: OpContext, module: nn.Module, compile: bool = False) -> nn.Module:
+    """The module on the run's device, identical on every rank, made data parallel
+    (ddp) or sharded (fsdp) with replicas; with ``compile``, its forward compiled by
+    torch.compile in place (``nn.Module.compile``: no ``OptimizedModule`` wrapper, so the
+    state dict and checkpoints keep the module's own keys, each weight once)."""
     module = module.to(ctx.device)
     if ctx.distributed:  # cheap insurance: parameters start identical on every rank
         with torch.no_grad():
@@ -50,6 +54,10 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
             from jobrun.ops.fsdp import shard
 
             shard(module, ctx.fsdp_layers, ctx.fsdp_amp)
+        elif any(p.requires_grad for p in module.parameters()):
+            replicate_module(ctx, module)  # torch's DDP: gradients all-reduced in the backward
+    if compile:
+        module.compile()
     return module
 
 
@@ -100,16 +108,19 @@ def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leadin
 
 
 def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None,
-          fork_rng: bool = False, **kwargs: Any):
+          fork_rng: bool = False, compile: bool = False, **kwargs: Any):
     """`build`: inputs... -> obj, drawing its random numbers from torch's global generator
     as a hand loop's constructor does (after ``torch.manual_seed(seed)``: the job seeds it
     alike on every process, so every rank builds the same parameters). ``fork_rng``: under
     a seed drawn from the node's generator instead, as model.mlp, leaving the global stream
-    where it was."""
+    where it was. ``compile``: a module's forward goes through torch.compile."""
     own, blobs = nested.split(inputs, args, kwargs)
     with _seeded(ctx) if fork_rng else contextlib.nullcontext():
         obj = _instantiate("build", target, args or [], kwargs, leading=own, blobs=blobs)
-    return _place_module(ctx, obj) if isinstance(obj, nn.Module) else obj
+    if compile and not isinstance(obj, nn.Module):
+        raise RunError(f"build: compile applies to modules; {target} made a {type(obj).__name__}",
+                       hint="drop `compile: true`, or build an nn.Module")
+    return _place_module(ctx, obj, compile) if isinstance(obj, nn.Module) else obj
 
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -120,7 +131,8 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
 
 
 def model_mlp(
-    ctx: OpContext, *, sizes: list[int], activation: str = "relu", dropout: float = 0.0
+    ctx: OpContext, *, sizes: list[int], activation: str = "relu", dropout: float = 0.0,
+    compile: bool = False,
 ) -> nn.Module:
     """`model.mlp`: an nn.Sequential of Linear layers, activation (+ dropout) between."""
     if not isinstance(sizes, list | tuple) or len(sizes) < 2:
@@ -143,7 +155,7 @@ def model_mlp(
                 if dropout > 0:
                     layers.append(nn.Dropout(dropout))
         model = nn.Sequential(*layers)
-    return _place_module(ctx, model)
+    return _place_module(ctx, model, compile)
 
 
 def optimizer(ctx: OpContext, model: Any, *, target: str | None = None,

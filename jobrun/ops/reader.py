@@ -28,6 +28,7 @@ import torch
 
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
+from jobrun.ops.transfer import ToDevice
 
 _ORDINAL_KEY = "reader.ordinal"
 _STATE_KEYS = ("pass", "position", "seed", "length")
@@ -61,6 +62,25 @@ def _rank_bounds(length: int, rank: int, world: int) -> tuple[int, int]:
     base, extra = divmod(length, world)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
+
+
+_RECORDS = "_jobrun_records"
+
+
+def mark_records(fields: tuple[Any, ...], records: int) -> tuple[Any, ...]:
+    """Tag the tensors of a rank's part of a global batch with the records of the whole
+    batch (all ranks together): every rank knows them from the split, so `train.step`
+    weights its loss by its share without a collective to count them."""
+    for f in fields:
+        if isinstance(f, torch.Tensor):
+            setattr(f, _RECORDS, records)
+    return fields
+
+
+def global_records(t: Any) -> int | None:
+    """The records of the global batch a tensor is a rank's part of (see
+    :func:`mark_records`); None for a tensor a reader did not split."""
+    return getattr(t, _RECORDS, None)
 
 
 class Reader:
@@ -218,8 +238,9 @@ class TensorReader(Reader):
         super().__init__(lengths[0], **geometry)
         self.fields = tuple(fields)
         self.field_count = len(self.fields)
-        # Batches already on the target device skip `.to` (a dispatch per field per read).
+        # Batches already on the target device skip the move (a dispatch per field per read).
         self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
+        self._to_device = ToDevice(self.device)
         self._plain = self._plain_fields()
 
     def _plain_fields(self) -> bool:
@@ -263,7 +284,10 @@ class TensorReader(Reader):
             if len(fields) == 2:
                 return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
             return (*self._select(idx), False)
-        return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
+        fields = self._take(start, stop, self._pass_order() if self.shuffle else None)
+        if self.world_size > 1 and self.batch_size > 1:
+            mark_records(fields, stop - start)
+        return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         for start in range(0, self.pass_end, self.batch_size):
@@ -275,30 +299,24 @@ class TensorReader(Reader):
         if self.batch_size == 1:
             # An unbatched record cannot be split: every rank reads the same one.
             i = start if order is None else int(order[start])
-            return tuple(self._record(f, i) for f in self.fields)
-        lo, hi = self.rank_part(start, stop)
-        if order is None:
-            return tuple(self._slice(f, lo, hi) for f in self.fields)
-        idx = order[lo:hi]
-        return tuple(self._gather(f, idx) for f in self.fields)
+            fields = tuple(f[i] for f in self.fields)
+        else:
+            lo, hi = self.rank_part(start, stop)
+            if order is None:
+                fields = tuple(f[lo:hi] for f in self.fields)
+            else:
+                idx = order[lo:hi]
+                fields = tuple(self._gather(f, idx) for f in self.fields)
+        # gathered where the fields are, then moved as one batch (see jobrun.ops.transfer)
+        return self._to_device(fields) if self._move else fields
 
     def _select(self, idx: torch.Tensor) -> tuple[Any, ...]:
         """The records `idx` of every field (plain readers only: CPU tensors)."""
         return tuple([f.index_select(0, idx) for f in self.fields])
 
-    def _record(self, field: Any, i: int) -> Any:
-        value = field[i]
-        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
-
-    def _slice(self, field: Any, lo: int, hi: int) -> Any:
-        value = field[lo:hi]
-        return value.to(self.device) if self._move and isinstance(value, torch.Tensor) else value
-
     def _gather(self, field: Any, idx: torch.Tensor) -> Any:
         if isinstance(field, torch.Tensor):
-            if not self._move and field.is_cpu:
-                return field[idx]
-            return field[idx.to(field.device)].to(self.device)
+            return field[idx] if field.is_cpu else field[idx.to(field.device)]
         if isinstance(field, np.ndarray):
             return field[idx.numpy()]
         return [field[i] for i in idx.tolist()]

@@ -27,9 +27,9 @@ from jobrun.ops.loader import (
     part,
     records,
     shutdown,
-    to_device,
 )
-from jobrun.ops.reader import Reader, _as_int, _mix, _rank_bounds
+from jobrun.ops.reader import Reader, _as_int, _mix, _rank_bounds, mark_records
+from jobrun.ops.transfer import ToDevice
 
 
 class IterableReader(Reader):
@@ -39,6 +39,7 @@ class IterableReader(Reader):
         super().__init__(0, **geometry)
         self.dataset = dataset
         self.options = options
+        self._to_device = ToDevice(self.device)
         self.field_count = 0
         self._iterator: Iterator[Any] | None = None
         batch = None if self.batch_size == 1 else self.batch_size
@@ -96,12 +97,15 @@ class IterableReader(Reader):
 
     def _fields(self, batch: Any) -> tuple[Any, ...]:
         fields = as_fields(batch)
+        n = 0
         if self.batch_size > 1 and self.world_size > 1:
             n = records(fields[0])
             lo, hi = _rank_bounds(n, self.rank, self.world_size)
             fields = tuple(part(f, lo, hi) for f in fields)
         if self.device.type != "cpu":
-            fields = tuple(to_device(f, self.device, self.options.pin_memory) for f in fields)
+            fields = self._to_device(fields)
+        if n:
+            mark_records(fields, n)
         if not self.field_count:
             self.field_count = len(fields)
         return fields

@@ -21,15 +21,18 @@ from jobrun.ops.dist import (
     GlobalCount,
     LossSum,
     allreduce_grads,
+    allreduce_sparse,
     broadcast_tensors,
+    carrier_of,
     comm_device,
     sparse_params,
+    stop_flags,
 )
 from jobrun.ops.losses import LOSSES as _LOSSES
 from jobrun.ops.losses import MODEL, accuracy_logits, forward, step_loss
 from jobrun.ops.losses import loss_fn as _loss_fn
 from jobrun.ops.models import require_optimizer
-from jobrun.ops.reader import Reader
+from jobrun.ops.reader import Reader, global_records
 
 # ------------------------------------------------------------------------ train.step
 
@@ -50,20 +53,26 @@ def train_step(
     clip_grad_norm: float | None = None,
     accumulate: int = 1,
     amp: str | None = None,
-) -> float:
+) -> torch.Tensor:
     """`train.step`: one optimizer step; returns the loss averaged over the global batch.
 
         zero_grad; for each micro-batch: forward (autocast with amp), loss weighted by its
-        share of the global batch, backward; [all-reduce gradients and loss over replicas];
-        [clip the gradient norm]; optimizer step; [buffers follow rank 0]
+        share of the global batch, backward [gradients summed over replicas by DDP's hooks
+        in the last one]; [clip the gradient norm]; optimizer step; [buffers follow rank 0]
 
     With one process, one micro-batch and no amp that is exactly a hand-written loop's
     calls. ``amp`` autocasts the forward and the loss to bf16 or fp16 on the run's device
     (CPU or CUDA, the same code); fp16 scales the loss with a GradScaler whose state is
-    kept in the optimizer's first param group, so that checkpoints hold it. The weights make the summed gradients those of one process reading the whole
-    global batch. The returned loss is the float32 value of the global-batch mean as a
-    Python float, identical on every rank (replicas sum float32 values; a float64 loss is
-    rounded to float32 too, so that one process and replicas report the same numbers).
+    kept in the optimizer's first param group, so that checkpoints hold it. The weights
+    make the summed gradients those of one process reading the whole global batch.
+
+    The loss comes back as a float32 0-d tensor on the run's device, identical on every
+    rank, and nothing here waits for the device: its value is read when something needs
+    it (a comparison, `log`, the epoch line). Replicas sum float32 values (a float64
+    loss is rounded to float32 too, so that one process and replicas report the same
+    numbers); with a model made data parallel when it was built (DDP, see
+    :func:`jobrun.ops.dist.replicate_module`) the loss rides with the gradients, and
+    the global batch size comes from the reader's split (no collective of its own).
     """
     # Every line runs once per training step, between torch's kernels, where Python work
     # costs several times what a micro-benchmark shows (cold caches): the common case
@@ -87,14 +96,19 @@ def train_step(
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
     sharded = replicas and ctx.parallel == "fsdp"
+    carrier = carrier_of(model) if replicas and not sharded else None
+    if carrier is not None:
+        stop_flags.exchange()  # raises Interrupted on every rank when one was signalled
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
-    # ddp: the global batch size, reduced while the first forward runs, weights each
-    # rank's loss by its share. fsdp needs no collective of its own here: each rank
-    # backpropagates its loss sum, and the records of all ranks come with the loss, in the
-    # last backward's first reduce-scatter of gradients (see LossSum). Not with fp16, whose
-    # loss scaler would see the magnitude of a sum and skip other steps than ddp: it
-    # counts as ddp does.
-    count = GlobalCount(ctx, local) if replicas and (not sharded or scaler is not None) else None
+    # ddp: each rank's loss is weighted by its share of the global batch, whose size the
+    # reader's split tells every rank (global_records); for a batch from elsewhere it is
+    # all-reduced while the first forward runs. fsdp needs no collective of its own here:
+    # each rank backpropagates its loss sum, and the records of all ranks come with the
+    # loss, in the last backward's first reduce-scatter of gradients (see LossSum). Not
+    # with fp16, whose loss scaler would see the magnitude of a sum and skip other steps
+    # than ddp: it counts as ddp does.
+    known = global_records(y) if replicas and not sharded else None
+    count = GlobalCount(ctx, local) if replicas and known is None and (not sharded or scaler is not None) else None
     summed = sharded and count is None
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
@@ -102,6 +116,8 @@ def train_step(
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
     reduced = None  # fsdp: the loss sum over ranks, under way during the last backward
     for i, (xb, yb, n) in enumerate(batches):
+        if carrier is not None and last:  # DDP all-reduces in the last backward only
+            model.set_requires_gradient_sync(i == last)
         if n:
             if dtype is None:
                 part = step_loss(loss_fn, model, xb, yb)
@@ -111,21 +127,31 @@ def train_step(
             if summed:
                 part = part * n  # the micro-batch's sum; the gradients are divided by all records later
             else:
-                n_all = local if count is None else count.value
+                n_all = known if known is not None else local if count is None else count.value
                 if n != n_all:
                     part = part * (n / n_all)
             value = part if value is None else value.detach() + part.detach()
-        elif sharded:  # every rank's forward and backward take part in FSDP's collectives
+        elif sharded or (carrier is not None and i == last):
+            # every rank's forward and backward take part in FSDP's and DDP's collectives
             part = model(xb).sum() * 0.0
         else:
             continue  # an empty slice of a short global batch contributes nothing
         if sharded and i == last:  # after the forward: every rank's collectives in one order
             totals = getattr(model, "_jobrun_totals", None)
             reduced = LossSum(ctx, _zero(value, device), local, totals)
-        (part if scaler is None else scaler.scale(part)).backward()
+        if carrier is not None and i == last:  # DDP's hook sums this backward, with the loss
+            carrier.pending, carrier.weighted = _zero(value, device), True
+            try:
+                (part if scaler is None else scaler.scale(part)).backward()
+            finally:
+                carrier.weighted = False
+        else:
+            (part if scaler is None else scaler.scale(part)).backward()
     value = _zero(value, device)
-    params = _trained_params(opt) if replicas or clip_grad_norm is not None else None
+    params = _trained_params(opt) if clip_grad_norm is not None or (replicas and carrier is None) else None
     total = local if count is None else None
+    if known is not None:
+        total = known
     if reduced is not None:  # FSDP has summed the gradients into each rank's shards already
         mean, total = reduced.finish(params, divide=summed)
     if not (total if total is not None else count.value):  # after the backward: all ranks raise
@@ -133,12 +159,19 @@ def train_step(
             "train.step got an empty batch",
             hint="check `done` from `read` before training on its fields",
         )
-    if not sharded:
+    if carrier is not None:
+        mean = _carried_loss(ctx, carrier, value)
+        sparse = sparse_params(model)
+        if sparse:  # left out of DDP's dense buckets: their rows are gathered here
+            allreduce_sparse(comm_device(ctx), [p for p in model.parameters() if id(p) in sparse])
+    elif not sharded:
         mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model)) if replicas else None
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters() if isinstance(model, nn.Module) else params, float(clip_grad_norm))  # a hand loop's order
+        # model.parameters()'s order, as a hand loop clips (the norm sums in that order)
+        clipped = model.parameters() if isinstance(model, nn.Module) else params
+        torch.nn.utils.clip_grad_norm_(clipped, float(clip_grad_norm))
     if scaler is None:
         opt.step()
     else:
@@ -152,8 +185,20 @@ def train_step(
     # us a step cheaper than freed on return.
     _last_loss[0] = value
     if mean is None:
-        mean = value.item() if value.dtype is _FLOAT32 else value.detach().float().item()
-    return mean
+        mean = value.detach()
+    elif mean.__class__ is float:  # fsdp and models DDP does not hold reduced on the host
+        mean = torch.tensor(mean, dtype=_FLOAT32)
+    return mean if mean.dtype is _FLOAT32 else mean.float()
+
+
+def _carried_loss(ctx: OpContext, carrier: Any, value: torch.Tensor) -> torch.Tensor:
+    """The global-batch loss summed over ranks, as DDP's hook carried it (or, when no
+    float bucket could, one all-reduce of it)."""
+    carried = carrier.take()
+    if carried is None:
+        carried = value.detach().float().reshape(1).to(comm_device(ctx))
+        torch.distributed.all_reduce(carried)
+    return carried[0]
 
 
 _last_loss: list[Any] = [None]

@@ -87,6 +87,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("fork_rng", "bool", False,
                 "draw from a seed of the node's generator, leaving torch's global stream alone "
                 "(false: from torch's global generator, as a hand loop's constructor)"),
+            arg("compile", "bool", False, "a module: torch.compile its forward (in place, same state keys)"),
         ),
     ),
     _training(
@@ -99,6 +100,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("sizes", "sizes", doc="[in, hidden..., out]"),
             arg("activation", ("choice", "relu", "gelu", "tanh"), "relu", "between layers"),
             arg("dropout", "number", 0.0, "dropout probability after each activation"),
+            arg("compile", "bool", False, "torch.compile its forward (in place, same state keys)"),
         ),
     ),
     _training(

@@ -54,7 +54,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     _ready()  # everything above is refused in a fraction of a second, without torch
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
                     plan.max_restarts if max_restarts is None else max_restarts)
-    device_for(launch.device, 1, select=False)  # refuse a device now, before writing anything
+    device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
     run.create(new=run_dir is None)
     if run_dir is None:
         print(f"run directory {run.path}", file=sys.stderr)
@@ -87,7 +87,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         _ready()
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
-        device_for(device, 1, select=False)
+        device_for(device, n, select=False)
         epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None)
         restarts = restarts_of(info, plan, max_restarts)
         record_resume(run, epoch, sets, changes, stored, n, saved, restarts)

@@ -1,0 +1,209 @@
+"""Data parallel through torch's DDP: any backward through a model is synchronised (a
+GAN's `call` step too), and a steady-state epoch reads no tensor value to the host."""
+
+from __future__ import annotations
+
+import pytest
+from runner_util import ckpt_values, close, jobrun_proc, logged
+
+PLAN = """
+job: ddp
+seed: 3
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - call: {fn: "jobrun_test_helpers:count_host_reads"}
+      - data.synthetic: {out: [x, y], task: classification, n: 45, features: 6, classes: 3, noise: 1.0}
+      - reader: {in: [x, y], out: data, batch_size: 8, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [6, 16, 3]}
+      - optimizer: {in: model, out: opt, lr: 0.1, momentum: 0.9}
+      - call: {fn: "jobrun_test_helpers:gan_data", out: [z, real], n: 32}
+      - reader: {in: [z, real], out: pairs, batch_size: 8, shuffle: true, passes: 0}
+      - model.mlp: {out: G, sizes: [2, 8, 4]}
+      - model.mlp: {out: D, sizes: [4, 8, 1]}
+      - optimizer: {in: G, out: opt_g, target: torch.optim.Adam, lr: 0.01}
+      - optimizer: {in: D, out: opt_d, target: torch.optim.Adam, lr: 0.01}
+epoch:
+  - task: train
+    do:
+      - call: {fn: "jobrun_test_helpers:host_reads", out: between}  # the last epoch's log points
+      # 6 steps over 45 records in batches of 8: the last batch (5) splits 3 + 2
+      - loop: 6
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: data, out: [xb, yb, end]}}]
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - call: {fn: "jobrun_test_helpers:host_reads", out: reads}
+      - log: {in: [loss, reads, between]}
+      # one task: tasks of a group run at the same time, and ranks must issue DDP's
+      # collectives in one order
+      - loop: 4
+        do:
+          - read: {in: pairs, out: [zb, rb, done]}
+          - if: done
+            then: [{read: {in: pairs, out: [zb, rb, done]}}]
+          - call: {fn: "jobrun_test_helpers:gan_step", in: [G, D, opt_g, opt_d, zb, rb], out: [loss_d, loss_g]}
+      - log: {in: [loss_d, loss_g]}
+"""
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    (root / "plan.yaml").write_text(PLAN)
+    for n in ("1", "2"):
+        r = jobrun_proc("train", root / "plan.yaml", "--run-dir", root / f"r{n}", "--replicas", n)
+        assert r.code == 0, r.text
+    return root
+
+
+@pytest.mark.slow
+def test_a_gan_step_written_as_a_call_trains_the_same_models_on_two_replicas(runs):
+    """Its backwards go through DDP's hooks: without them the replicas drift apart."""
+    one, two = ckpt_values(runs / "r1", 2), ckpt_values(runs / "r2", 2)
+    first = ckpt_values(runs / "r1", 0)
+    for name in ("G", "D", "model"):
+        w1, w2 = one[name]["state"], two[name]["state"]
+        assert w1.keys() == w2.keys() == first[name]["state"].keys()  # the module's own keys
+        for key in w1:
+            assert close(w1[key], w2[key], 1e-5), (name, key)
+            assert w1[key] != first[name]["state"][key], (name, key)  # it trained
+    # train.step's loss is the global batch's on every rank (a `call`'s losses are the
+    # user's, each rank's own)
+    got1 = [r["loss"] for r in logged(runs / "r1") if "loss" in r]
+    got2 = [r["loss"] for r in logged(runs / "r2") if "loss" in r]
+    assert len(got1) == len(got2) == 2 and all(close(a, b, 1e-5) for a, b in zip(got1, got2))
+
+
+@pytest.mark.slow
+def test_training_steps_read_no_tensor_value_to_the_host(runs):
+    """train.step leaves its loss on the device; the loop reads nothing (the uneven last
+    batch's weights come from the reader's split, the stop flags through CPU memory)."""
+    for run in ("r1", "r2"):
+        rows = [r for r in logged(runs / run) if "reads" in r]
+        assert [r["reads"] for r in rows] == [0, 0], run
+        assert rows[1]["between"] > 0  # the counter counts: epoch 1's log and epoch line read
+
+
+# -- devices ---------------------------------------------------------------------------
+
+
+def test_one_gpu_for_every_replica_is_refused_before_anything_is_written(tmp_path):
+    from runner_util import jobrun
+
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+               "--device", "cuda:1")
+    assert r.code == 2, r.text
+    assert "device 'cuda:1' names one GPU, but 2 replicas each need their own" in r.err
+    assert "use device cuda" in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cuda,mps,world,local,expect", [
+    (True, True, 1, 0, "cuda"), (False, True, 1, 0, "mps"), (False, False, 1, 0, "cpu"),
+    (True, False, 2, 1, "cuda:1"),  # auto with replicas: each rank of a host its own GPU
+])
+def test_devices_auto_picks_cuda_then_mps_then_cpu_and_ranks_get_their_own_gpu(
+        monkeypatch, cuda, mps, world, local, expect):
+    import torch
+
+    from jobrun.runner.workers import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    assert device_for("auto", world) == expect
+
+
+def test_more_ranks_on_a_host_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from jobrun.errors import UsageError
+    from jobrun.runner.workers import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(UsageError, match="rank 2 of this host has no GPU of its own: it has 2"):
+        device_for("cuda", 3, select=False)
+
+
+# -- torch.compile -------------------------------------------------------------------
+
+
+COMPILED = """
+job: compiled
+seed: 1
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 32, features: 4, classes: 3}
+      - reader: {in: [x, y], out: data, batch_size: 8, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 3], compile: COMPILE}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: 4
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: data, out: [xb, yb, end]}}]
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - log: {in: [loss]}
+"""
+
+
+def test_a_compiled_model_trains_as_the_plain_one_and_is_saved_once(tmp_path):
+    from runner_util import jobrun
+
+    runs = {}
+    for flag in ("true", "false"):
+        plan = tmp_path / f"{flag}.yaml"
+        plan.write_text(COMPILED.replace("COMPILE", flag))
+        r = jobrun("train", plan, "--run-dir", tmp_path / flag)
+        assert r.code == 0, r.text
+        runs[flag] = ckpt_values(tmp_path / flag, 2)["model"]["state"]
+    assert runs["true"].keys() == runs["false"].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for key in runs["true"]:
+        assert close(runs["true"][key], runs["false"][key], 1e-5), key
+
+
+# -- batches on their way to the device ---------------------------------------------------
+
+
+def test_every_reader_tags_a_ranks_part_with_the_records_of_the_global_batch():
+    """What train.step weights a rank's loss with, without a collective to count them."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import global_records, read_op, reader_op
+
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    for rank in (0, 1):
+        ctx = OpContext(rank=rank, world_size=2)
+        for source in ((x, y), (TensorDataset(x, y),)):
+            r = reader_op(ctx, *source, batch_size=3)  # batches of 3 and 2 records
+            (_, yb, _), (xb2, yb2, _) = read_op(ctx, r), read_op(ctx, r)
+            assert [len(yb), len(yb2)] == ([2, 1] if rank == 0 else [1, 1])
+            assert [global_records(yb), global_records(xb2)] == [3, 2]
+    assert global_records(y) is None  # a tensor no reader split: train.step counts it
+
+
+def test_batches_move_to_the_device_by_one_function_keeping_their_structure():
+    import torch
+
+    from jobrun.ops.transfer import ToDevice
+
+    t = torch.arange(4.0)
+    moved = ToDevice("cpu")((t, {"ids": t.long()}, [t, "name"], 3))
+    assert torch.equal(moved[0], t) and moved[1]["ids"].dtype == torch.long
+    assert moved[2][1] == "name" and moved[3] == 3 and isinstance(moved[2], list)
