@@ -43,8 +43,9 @@ def main(ctx: click.Context) -> None:
     """Run PyTorch training jobs described by YAML plans.
 
     \b
-    jobrun train plans/mlp.yaml      train (checkpoints every epoch)
-    jobrun resume                    continue the latest run where it stopped
+    jobrun train plans/mlp.yaml      train in a new runs/<job>/<N> (checkpoints every epoch)
+    jobrun resume [RUN_DIR]          continue a run (default: the latest) where it stopped
+    jobrun runs                      list the runs: status, epochs, best value, overrides
     jobrun print plans/mlp.yaml      the plan as readable pseudo-code
     jobrun analyze plans/mlp.yaml    check the plan before running it
     """
