@@ -34,6 +34,8 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+        finally:
+            signals.end_start_up()
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

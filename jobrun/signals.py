@@ -58,6 +58,17 @@ def exit_at_once() -> None:
         _exit_now(_pending[0], None)
 
 
+def end_start_up() -> None:
+    """A command that stopped before :func:`interruptible` (a refused plan) leaves a
+    signal raising Interrupted, not ending the process, for whatever runs next in this
+    process (the tests invoke many commands in one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        if signal.getsignal(s) is _exit_now:
+            signal.signal(s, _raise)
+
+
 def import_torch() -> None:
     """Import torch (a second or more) while a signal still ends the process at once."""
     import torch  # noqa: F401

@@ -334,3 +334,20 @@ def test_override_hints_do_not_offer_to_add_a_misspelt_key(here, override, hint)
     assert r.code == 2 and f"hint: {hint}" in r.err and "+" not in r.err.split("hint:")[1]
     added = jobrun("analyze", "plan.yaml", "vars.warmup=3")
     assert added.code == 2 and "write +vars.warmup=3" in added.err
+
+
+def test_a_refused_train_leaves_signals_raising_not_exiting(here):
+    """In one process (as the tests run commands) a refused train must not leave a signal
+    handler that ends the process at once."""
+    import signal
+
+    from jobrun.errors import Interrupted
+
+    (here / "bad.yaml").write_text(PLAN.replace("- add:", "- addd:"))
+    from jobrun import signals
+
+    assert jobrun("train", "bad.yaml").code == 2
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler is not signals._exit_now  # calling that one would end this process
+    with pytest.raises(Interrupted):
+        handler(signal.SIGTERM, None)
