@@ -34,6 +34,8 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+        finally:
+            signals.end_start_up()
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,8 +45,9 @@ def main(ctx: click.Context) -> None:
     """Run PyTorch training jobs described by YAML plans.
 
     \b
-    jobrun train plans/mlp.yaml      train (checkpoints every epoch)
-    jobrun resume                    continue the latest run where it stopped
+    jobrun train plans/mlp.yaml      train in a new runs/<job>/<N> (checkpoints every epoch)
+    jobrun resume [RUN_DIR]          continue a run (default: the latest) where it stopped
+    jobrun runs                      list the runs: status, epochs, best value, overrides
     jobrun print plans/mlp.yaml      the plan as readable pseudo-code
     jobrun analyze plans/mlp.yaml    check the plan before running it
     """

@@ -49,13 +49,15 @@ def _exit_now(signum: int, frame: Any) -> None:
 def exit_at_once() -> None:
     """Until :func:`interruptible`: a signal ends the process at once (nothing is written
     yet); one that came while deferred ends it now."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for s in SIGNALS:
-        if signal.getsignal(s) in (_remember, _raise):
-            signal.signal(s, _exit_now)
-    if _pending:
+    if _swap((_remember, _raise), _exit_now) and _pending:
         _exit_now(_pending[0], None)
+
+
+def end_start_up() -> None:
+    """A command that stopped before :func:`interruptible` (a refused plan) leaves a
+    signal raising Interrupted, not ending the process, for whatever runs next in this
+    process (the tests invoke many commands in one)."""
+    _swap((_exit_now,), _raise)
 
 
 def import_torch() -> None:
@@ -75,13 +77,19 @@ def defer() -> None:
 
 def interruptible() -> None:
     """From now on a signal raises Interrupted; one that came while deferred raises now."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for s in SIGNALS:
-        if signal.getsignal(s) in (_remember, _exit_now):
-            signal.signal(s, _raise)
-    if _pending:
+    if _swap((_remember, _exit_now), _raise) and _pending:
         _raise(_pending[0], None)
+
+
+def _swap(old: tuple[Any, ...], new: Any) -> bool:
+    """Replace the handlers in ``old`` by ``new`` (the main thread only: False elsewhere;
+    a handler of someone else's, or SIG_IGN, stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for s in SIGNALS:
+        if signal.getsignal(s) in old:
+            signal.signal(s, new)
+    return True
 
 
 # -- a stop the ranks of a data-parallel job agree on ------------------------------------

@@ -127,6 +127,16 @@ def test_each_train_makes_a_new_run_and_commands_default_to_the_latest(here):
     assert again.code == 0 and "run runs/counter/1 (the latest" in again.err and "already finished" in again.out
 
 
+def test_a_run_of_the_old_layout_is_left_alone_and_listed(here):
+    """runs/<job> itself a run (made before runs were numbered, or by --run-dir): new runs
+    go beside it, never inside it, and the old one is found as the others are."""
+    assert jobrun("train", "plan.yaml", "--run-dir", "runs/counter").code == 0
+    r = jobrun("train", "plan.yaml")
+    assert r.code == 0 and "run directory runs/counter-1" in r.err
+    assert [x["path"] for x in json.loads(jobrun("runs", "--json").out)] == ["runs/counter", "runs/counter-1"]
+    assert not list((here / "runs" / "counter").glob("[0-9]*"))
+
+
 def test_run_dir_keeps_its_meaning(here):
     assert jobrun("train", "plan.yaml", "--run-dir", "mine").code == 0
     r = jobrun("train", "plan.yaml", "--run-dir", "mine")
@@ -324,3 +334,20 @@ def test_override_hints_do_not_offer_to_add_a_misspelt_key(here, override, hint)
     assert r.code == 2 and f"hint: {hint}" in r.err and "+" not in r.err.split("hint:")[1]
     added = jobrun("analyze", "plan.yaml", "vars.warmup=3")
     assert added.code == 2 and "write +vars.warmup=3" in added.err
+
+
+def test_a_refused_train_leaves_signals_raising_not_exiting(here):
+    """In one process (as the tests run commands) a refused train must not leave a signal
+    handler that ends the process at once."""
+    import signal
+
+    from jobrun.errors import Interrupted
+
+    (here / "bad.yaml").write_text(PLAN.replace("- add:", "- addd:"))
+    from jobrun import signals
+
+    assert jobrun("train", "bad.yaml").code == 2
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler is not signals._exit_now  # calling that one would end this process
+    with pytest.raises(Interrupted):
+        handler(signal.SIGTERM, None)
