@@ -27,7 +27,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import fingerprint, restore, rng
+from jobrun.runner import fingerprint, profile, restore, rng
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
@@ -50,6 +50,8 @@ class JobConfig:
     force: bool = False  # resume even when init built other things than when the run started
     resume_world: int | None = None  # the ranks that saved resume_epoch (None: world_size)
     restart: dict[str, Any] | None = None  # set when the elastic agent restarted the ranks
+    profile: bool = False  # time every plan step (train --profile)
+    profile_torch: int = 0  # also a torch.profiler trace of this many loop iterations
 
 
 @dataclass
@@ -88,9 +90,12 @@ class JobRunner:
         self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
         self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
         self.fsdp_amp = precision.fsdp_amp(self.plan)  # the dtype fsdp gathers parameters in
+        self.profile = profile.for_run(cfg.device, cfg.profile_torch, self.run_dir.path,
+                                       self.main_rank) if cfg.profile else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
-            g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
+            g.name: [CompiledTask(t, self.nodes[t.node], self.profile) for t in g.tasks]
+            for g in self.plan.groups
         }
         for node in self.nodes.values():
             for tctx in node.task_ctxs:
@@ -143,6 +148,8 @@ class JobRunner:
                 raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
+                if self.profile is not None and self.main_rank:
+                    self.profile.report(self.display, self.run_dir.path)
                 self.metrics.close()
                 self.tensorboard.close()
             self._summary()
@@ -299,14 +306,20 @@ class JobRunner:
         self.group = name
         tasks = self.groups[name]
         self.display.status(f"{name} {self.epoch}" if name == "epoch" else name)
+        if self.profile is not None and tasks:
+            return self.profile.run_group(name, tasks, self._run_tasks)
         if not tasks:
             return {}
         if len(tasks) == 1:
             return {tasks[0].task.name: tasks[0].run()}
+        return self._run_tasks(name, tasks, lambda t: t.run())
+
+    def _run_tasks(self, name: str, tasks: list[CompiledTask],
+                   run: Any) -> dict[str, dict[str, Any]]:
         results: dict[str, dict[str, Any]] = {}
 
         def runner(t: CompiledTask):
-            return lambda: results.__setitem__(t.task.name, t.run())
+            return lambda: results.__setitem__(t.task.name, run(t))
 
         run_concurrently([runner(t) for t in tasks], f"group {name}")
         return {t.task.name: results[t.task.name] for t in tasks}

@@ -36,7 +36,8 @@ from jobrun.runner.workers import Launch, device_for, start
 
 
 def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,
-          device: str | None, overwrite: bool = False, max_restarts: int | None = None) -> int:
+          device: str | None, overwrite: bool = False, max_restarts: int | None = None,
+          profile: int | None = None) -> int:
     if under_torchrun():
         from jobrun.runner import hosts
 
@@ -45,7 +46,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     run = RunDir(Path(run_dir) if run_dir else Path("runs") / plan.job, plan)
     src = Path(plan_path).resolve()
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
-                    plan.max_restarts if max_restarts is None else max_restarts)
+                    plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
     device_for(launch.device, 1, select=False)  # refuse a device now, before writing anything
     run.check_can_train(run.checkpoints, overwrite)
     run.create()
@@ -58,7 +59,8 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
 
 
 def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] = (),
-           replicas: int | None = None, max_restarts: int | None = None, force: bool = False) -> int:
+           replicas: int | None = None, max_restarts: int | None = None, force: bool = False,
+           profile: int | None = None) -> int:
     if under_torchrun():
         from jobrun.runner import hosts
 
@@ -81,7 +83,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         record_resume(run, epoch, sets, changes, stored, n, saved, restarts)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
-                        force=force or beyond_extending(changes))
+                        force=force or beyond_extending(changes), profile=profile)
         return start(launch, False, plan)
 
 
