@@ -34,6 +34,7 @@ from jobrun.runner.monitor import Watch
 from jobrun.runner.records import Metrics, TensorBoard
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.saves import Writer, prune_together
+from jobrun.runner.throughput import EpochRates, Feed
 from jobrun.store import UnsupportedValue
 
 
@@ -60,6 +61,7 @@ class EpochResult:
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     ckpt: str = ""
+    rates: dict[str, Any] = field(default_factory=dict)  # samples/s, data wait, peak memory
 
 
 class JobRunner:
@@ -90,6 +92,8 @@ class JobRunner:
         self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
         self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
         self.fsdp_amp = precision.fsdp_amp(self.plan)  # the dtype fsdp gathers parameters in
+        self.feed = Feed()  # what `read` ops delivered: the epochs' samples/s and data wait
+        self.display.progress["feed"] = self.feed
         self.profile = profile.for_run(cfg.device, cfg.profile_torch, self.run_dir.path,
                                        self.main_rank) if cfg.profile else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
@@ -202,11 +206,13 @@ class JobRunner:
         for node in self.nodes.values():
             for tctx in node.task_ctxs:
                 tctx.epoch = epoch
+        rates = EpochRates(self.feed, self.cfg.device, self.cfg.world_size)
         t0 = time.perf_counter()
         outputs = self._run_group("epoch")
+        seconds = time.perf_counter() - t0
         early = self.watch.after_epoch(outputs, epoch)
         stop = self._should_stop(outputs, epoch) or early is not None
-        result = EpochResult(epoch, outputs, time.perf_counter() - t0)
+        result = EpochResult(epoch, outputs, seconds, rates=rates.finish(seconds))
         ck = self.plan.checkpoint
         saving = ck is not None and (epoch % ck.every == 0 or stop)
         if saving:
@@ -214,6 +220,7 @@ class JobRunner:
         self.display.epoch_line(result, self.plan.max_epochs)
         if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
             self.metrics.write({"epoch": epoch, "event": "epoch", "seconds": round(result.seconds, 6),
+                                **result.rates,
                                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
