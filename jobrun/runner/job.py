@@ -27,7 +27,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import fingerprint, profile, restore, rng
+from jobrun.runner import fingerprint, profile, restore, rng, trackers
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
@@ -74,6 +74,9 @@ class JobRunner:
         self.display = display or Display(enabled=self.main_rank, log=self.run_dir.console_file)
         self.metrics = Metrics(self.run_dir.metrics_file if self.main_rank else None)
         self.tensorboard = TensorBoard(cfg.run_dir if self.main_rank else None)
+        self.status = "failed"  # how the run ended, for the trackers
+        self.trackers = trackers.for_run(self.plan, cfg.resume_epoch, self.run_dir, self.display.warn) \
+            if self.main_rank and self.plan.loggers else None
         self.epoch = 0
         self.group = "init"
         self.save_failures: list[str] = []
@@ -126,6 +129,8 @@ class JobRunner:
                 "msg": msg, "step": step, "values": values,
             })
             self.tensorboard.write(tctx.task, step, values)
+            if self.trackers is not None:
+                self.trackers.log(tctx.task, step, values)
             self.display.logged(self.group, self.epoch, tctx.task, values, msg)
 
         return log
@@ -156,6 +161,8 @@ class JobRunner:
                     self.profile.report(self.display, self.run_dir.path)
                 self.metrics.close()
                 self.tensorboard.close()
+                if self.trackers is not None:
+                    self.trackers.finish(self.status, self.nodes)
             self._summary()
         return 0
 
@@ -222,6 +229,8 @@ class JobRunner:
             self.metrics.write({"epoch": epoch, "event": "epoch", "seconds": round(result.seconds, 6),
                                 **result.rates,
                                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
+            if self.trackers is not None:
+                self.trackers.epoch(epoch, outputs, result.rates)
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
         self._agree_on_stop()
@@ -306,6 +315,7 @@ class JobRunner:
             self.run_dir.record_restart({**facts, "from_epoch": epoch, "time": round(time.time(), 3)})
 
     def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
+        self.status = status
         if self.main_rank:
             self.run_dir.record_end(status, error, last_epoch=self.epoch)
 
