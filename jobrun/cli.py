@@ -299,11 +299,13 @@ def _usage(message: str, hint: str | None = None):
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="A .png file. Default: RUN_DIR/metrics.png (one run), ./metrics.png (several).")
 @click.option("--metric", "metrics", multiple=True, help="Only this metric (repeatable). Default: all.")
-def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...]) -> None:
-    """Draw the values a run logged against epochs (several runs: overlaid)."""
+@click.option("--x", "x", type=click.Choice(["epoch", "step"]), default="epoch", show_default=True,
+              help="The x-axis: epochs, or the steps the values were logged at.")
+def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...], x: str) -> None:
+    """Draw the values runs logged against epochs or steps (several runs: overlaid)."""
     from jobrun.runner.plot import plot
 
-    click.echo(f"wrote {plot(list(run_dirs), output, metrics)}")
+    click.echo(f"wrote {plot(list(run_dirs), output, metrics, x)}")
 
 
 @main.group()
