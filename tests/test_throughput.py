@@ -24,7 +24,8 @@ def test_feed_counts_records_tokens_and_the_wait():
     feed.add((None, None, True), 0.125)  # the end of a pass: waited, no records
     assert feed.snapshot() == (4 + 6 + 3 + 2, 32, 0.875)
     feed.add((7, False), 0.0)  # an unbatched record (batch_size 1)
-    assert feed.records == 16
+    feed.add((torch.tensor(3.0), False), 0.0)  # one 0-dim record
+    assert feed.records == 17
 
 
 def test_epoch_rates_are_over_the_epoch_and_count_every_replica():

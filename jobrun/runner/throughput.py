@@ -30,14 +30,16 @@ class Feed:
         self.lock = threading.Lock()  # instances and parallel tasks read at once
 
     def add(self, batch: tuple[Any, ...], seconds: float) -> None:
+        """One `read`: its batch (fields..., done) and the seconds it took (every step runs
+        this: a shape, a dtype test and a lock, no call into torch beyond them)."""
+        x = batch[0]
         if batch[-1] is True:  # the end of a pass: no records
-            with self.lock:
-                self.wait += seconds
-            return
-        shape = getattr(batch[0], "shape", None)
-        n = shape[0] if shape else 1
+            shape, n = None, 0
+        else:  # a batch, or one record (batch_size 1, or no shape: a Python value)
+            shape = getattr(x, "shape", None)
+            n = shape[0] if shape else 1
         # Token ids: an integer (batch, sequence) tensor; its records are sequences.
-        tokens = n * shape[1] if shape and len(shape) == 2 and _is_int(batch[0]) else 0
+        tokens = n * shape[1] if shape and len(shape) == 2 and _is_int(x) else 0
         with self.lock:
             self.records += n
             self.tokens += tokens
@@ -51,16 +53,20 @@ def _is_int(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
-    floating = getattr(dtype, "is_floating_point", None)
-    if floating is not None:  # a torch dtype
-        return not floating and not dtype.is_complex and dtype is not _torch_bool()
-    return getattr(dtype, "kind", "") in INT_KINDS
+    if _TOKEN_DTYPES is None:
+        _token_dtypes()
+    return dtype in _TOKEN_DTYPES or getattr(dtype, "kind", "") in INT_KINDS
 
 
-def _torch_bool() -> Any:
+_TOKEN_DTYPES: frozenset[Any] | None = None  # torch's integer dtypes, once torch is imported
+
+
+def _token_dtypes() -> None:
+    global _TOKEN_DTYPES
     import torch
 
-    return torch.bool
+    _TOKEN_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                               torch.uint16, torch.uint32, torch.uint64})
 
 
 class EpochRates:
