@@ -120,3 +120,14 @@ def test_profile_torch_with_too_few_steps_says_so(plan_file, tmp_path):
 def test_bad_profile_option_is_one_clear_error(plan_file, tmp_path):
     r = jobrun("train", plan_file(PLAN), "--run-dir", tmp_path / "run", "--profile=gpu")
     assert r.code == 2 and "'gpu' is not one of 'steps', 'torch'" in r.text
+
+
+def test_a_failed_run_still_prints_and_writes_its_profile(plan_file, tmp_path):
+    failing = PLAN.replace("      - log: {in: [loss]}\n",
+                           "      - log: {in: [loss]}\n      - call: {fn: \"jobrun_test_helpers:fail\"}\n")
+    run_dir = tmp_path / "run"
+    r = jobrun("train", plan_file(failing), "--run-dir", run_dir, "--profile")
+    assert r.code == 1 and "boom" in r.text
+    _, rows = _rows(run_dir, "epoch")
+    assert rows["train train.step"]["calls"] == 6 and "train call" not in rows  # it raised
+    assert "profile: time per plan step" in r.out

@@ -222,3 +222,11 @@ def _wandb_config(path) -> dict:
             for item in rec.config.update:
                 config[item.key] = json.loads(item.value_json)
     return config
+
+
+def test_a_tracker_that_cannot_start_is_one_clear_error(plan_file, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
+    r = jobrun("train", plan_file(PLAN.replace("LOGGERS", "mlflow")), "--run-dir", tmp_path / "run")
+    assert r.code != 0 and "cannot start the mlflow logger" in r.text and "MLFLOW_TRACKING_URI" in r.text
+    assert "Traceback" not in r.text

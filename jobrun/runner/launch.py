@@ -41,6 +41,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     if under_torchrun():
         from jobrun.runner import hosts
 
+        _no_profile_here(profile)
         return hosts.train(plan_path, run_dir, sets, replicas, device, overwrite, max_restarts)
     plan, stored = compile_for_run(plan_path, sets, run_dir)
     run = RunDir(Path(run_dir) if run_dir else Path("runs") / plan.job, plan)
@@ -64,6 +65,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
     if under_torchrun():
         from jobrun.runner import hosts
 
+        _no_profile_here(profile)
         return hosts.resume(run_dir, epoch, sets, replicas, max_restarts, force)
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     run.info()  # a directory that is not a run is refused before anything is written
@@ -88,6 +90,12 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
 
 
 # -- shared by both ways of starting --------------------------------------------------------
+
+
+def _no_profile_here(profile: int | None) -> None:
+    if profile is not None:
+        print("warning: --profile is not supported under torchrun yet: this run is not "
+              "profiled (profile one host with `jobrun train --replicas N --profile`)", file=sys.stderr)
 
 
 def under_torchrun() -> bool:

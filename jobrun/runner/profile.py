@@ -7,7 +7,9 @@ generated code is the same as without this module, so the profile costs nothing 
 On a GPU each timed op call also waits for the device (``torch.cuda.synchronize``), so
 that the time of the kernels it launched is its own rather than the next sync's.
 
-The runner times each task and group too; at the end of the run the table (slowest step
+Threads (parallel branches, a task's instances, concurrent tasks) add to the same slots
+without a lock: an update may rarely be lost there, which a profile can afford. The
+runner times each task and group too; at the end of the run the table (slowest step
 first, with its share of its group's time) is printed and written into the run directory
 as ``profile.txt`` and ``profile.json``.
 

@@ -44,6 +44,7 @@ CSV_FILE = "metrics.csv"
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS = "mlartifacts"
 FLUSH_S = 5.0  # the most seconds logged values wait before the trackers receive them
+JOIN_S = 300.0  # how long the end of a run waits for the trackers to store what they have
 
 
 def _number(v: Any) -> bool:
@@ -66,6 +67,10 @@ class Trackers:
             except ImportError as e:
                 raise UsageError(f"`loggers: [{name}]` needs the {name} package: {e}",
                                  hint=f'install the extra: pip install "jobrun[{name}]"') from None
+            except Exception as e:  # noqa: BLE001 - the tracker's own error, said once
+                raise UsageError(f"cannot start the {name} logger: {type(e).__name__}: {e}",
+                                 hint=f"check its settings ({_SETTINGS[name]}), or remove {name} "
+                                 "from `loggers`") from None
             self.active.append(tracker)
             self.ids[name] = tracker.id
         _write_ids(run_dir, self.ids)
@@ -100,7 +105,10 @@ class Trackers:
                 self.warn(f"the final model was not sent to the trackers: {e}")
         self._put("close", status)
         self.queue.put(None)
-        self.thread.join()
+        self.thread.join(JOIN_S)
+        if self.thread.is_alive():
+            self.warn(f"the trackers did not finish within {JOIN_S:.0f} s; what they had not "
+                      "stored yet is lost")
 
     # -- the thread -----------------------------------------------------------------------
     def _put(self, what: str, *args: Any) -> None:
@@ -333,3 +341,5 @@ class WandbTracker:
 
 
 _OPEN: dict[str, Callable[..., Any]] = {"csv": CsvTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}
+_SETTINGS = {"csv": "the run directory must be writable", "mlflow": "MLFLOW_TRACKING_URI",
+             "wandb": "WANDB_MODE and the other WANDB_* variables"}
