@@ -67,8 +67,14 @@ def test_the_heartbeat_line_shows_samples_per_second(capsys):
         d.progress["loop"] = ("train", 4, 10)
         time.sleep(0.05)
         d._refresh()
-    line = [x for x in capsys.readouterr().out.splitlines() if "step 5/10" in x][0]
-    assert " samples/s, " in line
+        d.status("epoch 2")
+        feed.add((torch.zeros(50, 3, dtype=torch.long), False), 0.0)  # sequences: tokens/s
+        d.progress["loop"] = ("train", 6, 10)
+        time.sleep(0.05)
+        d._refresh()
+    out = capsys.readouterr().out.splitlines()
+    assert " samples/s, " in [x for x in out if "epoch 1: step 5/10" in x][0]
+    assert " tokens/s, " in [x for x in out if "epoch 2: step 7/10" in x][0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

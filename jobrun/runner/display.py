@@ -45,7 +45,7 @@ class Display:
         self._values: dict[str, Any] = {}  # logged in the running epoch, latest first
         self._counts: dict[str, int] = {}  # steps of each task's loop in the last epoch
         self._last_beat = time.monotonic()
-        self._feed_start = 0  # records read when the running group started
+        self._feed_start = (0, 0)  # records and tokens read when the running group started
         self._lock = threading.Lock()
 
     # -- the run ------------------------------------------------------------------------
@@ -151,14 +151,16 @@ class Display:
         task, i, n = loop
         return i + 1, n or self._counts.get(task)
 
-    def _records(self) -> int:
+    def _records(self) -> tuple[int, int]:
         feed = self.progress.get("feed")
-        return feed.records if feed is not None else 0
+        return (feed.records, feed.tokens) if feed is not None else (0, 0)
 
     def _samples(self, now: float) -> str:
-        """Records read per second in the running group (none read: '')."""
-        n = self._records() - self._feed_start
-        return f"{n / max(now - self._epoch_t0, 1e-9):.3g} samples/s" if n > 0 else ""
+        """Records (or tokens, when batches are sequences) read per second in the running
+        group; '' before any."""
+        (records, tokens), (records0, tokens0) = self._records(), self._feed_start
+        n, unit = (tokens - tokens0, "tokens") if tokens > tokens0 else (records - records0, "samples")
+        return f"{n / max(now - self._epoch_t0, 1e-9):.3g} {unit}/s" if n > 0 else ""
 
     def _refresh(self) -> None:
         step = self._step()
