@@ -67,6 +67,11 @@ def test_loggers_key_is_checked_with_did_you_mean():
         compile_text(PLAN.replace("LOGGERS", "csv, csv"))
 
 
+def test_print_shows_the_loggers(plan_file):
+    r = jobrun("print", plan_file(PLAN.replace("LOGGERS", "mlflow, csv")))
+    assert r.code == 0 and "loggers: [mlflow, csv]" in r.out.splitlines()
+
+
 def test_analyze_reports_an_unknown_logger(plan_file):
     r = jobrun("analyze", plan_file(PLAN.replace("LOGGERS", "wandbb")))
     assert r.code != 0 and "unknown logger 'wandbb'" in r.text and "wandb" in r.text

@@ -16,7 +16,8 @@ as ``profile.txt`` and ``profile.json``.
 ``--profile torch`` (or ``--profile-steps N``) also records a ``torch.profiler`` trace of
 N steady-state iterations of the epoch's innermost loops (after `TORCH_WAIT` of them) into
 ``<run dir>/profile/``: one ``*.pt.trace.json`` file, which Chrome's ``chrome://tracing``,
-Perfetto and TensorBoard's profiler plugin (``tensorboard --logdir <run dir>/profile``) read.
+Perfetto and TensorBoard's profiler plugin (``tensorboard --logdir <run dir>``: its run
+``profile``, as ``torch.profiler.tensorboard_trace_handler`` lays a trace out) read.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Profile:
             display.warn(f"the profile was not written to {run_dir}: {e.strerror or e}")
         if self.trace is not None and self.trace.path is not None:
             display.line(f"torch trace: {self.trace.path} (chrome://tracing, ui.perfetto.dev, or "
-                         f"tensorboard --logdir {self.trace.path.parent})")
+                         f"tensorboard --logdir {run_dir}: its run `{TRACE_DIR}`)")
         if note:
             display.warn(note)
 
