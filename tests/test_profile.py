@@ -131,3 +131,30 @@ def test_a_failed_run_still_prints_and_writes_its_profile(plan_file, tmp_path):
     _, rows = _rows(run_dir, "epoch")
     assert rows["train train.step"]["calls"] == 6 and "train call" not in rows  # it raised
     assert "profile: time per plan step" in r.out
+
+
+def test_profile_times_parallel_branches_and_instances(plan_file, tmp_path):
+    text = """
+job: conc
+max_epochs: 2
+init:
+  - task: setup
+    do:
+      - call: {fn: "jobrun_test_helpers:new_list", out: seen}
+epoch:
+  - task: t
+    instances: 3
+    do:
+      - parallel:
+          - name: left
+            do: [{call: {fn: "jobrun_test_helpers:sleep", seconds: 0.01}}]
+          - do: [{call: {fn: "jobrun_test_helpers:append", in: [seen, 2]}}]
+"""
+    run_dir = tmp_path / "run"
+    r = jobrun("train", plan_file(text), "--run-dir", run_dir, "--profile")
+    assert r.code == 0, r.text
+    group, _ = _rows(run_dir, "epoch")
+    calls = sorted((row["where"], row["calls"], row["total_s"]) for row in group["rows"] if row["step"] == "call")
+    # 2 epochs x 3 instances, each branch once (a lost update from the threads would show).
+    assert [c for _, c, _ in calls] == [6, 6]
+    assert calls[0][2] >= 6 * 0.01  # each sleep (line 14) is inside its own timing
