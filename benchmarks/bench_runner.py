@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Mode, Row, median, reader_order
-from benchmarks.inproc import run_plan, write_plan
+from benchmarks.inproc import metrics, run_plan, write_plan
 
 N_TRAIN, N_VAL = 2048, 512
 GOAL = 0.98
@@ -226,8 +226,94 @@ def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
     )
 
 
+def installed_loggers() -> list[str]:
+    """csv, and the trackers whose packages are installed (the optional extras)."""
+    import importlib.util
+
+    return ["csv"] + [name for name in ("mlflow", "wandb") if importlib.util.find_spec(name)]
+
+
+def measure_loggers(mode: Mode, sizes: list[int], batch: int) -> Row:
+    """The MLP example with every installed logger against the same job without any, the
+    two alternating (CPU time of the epochs, as `measure`); goal: >= GOAL of its steps/s."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    torch.set_num_threads(1)
+    epochs = mode.pick(8, 6, 2)
+    reps = mode.pick(7, 4, 1)
+    steps = _steps_per_epoch(batch)
+    loggers = installed_loggers()
+    cpu: dict[str, list[float]] = {"plain": [], "loggers": []}
+    ratios = []
+    same_losses = True
+    with tempfile.TemporaryDirectory(prefix="jobrun-bench-loggers-") as tmp:
+        tmpd = Path(tmp)
+        plain = write_plan(plan_for(sizes, batch, epochs), tmpd)
+        logged = write_plan({**plan_for(sizes, batch, epochs), "loggers": loggers}, tmpd, "loggers.yaml")
+        for rep in range(reps):
+            got = {}
+            for name, path in [("plain", plain), ("loggers", logged)][::1 if rep % 2 else -1]:
+                # A new directory each time: MLflow keeps its SQLite engine per path in
+                # this process, which a file deleted under it would make read-only.
+                run_dir = tmpd / f"run-{name}-{rep}"
+                job = run_plan(path, run_dir=run_dir)
+                got[name] = [e.cpu for e in job[1:]]  # the first epoch is a warm-up
+                cpu[name] += got[name]
+                got[f"{name} losses"] = [r["values"]["loss"] for r in metrics(run_dir) if "values" in r]
+            ratios.append(median(got["plain"]) / median(got["loggers"]))
+            same_losses &= got["plain losses"] == got["loggers losses"]  # loggers change nothing
+    sps = {k: steps / median(v) for k, v in cpu.items()}
+    ratio = median(ratios)
+    return Row(
+        section="runner", name="MLP example, every logger steps/s",
+        value=sps["loggers"], unit="steps/s", baseline=sps["plain"],
+        baseline_name="the same job without loggers", ratio=ratio, goal=f"loggers/plain >= {GOAL}",
+        ok=ratio >= GOAL,
+        note=f"loggers {', '.join(loggers)}; sizes {sizes}, batch {batch}; CPU time of "
+        f"{epochs - 1} epochs x {reps} reps, alternating (wandb's service process not counted)",
+        extra={"ratio_per_rep": ratios, "loggers": loggers, "same_losses": same_losses},
+    )
+
+
+def measure_profile(mode: Mode) -> Row:
+    """--profile's cost per timed plan step: the dispatch section's plan (a loop of `add`,
+    one timed op an iteration) with and without the profile, alternating."""
+    from benchmarks import bench_dispatch
+
+    n = mode.pick(100_000, 50_000, 20_000)
+    epochs = mode.pick(4, 3, 2)
+    reps = mode.pick(7, 5, 1)
+    per_op: dict[bool, list[float]] = {False: [], True: []}
+    outputs: dict[bool, list[Any]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory(prefix="jobrun-bench-profile-") as tmp:
+        tmpd = Path(tmp)
+        plan_path = write_plan(bench_dispatch.plan_for(n, epochs), tmpd)
+        for rep in range(reps):
+            for profile in (False, True) if rep % 2 else (True, False):
+                run_dir = tmpd / f"run-{profile}-{rep}"
+                job = run_plan(plan_path, run_dir=run_dir, profile=profile)
+                per_op[profile].append(median([e.cpu for e in job[1:]]) / n * 1e6)
+                outputs[profile].append([r["outputs"] for r in metrics(run_dir) if r.get("event") == "epoch"])
+    on, off = median(per_op[True]), median(per_op[False])
+    overhead = median([a - b for a, b in zip(per_op[True], per_op[False])])
+    return Row(
+        section="runner", name="add in a plan loop, --profile", value=on, unit="us/op",
+        baseline=off, baseline_name="the same without --profile", ratio=on / off,
+        goal="information (the overhead per timed plan step: value - baseline)", ok=None,
+        note=f"loop: {n} adds, one timed op an iteration; CPU time, {epochs - 1} epochs x "
+        f"{reps} reps, alternating; overhead {overhead:.3f} us per timed plan step",
+        extra={"overhead_us_per_step": overhead, "us_per_op_on": per_op[True],
+               "us_per_op_off": per_op[False], "same_losses": outputs[True] == outputs[False]},
+    )
+
+
 def run(mode: Mode) -> list[Row]:
     return [
         measure(mode, "MLP example", [16, 64, 64, 4], 64),
         measure(mode, "tiny MLP", [4, 8, 2], 8),
+        measure_loggers(mode, [16, 64, 64, 4], 64),
+        measure_profile(mode),
     ]

@@ -69,7 +69,7 @@ def write_plan(plan: dict[str, Any], directory: Path, name: str = "plan.yaml") -
 
 def run_plan(
     plan_path: Path, run_dir: Path | None = None, between: Callable[[int], None] | None = None,
-    rank: int = 0, world_size: int = 1,
+    rank: int = 0, world_size: int = 1, profile: bool = False,
 ) -> list[Epoch]:
     """Run the job; the times of each epoch, in order. ``between(epoch)`` runs after each
     epoch, outside its times (to interleave a baseline with the epochs).
@@ -102,7 +102,7 @@ def run_plan(
         seed_everything(plan.seed)
         display = _Capture(between)
         cfg = JobConfig(plan=plan, run_dir=rdir, plan_dir=plan_path.parent, device="cpu", rank=rank,
-                        world_size=world_size)
+                        world_size=world_size, profile=profile)
         code = JobRunner(cfg, display=display).run()  # type: ignore[arg-type]
         if code != 0:
             raise RuntimeError(f"job {plan.job} exited with {code}")

@@ -86,6 +86,26 @@ _max_restarts = click.option(
     "--max-restarts", type=click.IntRange(0, 1000),
     help="When a replica dies, restart every rank from the latest checkpoint, up to N times.",
 )
+_profile = click.option(
+    "--profile", type=click.Choice(["steps", "torch"]), is_flag=False, flag_value="steps",
+    help="Time every plan step (table at the end and in RUN_DIR/profile.txt); "
+         "--profile torch also records a torch.profiler trace of a few steady-state steps.",
+)
+_profile_steps = click.option(
+    "--profile-steps", type=click.IntRange(1, 1000), metavar="N",
+    help="Trace N loop iterations with torch.profiler (implies --profile torch).",
+)
+
+
+def _profile_level(profile: str | None, steps: int | None) -> int | None:
+    """None: off; 0: step times; N: also a torch trace of N iterations."""
+    from jobrun.runner.profile import TORCH_STEPS
+
+    if steps is not None:
+        return steps
+    return None if profile is None else TORCH_STEPS if profile == "torch" else 0
+
+
 _format = click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
     help="json: machine-readable (= --json).",
@@ -242,8 +262,11 @@ def schema(output: str | None) -> None:
 @_max_restarts
 @click.option("--overwrite", is_flag=True,
               help="Replace the run in --run-dir (checkpoints included) instead of refusing it.")
+@_profile
+@_profile_steps
 def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tuple[str, ...],
-          replicas: int | None, device: str | None, max_restarts: int | None, overwrite: bool) -> None:
+          replicas: int | None, device: str | None, max_restarts: int | None, overwrite: bool,
+          profile: str | None, profile_steps: int | None) -> None:
     """Train a plan from scratch: init, checkpoint 0, epochs, download, exit.
 
     KEY=VALUE overrides after the plan mean what --set means (vars.lr=0.05 max_epochs=3).
@@ -254,7 +277,7 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
     if device is not None and not DEVICE.match(device):
         raise _usage(f"bad --device {device!r}", "use auto, cpu, cuda or cuda:N")
     sys.exit(run_train(plan, run_dir, sets + _positional(overrides), replicas, device, overwrite,
-                       max_restarts))
+                       max_restarts, profile=_profile_level(profile, profile_steps)))
 
 
 @main.command()
@@ -268,8 +291,11 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 @click.option("--force", is_flag=True,
               help="Resume although init built other data than when the run started.")
 @_sets
+@_profile
+@_profile_steps
 def resume(args: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
-           replicas: int | None, max_restarts: int | None, force: bool, sets: tuple[str, ...]) -> None:
+           replicas: int | None, max_restarts: int | None, force: bool, sets: tuple[str, ...],
+           profile: str | None, profile_steps: int | None) -> None:
     """Continue a run (default: the latest) from a checkpoint, exactly where it stopped.
 
     Overrides change the plan from here on: `jobrun resume max_epochs=20` extends a
@@ -287,7 +313,7 @@ def resume(args: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
     path = given if given is not None or _under_torchrun() else _pick(None)
     overrides = tuple(a for a in args if "=" in a)
     sys.exit(run_resume(path, None if epoch == "latest" else epoch, sets + overrides, replicas,
-                        max_restarts, force=force))
+                        max_restarts, force=force, profile=_profile_level(profile, profile_steps)))
 
 
 def _under_torchrun() -> bool:
@@ -316,11 +342,13 @@ def _usage(message: str, hint: str | None = None):
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="A .png file. Default: RUN_DIR/metrics.png (one run), ./metrics.png (several).")
 @click.option("--metric", "metrics", multiple=True, help="Only this metric (repeatable). Default: all.")
-def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...]) -> None:
-    """Draw the values runs logged against epochs (default: the latest run; several: overlaid)."""
+@click.option("--x", "x", type=click.Choice(["epoch", "step"]), default="epoch", show_default=True,
+              help="The x-axis: epochs, or the steps the values were logged at.")
+def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...], x: str) -> None:
+    """Draw the values runs logged against epochs or steps (default: the latest run; several: overlaid)."""
     from jobrun.runner.plot import plot
 
-    click.echo(f"wrote {plot(list(run_dirs) or [_pick(None)], output, metrics)}")
+    click.echo(f"wrote {plot(list(run_dirs) or [_pick(None)], output, metrics, x)}")
 
 
 @main.command("runs")

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart", "fsdp")
 # What a smoke run reports: every figure of every section (the sizes are the smoke ones).
 EXPECTED_ROWS = {
-    "runner": ["MLP example steps/s", "tiny MLP steps/s"],
+    "runner": ["MLP example steps/s", "tiny MLP steps/s", "MLP example, every logger steps/s",
+               "add in a plan loop, --profile"],
     "loader": ["Dataset, 2 workers steps/s"],
     "dispatch": ["add in a plan loop"],
     "plans": ["compile 3,000 ops", "analyze 3,000 ops", "print 3,000 ops", "total 3,000 ops"],

@@ -189,6 +189,8 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 def _masked(line: str) -> str:
     line = re.sub(r"\b\d+\.\d\ds\b", "<time>", line.rstrip())
+    # Throughput and peak memory depend on the machine: a page may leave them out.
+    line = re.sub(r"(  \S+ (?:samples|tokens)/s)?(  data \d+%)?  peak \d+(?:\.\d)? [KMGT]?B", "", line)
     return re.sub(r"\bckpt .*$", "ckpt <saved>", line)
 
 

@@ -58,6 +58,44 @@ def test_series_takes_epoch_outputs_not_also_logged(tmp_path):
     assert series(run) == {"loss": [(1.0, 1.0), (2.0, 0.8)], "val": [(1.0, 0.5), (2.0, 0.4)]}
 
 
+def test_series_on_the_step_axis_takes_each_records_step(tmp_path):
+    run = _metrics(tmp_path, [
+        {"epoch": 1, "group": "epoch", "step": 5, "values": {"loss": 1.0}},
+        {"epoch": 1, "group": "epoch", "step": 10, "values": {"loss": 0.5}},
+        {"epoch": 1, "event": "epoch", "outputs": {"t": {"loss": 0.5, "val": 0.7}}},
+        {"epoch": 2, "group": "epoch", "step": 20, "values": {"loss": 0.25}},
+        {"epoch": 2, "event": "epoch", "outputs": {"t": {"val": 0.6}}},
+        {"epoch": 3, "event": "epoch", "outputs": {"t": {"val": 0.1}}},  # no step logged: no point
+    ])
+    assert series(run, "step") == {"loss": [(5.0, 1.0), (10.0, 0.5), (20.0, 0.25)],
+                                   "val": [(10.0, 0.7), (20.0, 0.6)]}
+
+
+def test_plot_of_one_metric_of_several_runs_against_steps(two_runs, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    drawn = {}
+    real = matplotlib.figure.Figure.savefig
+
+    def capture(fig, path, **kw):
+        for ax in fig.axes:
+            if ax.get_visible():
+                drawn[ax.get_title()] = (ax.get_xlabel(), {line.get_label(): list(line.get_xdata())
+                                                           for line in ax.lines})
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    r = jobrun("plot", *two_runs, "--metric", "x", "--x", "step", "-o", tmp_path / "x.png")
+    assert r.code == 0, r.text
+    # `log` inside the loop: its steps are the ones metrics.jsonl holds (1, 2, 3... here).
+    steps = {name: [float(m["step"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                    if m.get("values", {}).get("x") is not None]
+             for name, run in zip("ab", two_runs)}
+    assert drawn == {"x": ("step", steps)} and len(steps["a"]) == 6 and len(steps["b"]) == 4
+    bad = jobrun("plot", *two_runs, "--x", "time")
+    assert bad.code == 2 and "'time' is not one of 'epoch', 'step'" in bad.err
+
+
 @pytest.fixture
 def two_runs(tmp_path):
     plan = tmp_path / "plan.yaml"

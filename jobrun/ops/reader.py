@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -377,5 +378,12 @@ def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
             f"read expects a reader, got a {type(reader).__name__}",
             hint="create one with `reader: {in: [x, y], out: r}`",
         )
-    with reader.lock:  # each of several instances reading it gets batches of its own
-        return reader.read()
+    feed = ctx.progress.get("feed") if ctx.progress is not None else None
+    if feed is None:
+        with reader.lock:  # each of several instances reading it gets batches of its own
+            return reader.read()
+    t0 = time.perf_counter()
+    with reader.lock:
+        batch = reader.read()
+    feed.add(batch, time.perf_counter() - t0)
+    return batch

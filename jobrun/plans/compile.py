@@ -18,6 +18,7 @@ from jobrun.plans.keys import (
     CHECKPOINT_KEYS,
     DEVICE,
     EARLY_STOP_KEYS,
+    LOGGERS,
     MAX_REPLICAS,
     MAX_RESTARTS,
     MODES,
@@ -140,6 +141,7 @@ class _Compiler(StepCompiler):
         stop_when = self.blobs(t.get("stop_when"), t.at("stop_when"), "stop_when")
         early = self.early_stop(t["early_stop"], t.at("early_stop")) if t.get("early_stop") is not None else None
         ckpt = self.checkpoint(t["checkpoint"], t.at("checkpoint")) if t.get("checkpoint") is not None else None
+        loggers = self.loggers(t.get("loggers"), t.at("loggers"))
         if "epoch" not in t:
             raise PlanError("plan has no `epoch` group", t.pos, "add `epoch:` with at least one task")
         groups = {g: self.group(g, t.get(g), t.at(g), t.key_at(g)) for g in ir.GROUPS}
@@ -154,7 +156,26 @@ class _Compiler(StepCompiler):
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
             max_restarts=max_restarts, parallel=parallel, fsdp_layers=tuple(fsdp_layers or ()),
+            loggers=loggers,
         )
+
+    def loggers(self, value: Any, pos: Pos) -> tuple[str, ...]:
+        """`loggers: [mlflow, wandb, csv]`: each a known tracker, once."""
+        if value is None:
+            return ()
+        names = [value] if isinstance(value, str) else self.seq(value, pos, "loggers", "loggers: [mlflow, csv]")
+        out: list[str] = []
+        for i, name in enumerate(names):
+            at = names.at(i) if isinstance(names, PList) else pos
+            if not isinstance(name, str) or name not in LOGGERS:
+                shown = show(name) if isinstance(name, str) else kind_of(name)
+                raise PlanError(f"unknown logger {shown} in loggers", at,
+                                (suggest(name, LOGGERS) if isinstance(name, str) else None)
+                                or f"the loggers are: {', '.join(LOGGERS)}")
+            if name in out:
+                raise PlanError(f"logger {show(name)} is named twice in loggers", at, "name each once")
+            out.append(name)
+        return tuple(out)
 
     def checkpoint(self, value: Any, pos: Pos) -> ir.Checkpoint:
         m = self.mapping(value, pos, "checkpoint", "checkpoint: {dir: checkpoints, every: 1}")

@@ -205,6 +205,7 @@ class Plan:
     max_restarts: int = 0  # times the elastic agent restarts the ranks after one died
     parallel: str = "ddp"  # ddp: a full model on every rank; fsdp: sharded with FSDP2
     fsdp_layers: tuple[str, ...] = ()  # module classes sharded as units (dotted paths)
+    loggers: tuple[str, ...] = ()  # experiment trackers the logged values also go to
 
     @property
     def groups(self) -> tuple[Group, ...]:

@@ -11,8 +11,10 @@ import re
 TOP_KEYS = (
     "job", "seed", "device", "replicas", "parallel", "fsdp_layers", "max_restarts", "vars",
     "max_epochs", "stop_when",
-    "early_stop", "checkpoint", "init", "epoch", "download", "exit",
+    "early_stop", "checkpoint", "loggers", "init", "epoch", "download", "exit",
 )
+# Experiment trackers a plan may send its logged values to (`loggers: [...]`).
+LOGGERS = ("csv", "mlflow", "wandb")
 TASK_KEYS = ("task", "node", "workspace", "instances", "init", "do", "exit", "outputs")
 CHECKPOINT_KEYS = ("dir", "every", "keep", "upload", "async", "best", "include", "exclude")
 # `early_stop:` and `checkpoint.best:` watch an epoch-task output.

@@ -248,6 +248,8 @@ class _TextPrinter(Visitor):
         if plan.early_stop is not None:
             add(f"early_stop: {format_value(_early_stop_data(plan.early_stop))}")
         add(f"checkpoint: {_checkpoint_text(plan.checkpoint)}")
+        if plan.loggers:
+            add(f"loggers: [{', '.join(plan.loggers)}]")
         if plan.checkpoint is not None:
             for node, names in _checkpointed(plan).items():
                 add(f"checkpointed @ {node}: [{self.names(names)}] + random state")
@@ -405,6 +407,7 @@ class _JsonBuilder(Visitor):
                 "include": [r.name for r in ckpt.include], "exclude": [r.name for r in ckpt.exclude],
                 "blobs": {node: list(names) for node, names in _checkpointed(plan).items()},
             },
+            "loggers": list(plan.loggers),
             "groups": [self.visit(g) for g in plan.groups],
         }
 
@@ -478,7 +481,7 @@ class _JsonBuilder(Visitor):
 # -- colour ----------------------------------------------------------------------------
 
 _KEYWORDS = "task|loop|if|elif|else|parallel|branch|report|stop_if|pass|init|do|exit|epoch|download"
-_HEADER_KEYS = "job|seed|device|replicas|parallel|fsdp_layers|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint"
+_HEADER_KEYS = "job|seed|device|replicas|parallel|fsdp_layers|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint|loggers"
 
 # Applied in order; a later match restyles an earlier one (strings and marks win).
 _HIGHLIGHTS = (

@@ -231,6 +231,14 @@ def _top_properties() -> dict[str, dict[str, Any]]:
             "description": "Checkpoint every few epochs; without it no checkpoints are written.",
             "anyOf": [{"$ref": "#/$defs/checkpoint"}, {"type": "null"}],
         },
+        "loggers": {
+            "description": "Experiment trackers that also receive the logged values, epoch "
+                           "outputs, vars and the final model (mlflow and wandb are extras: "
+                           'pip install "jobrun[mlflow]").',
+            "anyOf": [{"enum": list(plan_keys.LOGGERS)},
+                      {"type": "array", "items": {"enum": list(plan_keys.LOGGERS)}, "uniqueItems": True},
+                      {"type": "null"}],
+        },
         "init": _group("init", "Tasks run once before the first epoch (workspace global by default)."),
         "epoch": _group("epoch", "Tasks run every epoch, until a stop condition holds.", True),
         "download": _group(

@@ -45,6 +45,7 @@ class Display:
         self._values: dict[str, Any] = {}  # logged in the running epoch, latest first
         self._counts: dict[str, int] = {}  # steps of each task's loop in the last epoch
         self._last_beat = time.monotonic()
+        self._feed_start = (0, 0)  # records and tokens read when the running group started
         self._lock = threading.Lock()
 
     # -- the run ------------------------------------------------------------------------
@@ -59,7 +60,7 @@ class Display:
         try:
             if self.enabled and self.tty:
                 self._progress_bar = _progress_bar()
-                self._bar_task = self._progress_bar.add_task(f"{job} starting", total=None, values="")
+                self._bar_task = self._progress_bar.add_task(f"{job} starting", total=None, samples="", values="")
                 self._progress_bar.start()
             if self.enabled:
                 ticker.start()
@@ -79,10 +80,12 @@ class Display:
         self._what = what
         self.progress.pop("loop", None)
         self._values = {}
+        self._feed_start = self._records()
         self._epoch_t0 = self._last_beat = time.monotonic()
         if self._progress_bar is not None:  # a new task: rich cannot set a known total back to none
             self._progress_bar.remove_task(self._bar_task)
-            self._bar_task = self._progress_bar.add_task(f"{self._job} {what}", total=None, values="")
+            self._bar_task = self._progress_bar.add_task(f"{self._job} {what}", total=None, samples="",
+                                                          values="")
 
     def logged(self, group: str, epoch: int, task: str, values: dict[str, Any], msg: str | None) -> None:
         """A `log` op's values: during an epoch they go into its summary line and the
@@ -101,7 +104,10 @@ class Display:
             values.update(task)
         outs = " ".join(f"{k}={_fmt(v)}" for k, v in values.items()
                         if not (k in self.quiet and not _true(v)))
-        parts = [f"epoch {result.epoch}{of}", outs, f"{result.seconds:.2f}s", result.ckpt]
+        from jobrun.runner.throughput import epoch_text
+
+        rates = epoch_text(getattr(result, "rates", {}), result.seconds, human_size)
+        parts = [f"epoch {result.epoch}{of}", outs, f"{result.seconds:.2f}s", rates, result.ckpt]
         self.line("  ".join(p for p in parts if p))
 
     # -- lines ----------------------------------------------------------------------------
@@ -145,23 +151,36 @@ class Display:
         task, i, n = loop
         return i + 1, n or self._counts.get(task)
 
+    def _records(self) -> tuple[int, int]:
+        feed = self.progress.get("feed")
+        return (feed.records, feed.tokens) if feed is not None else (0, 0)
+
+    def _samples(self, now: float) -> str:
+        """Records (or tokens, when batches are sequences) read per second in the running
+        group; '' before any."""
+        (records, tokens), (records0, tokens0) = self._records(), self._feed_start
+        n, unit = (tokens - tokens0, "tokens") if tokens > tokens0 else (records - records0, "samples")
+        return f"{n / max(now - self._epoch_t0, 1e-9):.3g} {unit}/s" if n > 0 else ""
+
     def _refresh(self) -> None:
         step = self._step()
         values = " ".join(f"{k}={_fmt(v)}" for k, v in list(self._values.items())[-4:])
+        now = time.monotonic()
+        samples = self._samples(now)
         if self._progress_bar is not None:
             if step is not None:
                 done, total = step
-                self._progress_bar.update(self._bar_task, completed=done, values=values,
-                                          **({"total": total} if total else {}))
+                self._progress_bar.update(self._bar_task, completed=done, samples=samples,
+                                          values=values, **({"total": total} if total else {}))
             return
-        now = time.monotonic()
         if self._what.startswith("epoch") and step is not None and now - self._last_beat >= self.heartbeat:
             self._last_beat = now
             done, total = step
             rate = done / max(now - self._epoch_t0, 1e-9)
             of = f"/{total}" if total else ""
             self.line(f"  {self._what}: step {done}{of}, {rate:.3g} steps/s, "
-                      f"{now - self._epoch_t0:.0f}s" + (f", {values}" if values else ""))
+                      + (f"{samples}, " if samples else "")
+                      + f"{now - self._epoch_t0:.0f}s" + (f", {values}" if values else ""))
 
     def _remember_counts(self) -> None:
         loop = self.progress.get("loop")
@@ -207,6 +226,7 @@ def _progress_bar() -> Any:
 
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), StepsPerSecond(),
+        TextColumn("{task.fields[samples]}", style="progress.data.speed"),
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[values]}"),
         refresh_per_second=5, transient=True,
     )

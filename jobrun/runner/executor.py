@@ -35,12 +35,14 @@ from finds the step it belongs to, which turns it into an error with the plan po
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from jobrun.errors import Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
@@ -49,6 +51,9 @@ from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
 from jobrun.plans.visit import Visitor, also_written, children
 from jobrun.runner.codegen import Handler, Source
+
+if TYPE_CHECKING:
+    from jobrun.runner.profile import Profile
 
 Thunk = Callable[[], Any]
 
@@ -95,14 +100,15 @@ class NodeRuntime:
 class CompiledTask:
     """A task generated once for its node; `run` runs it (every epoch, for an epoch task)."""
 
-    def __init__(self, task: ir.Task, node: NodeRuntime):
+    def __init__(self, task: ir.Task, node: NodeRuntime, profile: Profile | None = None):
         self.task = task
         self.node = node
         self.ctx = dataclasses.replace(node.ctx, task=task.name)
         node.task_ctxs.append(self.ctx)
         g = node.globals
         self.local: dict[str, Any] = g if task.workspace == "global" else _private_workspace(g)
-        self._init, self._do, self._exit = _Generator(self.ctx, g, self.local, task, node.name).visit(task)
+        self._init, self._do, self._exit = _Generator(self.ctx, g, self.local, task, node.name,
+                                                      profile).visit(task)
 
     def run(self) -> dict[str, Any]:
         """Run init, do (all instances, each in its own workspace), exit; return the
@@ -236,8 +242,12 @@ _PASS_THROUGH = (KeyboardInterrupt, Interrupted)
 class _Generator(Visitor):
     """Writes one task's steps as Python (see the module docstring)."""
 
-    def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str):
+    def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str,
+                 profile: Profile | None = None):
         self.ctx = ctx
+        # With a profile (train --profile) op calls and loops are written timed; without
+        # one the code is what it always was: the profile costs nothing when off.
+        self.profile = profile
         self.private = local is not g
         self.instance = False  # writing `do` of a task with instances: stores reach T too
         self.op_number = 0  # op calls written so far, in plan order
@@ -252,8 +262,10 @@ class _Generator(Visitor):
             "ctx": ctx, "G": g, "T": local, "results": _results,
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": _Reports,
             "partial": functools.partial,
-            "PROGRESS": progress, "TASK": task.name,
+            "PROGRESS": progress, "TASK": task.name, "clock": time.perf_counter,
         }, pass_through=_PASS_THROUGH)
+        if profile is not None and profile.sync is not None:
+            self.code.env["sync"] = profile.sync
 
     def visit_Task(self, t: ir.Task) -> tuple[Thunk, Thunk, Thunk]:
         """The task's init, do and exit, as functions."""
@@ -308,10 +320,9 @@ class _Generator(Visitor):
                 args.append("**" + code.value("kw", kwargs))
             call = f"{code.value('op', impl, s.op)}({', '.join(args)})"
             outs = [o.name for o in s.outs]
-            if not outs:
-                code.line(call)
-            else:
-                code.line(f"r = {call}")
+            with self._timed(s.pos, s.op):
+                code.line(f"r = {call}" if outs else call)
+            if outs:
                 self._outputs(outs)
                 for extra in also_written(s):  # train.step's <loss>_last
                     self._store(extra.name, "r")
@@ -325,6 +336,22 @@ class _Generator(Visitor):
         total, count = self.means[name]
         code.line(f"{total} = r if {count} == 0 else {total} + r")
         code.line(f"{count} += 1")
+
+    @contextlib.contextmanager
+    def _timed(self, pos: Any, what: str) -> Iterator[None]:
+        """With a profile: the lines written inside add their time to a slot of their own."""
+        if self.profile is None:
+            yield
+            return
+        code = self.code
+        t = code.fresh("t")
+        code.line(f"{t} = clock()")
+        yield
+        if "sync" in code.env:  # a GPU: the kernels the step launched are its time
+            code.line("sync()")
+        slot = code.value("slot", self.profile.slot(self.task.group, self.task.name,
+                                                    f"{pos.file.rsplit('/', 1)[-1]}:{pos.line}", what))
+        code.line(f"{slot}[0] += 1; {slot}[1] += clock() - {t}")
 
     def _outputs(self, outs: list[str]) -> None:
         code = self.code
@@ -435,7 +462,7 @@ class _Generator(Visitor):
     def visit_Loop(self, s: ir.Loop) -> None:
         code = self.code
         i, n = code.fresh("i"), code.fresh("n")
-        with code.step(s.pos, "loop"):
+        with code.step(s.pos, "loop"), self._timed(s.pos, "loop"):
             if isinstance(s.count, ir.BlobRef):
                 with code.step(s.pos, "loop", self._read_failure(s.count, "loop count")):
                     code.line(f"{n} = L[{s.count.name!r}]")
@@ -454,6 +481,9 @@ class _Generator(Visitor):
                     code.line(f"{i} += 1")
                 # The live display shows the innermost running loop: the last to update.
                 code.line(f"PROGRESS['loop'] = (TASK, {i}, {'None' if s.count is None else n})")
+                trace = self.profile.trace if self.profile is not None else None
+                if trace is not None and self.task.group == "epoch" and not _has_loop(s.body):
+                    code.line(f"{code.value('trace_step', trace.step)}()")
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
@@ -506,6 +536,10 @@ def _step_losses(body: tuple[ir.Step, ...]) -> list[str]:
         elif not isinstance(step, ir.Loop | ir.Parallel | ir.Report):
             out += [n for block in children(step) for n in _step_losses(block) if n not in out]
     return out
+
+
+def _has_loop(steps: tuple[ir.Step, ...]) -> bool:
+    return any(isinstance(s, ir.Loop) or any(_has_loop(b) for b in children(s)) for s in steps)
 
 
 def _results(result: Any, n: int) -> tuple[Any, ...]:

@@ -27,13 +27,14 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import fingerprint, restore, rng
+from jobrun.runner import fingerprint, profile, restore, rng, trackers
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
 from jobrun.runner.records import Metrics, TensorBoard
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.saves import Writer, prune_together
+from jobrun.runner.throughput import EpochRates, Feed
 from jobrun.store import UnsupportedValue
 
 
@@ -50,6 +51,8 @@ class JobConfig:
     force: bool = False  # resume even when init built other things than when the run started
     resume_world: int | None = None  # the ranks that saved resume_epoch (None: world_size)
     restart: dict[str, Any] | None = None  # set when the elastic agent restarted the ranks
+    profile: bool = False  # time every plan step (train --profile)
+    profile_torch: int = 0  # also a torch.profiler trace of this many loop iterations
 
 
 @dataclass
@@ -58,6 +61,7 @@ class EpochResult:
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     ckpt: str = ""
+    rates: dict[str, Any] = field(default_factory=dict)  # samples/s, data wait, peak memory
 
 
 class JobRunner:
@@ -70,6 +74,9 @@ class JobRunner:
         self.display = display or Display(enabled=self.main_rank, log=self.run_dir.console_file)
         self.metrics = Metrics(self.run_dir.metrics_file if self.main_rank else None)
         self.tensorboard = TensorBoard(cfg.run_dir if self.main_rank else None)
+        self.status = "failed"  # how the run ended, for the trackers
+        self.trackers = trackers.for_run(self.plan, cfg.resume_epoch, self.run_dir, self.display.warn) \
+            if self.main_rank and self.plan.loggers else None
         self.epoch = 0
         self.group = "init"
         self.save_failures: list[str] = []
@@ -89,9 +96,14 @@ class JobRunner:
         self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
         self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
         self.fsdp_amp = precision.fsdp_amp(self.plan)  # the dtype fsdp gathers parameters in
+        self.feed = Feed()  # what `read` ops delivered: the epochs' samples/s and data wait
+        self.display.progress["feed"] = self.feed
+        self.profile = profile.for_run(cfg.device, cfg.profile_torch, self.run_dir.path,
+                                       self.main_rank) if cfg.profile else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         self.groups = {
-            g.name: [CompiledTask(t, self.nodes[t.node]) for t in g.tasks] for g in self.plan.groups
+            g.name: [CompiledTask(t, self.nodes[t.node], self.profile) for t in g.tasks]
+            for g in self.plan.groups
         }
         for node in self.nodes.values():
             for tctx in node.task_ctxs:
@@ -118,6 +130,8 @@ class JobRunner:
                 "msg": msg, "step": step, "values": values,
             })
             self.tensorboard.write(tctx.task, step, values)
+            if self.trackers is not None:
+                self.trackers.log(tctx.task, step, values)
             self.display.logged(self.group, self.epoch, tctx.task, values, msg)
 
         return log
@@ -158,8 +172,12 @@ class JobRunner:
                 raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first
+                if self.profile is not None and self.main_rank:
+                    self.profile.report(self.display, self.run_dir.path)
                 self.metrics.close()
                 self.tensorboard.close()
+                if self.trackers is not None:
+                    self.trackers.finish(self.status, self.nodes)
             self._summary()
         return 0
 
@@ -213,12 +231,14 @@ class JobRunner:
         for node in self.nodes.values():
             for tctx in node.task_ctxs:
                 tctx.epoch = epoch
+        rates = EpochRates(self.feed, self.cfg.device, self.cfg.world_size)
         t0 = time.perf_counter()
         outputs = self._run_group("epoch")
         self.completed = epoch
+        seconds = time.perf_counter() - t0
         early = self.watch.after_epoch(outputs, epoch)
         stop = self._should_stop(outputs, epoch) or early is not None
-        result = EpochResult(epoch, outputs, time.perf_counter() - t0)
+        result = EpochResult(epoch, outputs, seconds, rates=rates.finish(seconds))
         ck = self.plan.checkpoint
         saving = ck is not None and (epoch % ck.every == 0 or stop)
         if saving:
@@ -226,7 +246,10 @@ class JobRunner:
         self.display.epoch_line(result, self.plan.max_epochs)
         if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
             self.metrics.write({"epoch": epoch, "event": "epoch", "seconds": round(result.seconds, 6),
+                                **result.rates,
                                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
+            if self.trackers is not None:
+                self.trackers.epoch(epoch, outputs, result.rates)
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
         self._agree_on_stop()
@@ -311,6 +334,7 @@ class JobRunner:
             self.run_dir.record_restart({**facts, "from_epoch": epoch, "time": round(time.time(), 3)})
 
     def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
+        self.status = status
         if self.main_rank:
             self.run_dir.record_end(status, error, last_epoch=self.completed)
 
@@ -318,14 +342,20 @@ class JobRunner:
         self.group = name
         tasks = self.groups[name]
         self.display.status(f"{name} {self.epoch}" if name == "epoch" else name)
+        if self.profile is not None and tasks:
+            return self.profile.run_group(name, tasks, self._run_tasks)
         if not tasks:
             return {}
         if len(tasks) == 1:
             return {tasks[0].task.name: tasks[0].run()}
+        return self._run_tasks(name, tasks, lambda t: t.run())
+
+    def _run_tasks(self, name: str, tasks: list[CompiledTask],
+                   run: Any) -> dict[str, dict[str, Any]]:
         results: dict[str, dict[str, Any]] = {}
 
         def runner(t: CompiledTask):
-            return lambda: results.__setitem__(t.task.name, t.run())
+            return lambda: results.__setitem__(t.task.name, run(t))
 
         run_concurrently([runner(t) for t in tasks], f"group {name}")
         return {t.task.name: results[t.task.name] for t in tasks}

@@ -40,11 +40,13 @@ from jobrun.runner.workers import Launch, device_for, start
 
 
 def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,
-          device: str | None, overwrite: bool = False, max_restarts: int | None = None) -> int:
+          device: str | None, overwrite: bool = False, max_restarts: int | None = None,
+          profile: int | None = None) -> int:
     if under_torchrun():
         from jobrun.runner import hosts
 
         _ready()
+        _no_profile_here(profile)
         return hosts.train(plan_path, run_dir, sets, replicas, device, overwrite, max_restarts)
     rdir: list[Path] = []
     plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir)
@@ -53,7 +55,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     run.check_can_train(run.checkpoints, overwrite)
     _ready()  # everything above is refused in a fraction of a second, without torch
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
-                    plan.max_restarts if max_restarts is None else max_restarts)
+                    plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
     device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
     run.create(new=run_dir is None)
     if run_dir is None:
@@ -67,11 +69,13 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
 
 
 def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] = (),
-           replicas: int | None = None, max_restarts: int | None = None, force: bool = False) -> int:
+           replicas: int | None = None, max_restarts: int | None = None, force: bool = False,
+           profile: int | None = None) -> int:
     if under_torchrun():
         from jobrun.runner import hosts
 
         _ready()
+        _no_profile_here(profile)
         return hosts.resume(run_dir, epoch, sets, replicas, max_restarts, force)
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     run.info()  # a directory that is not a run is refused before anything is written
@@ -93,7 +97,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         record_resume(run, epoch, sets, changes, stored, n, saved, restarts)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
-                        force=force or beyond_extending(changes))
+                        force=force or beyond_extending(changes), profile=profile)
         return start(launch, False, plan)
 
 
@@ -105,6 +109,12 @@ def _ready() -> None:
     at once), then a signal raises Interrupted as everywhere else."""
     signals.import_torch()
     signals.interruptible()
+
+
+def _no_profile_here(profile: int | None) -> None:
+    if profile is not None:
+        print("warning: --profile is not supported under torchrun yet: this run is not "
+              "profiled (profile one host with `jobrun train --replicas N --profile`)", file=sys.stderr)
 
 
 def under_torchrun() -> bool:

@@ -1,10 +1,12 @@
-"""`jobrun plot`: the logged values of one or more runs against epochs, as a PNG.
+"""`jobrun plot`: the logged values of one or more runs against epochs or steps, as a PNG.
 
 One panel per metric (a name a `log` op logged with a number, or an epoch task's numeric
-output), one line per run. A value
+output), one line per run. Against epochs (the default) a value
 logged once an epoch sits at that epoch; one logged several times in an epoch (inside the
 training loop, or with `log: {every: K}`) is spread evenly over the epoch, so that epoch E's
-points lie in (E-1, E]. matplotlib is an optional extra: `pip install "jobrun[plot]"`.
+points lie in (E-1, E]. Against steps (`--x step`) a logged value sits at the step its
+metrics record holds, and an epoch output not also logged at the epoch's last logged step.
+matplotlib is an optional extra: `pip install "jobrun[plot]"`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ MAX_METRICS_BYTES = 1 << 30
 Series = dict[str, list[tuple[float, float]]]  # metric -> [(x, value)]
 
 
-def series(run: RunDir) -> Series:
-    """Every numeric value the run logged, placed on the epoch axis."""
+def series(run: RunDir, x: str = "epoch") -> Series:
+    """Every numeric value the run logged, placed on the epoch axis (or the step axis)."""
     try:
         data = safefs.read_bounded(run.metrics_file, MAX_METRICS_BYTES)
     except FileNotFoundError:
@@ -35,6 +37,8 @@ def series(run: RunDir) -> Series:
         raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
     per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
     outputs: dict[tuple[str, int], float] = {}
+    steps: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)  # --x step
+    last_step: dict[int, int] = {}  # epoch -> the last step a value was logged at
     for record in read_metrics(run.metrics_file, data):
         epoch = record.epoch
         if epoch is None:
@@ -45,13 +49,23 @@ def series(run: RunDir) -> Series:
                     if _number(value):
                         outputs[(name, epoch)] = float(value)
         elif record.group == "epoch":
+            step = record.step
             for name, value in record.values.items():
                 if _number(value):
                     per_epoch[(name, epoch)].append(float(value))
+                    if step is not None:
+                        steps[(name, epoch)].append((step, float(value)))
+                        last_step[epoch] = max(step, last_step.get(epoch, step))
     # An epoch task's output that the epoch did not also log is a point at the epoch's end.
     for key, value in outputs.items():
         per_epoch.setdefault(key, [value])
+        if key not in steps and key[1] in last_step:
+            steps[key] = [(last_step[key[1]], value)]
     out: Series = defaultdict(list)
+    if x == "step":
+        for (name, _epoch), points in sorted(steps.items()):
+            out[name] += [(float(s), v) for s, v in points]
+        return dict(out)
     for (name, epoch), values in sorted(per_epoch.items()):
         n = len(values)
         out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
@@ -77,15 +91,16 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...]) -> Path:
+def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...], x: str = "epoch") -> Path:
     runs = [RunDir(Path(d)) for d in run_dirs] if run_dirs else [RunDir.latest()]
     for run in runs:
         run.info()  # a clear message for what is not a run directory
-    data = {run: series(run) for run in runs}
+    data = {run: series(run, x) for run in runs}
     found = sorted({name for s in data.values() for name in s})
     if not found:
         raise UsageError(f"{', '.join(str(r.path) for r in runs)}: no values logged in an epoch yet",
-                         hint="a `log: {in: [loss]}` step in an epoch task logs them")
+                         hint="a `log: {in: [loss]}` step in an epoch task logs them"
+                         + ("; epoch outputs alone have no steps: --x epoch" if x == "step" else ""))
     for name in metrics:
         if name not in found:
             raise UsageError(f"no metric {name!r} was logged",
@@ -97,11 +112,11 @@ def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...]) -> P
     if not out.parent.is_dir():
         raise UsageError(f"cannot write {out}: directory {out.parent} does not exist",
                          hint="create it first, or give another -o")
-    _draw(data, names, out)
+    _draw(data, names, out, x)
     return out
 
 
-def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
+def _draw(data: dict[RunDir, Series], names: list[str], out: Path, x: str = "epoch") -> None:
     try:
         import matplotlib
     except ImportError:
@@ -113,10 +128,10 @@ def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
     # Metric names and run directories are the user's text, not mathtext (`$\alpha$`
     # or `\undefinedmacro` would be parsed, and fail).
     with matplotlib.rc_context({"text.parse_math": False}):
-        _panels(plt, data, names, out)
+        _panels(plt, data, names, out, x)
 
 
-def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path) -> None:
+def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path, x: str) -> None:
     cols = min(2, len(names))
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
@@ -128,7 +143,7 @@ def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path) -
                 ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3,
                         label=_label(run, data))
         ax.set_title(name)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel(x)
         ax.grid(alpha=0.3)
         if len(data) > 1:
             ax.legend(fontsize="small")

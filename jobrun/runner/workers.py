@@ -50,6 +50,7 @@ class Launch:
     resume_world: int | None = None  # the ranks that wrote resume_epoch (resume --replicas)
     force: bool = False  # resume although init built other things (job.py, _check_init)
     spawned: bool = False  # started by the elastic launcher here (not the CLI's own process)
+    profile: int | None = None  # --profile: None off, 0 step times, N also a torch trace of N steps
     # The ranks that died so far, as the launcher saw them (rank, exitcode, signal, time);
     # a restarted worker reports the last one.
     deaths: list[dict[str, Any]] = field(default_factory=list)
@@ -335,7 +336,8 @@ def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
                     device=device, rank=rank, world_size=world,
                     resume_epoch=launch.resume_epoch, resume_verified=launch.verified,
                     resume_world=launch.resume_world, force=launch.force,
-                    restart=_restart_facts(launch, restart) if restart else None)
+                    restart=_restart_facts(launch, restart) if restart else None,
+                    profile=launch.profile is not None, profile_torch=launch.profile or 0)
     return JobRunner(cfg).run()
 
 
