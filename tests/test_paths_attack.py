@@ -15,21 +15,10 @@ from pathlib import Path
 
 import pytest
 from runner_util import jobrun
+from test_run_dir_safety import PLAN as SAFETY_PLAN
 
-PLAN = """\
-job: counter
-max_epochs: 2
-checkpoint: {dir: CKPT}
-init:
-  - task: setup
-    do: [{const: {out: total, value: 0}}]
-epoch:
-  - task: count
-    do:
-      - add: {in: [total, 1], out: total}
-      - log: {in: [total]}
-    outputs: [total]
-"""
+# The counter plan of the run directory tests, its checkpoint.dir left to each test.
+PLAN = SAFETY_PLAN.replace("{dir: ckpt}", "{dir: CKPT}")
 
 
 def _plan(tmp_path: Path, ckpt: str = "ckpt", name: str = "plan.yaml", extra: str = "") -> Path:
@@ -447,3 +436,36 @@ def test_open_under_refuses_a_link_below_the_root(tmp_path):
     with pytest.raises(OSError):
         safedel.open_under(tmp_path / "run", "../real")
     os.close(safedel.open_under(tmp_path / "run" / "ckpt"))  # the root as the user named it
+
+
+@pytest.mark.slow
+def test_two_processes_given_one_checkpoint_dir(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    shared = tmp_path / "shared"
+    plan = _plan(tmp_path, str(shared))
+    plan.write_text(plan.read_text().replace("      - log: {in: [total]}\n",
+                                             "      - log: {in: [total]}\n"
+                                             "      - call: {fn: \"jobrun_test_helpers:sleep\", in: [0.5]}\n")
+                    .replace("max_epochs: 2", "max_epochs: 40"))
+    first = tmp_path / "first"
+    proc = subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(first)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not list(shared.glob("local.1")):
+            time.sleep(0.05)
+        saved = _snapshot(shared)
+        r = jobrun("train", plan, "--run-dir", tmp_path / "second", "--set", "max_epochs=1")
+        assert r.code == 2
+        assert f"checkpoint directory {shared} is in use by run {first.resolve()} (pid {proc.pid})" in r.err
+        _clean(r)
+        now = _snapshot(shared)
+        assert {k: now.get(k) for k in saved if k.startswith("local.0")} == \
+            {k: v for k, v in saved.items() if k.startswith("local.0")}  # its epochs untouched
+        assert not (tmp_path / "second" / "metrics.jsonl").exists()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobrun import safedel, safefs
 from jobrun.errors import JobrunError, UsageError
-from jobrun.runner.locks import hold_lock
+from jobrun.runner.locks import hold_lock, holder
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -300,6 +300,9 @@ class RunDir:
                     f"{self.path} is not empty and is not a jobrun run directory",
                     hint="jobrun only writes into a new or empty directory: choose another --run-dir",
                 )
+        if checkpoint_dir is not None and not _inside(checkpoint_dir, self.path) \
+                and (who := holder(checkpoint_dir / LOCK_FILE)):
+            raise _checkpoints_busy(checkpoint_dir, who)  # before "holds checkpoints": the cause
         if checkpoint_dir is not None and not (overwrite and self._owns(checkpoint_dir)) \
                 and _holds_checkpoints(checkpoint_dir, depth=0):
             raise UsageError(f"checkpoint directory {checkpoint_dir} already holds checkpoints",
@@ -379,10 +382,8 @@ class RunDir:
             yield  # no checkpoint can be written there: each save says so, training goes on
             return
         me = f"run {self.path.resolve()} (pid {os.getpid()})"
-        with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda holder: UsageError(
-                f"checkpoint directory {checkpoint_dir} is in use by {holder}",
-                hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
-                     "directory (--set checkpoint.dir=DIR), or wait for that run to end"), optional=True):
+        with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda who: _checkpoints_busy(checkpoint_dir, who),
+                       optional=True):
             yield
 
     def truncate_metrics(self, after_epoch: int) -> None:
@@ -406,6 +407,12 @@ class RunDir:
             if not isinstance(epoch, int) or epoch <= after_epoch:
                 kept.append(line)
         self._write(path, "".join(k + "\n" for k in kept).encode())
+
+
+def _checkpoints_busy(checkpoint_dir: Path, who: str) -> UsageError:
+    return UsageError(f"checkpoint directory {checkpoint_dir} is in use by {who}",
+                      hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
+                           "directory (--set checkpoint.dir=DIR), or wait for that run to end")
 
 
 def _inside(path: Path, root: Path) -> bool:
