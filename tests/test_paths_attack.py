@@ -247,6 +247,8 @@ exit:
 WRITERS = {
     "run.json": ("run/run.json", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
     "metrics.jsonl": ("run/metrics.jsonl", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "tensorboard": ("run/tensorboard", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "console.log": ("run/console.log", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
     "plan copy": ("run/plan.yaml", "", ["resume", "--run-dir", "run", "max_epochs=3"]),
     "run lock": ("run/.lock", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
     "checkpoint lock": ("shared/.lock", "shared", ["resume", "--run-dir", "run", "--epoch", "1"]),
@@ -259,7 +261,8 @@ WRITERS = {
     "save json": ("run/model.json", "save", ["resume", "--run-dir", "run", "max_epochs=3"]),
     "save pt": ("run/model.pt", "save", ["resume", "--run-dir", "run", "max_epochs=3"]),
 }
-REFUSALS = ("symlink", "FIFO", "not a regular file", "refusing", "not a directory", "jobrun did not write")
+REFUSALS = ("symlink", "FIFO", "not a regular file", "refusing", "not a directory", "jobrun did not write",
+            "a link or a file")
 
 
 @pytest.mark.parametrize("place", ["target", "tmp", "beside"])
@@ -277,7 +280,7 @@ def test_no_writer_writes_through_what_was_planted(tmp_path, monkeypatch, writer
     decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
     before = _snapshot(decoys)
     target = tmp_path / target_rel
-    is_dir = writer in ("checkpoint epoch", "checkpoint rank", "upload")
+    is_dir = writer in ("checkpoint epoch", "checkpoint rank", "upload", "tensorboard")
     spot = {"target": target, "tmp": target.with_name(f".{target.name}.tmp"),
             "beside": target.with_name("mine.txt")}[place]
     if place == "beside" or (kind == "user" and place == "tmp"):
