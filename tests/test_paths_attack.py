@@ -472,3 +472,21 @@ def test_two_processes_given_one_checkpoint_dir(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("suffix", ["json", "pt"])
+def test_save_never_writes_through_a_linked_directory_in_the_run(tmp_path, suffix):
+    plan = _plan(tmp_path)
+    plan.write_text(plan.read_text() + SAVE.replace("SAVED", f"out/model.{suffix}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    decoys = _decoys(tmp_path / "decoys", "victim_dir/")
+    before = _snapshot(decoys)
+    for p in (run / "out").iterdir():
+        p.unlink()
+    (run / "out").rmdir()
+    (run / "out").symlink_to(decoys / "victim_dir")
+    r = jobrun("resume", "--run-dir", run, "max_epochs=3")
+    assert r.code != 0 and "refusing to write" in r.err and "symlink, not a directory" in r.err
+    _clean(r)
+    assert _snapshot(decoys) == before
