@@ -490,3 +490,17 @@ def test_save_never_writes_through_a_linked_directory_in_the_run(tmp_path, suffi
     assert r.code != 0 and "refusing to write" in r.err and "symlink, not a directory" in r.err
     _clean(r)
     assert _snapshot(decoys) == before
+
+
+def test_overwrite_of_a_run_whose_plan_does_not_load_deletes_nothing(tmp_path):
+    plan = _plan(tmp_path)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    original = plan.read_text()
+    plan.write_text(original + "# edited: the run now reads its own copy\n")
+    (run / "plan.yaml").write_text("job: counter\nepoch: [oops\n")
+    before = _snapshot(run)
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite")
+    assert r.code == 2 and "cannot tell which checkpoints" in r.err and "plan does not load" in r.err
+    _clean(r)
+    assert _snapshot(run) == before

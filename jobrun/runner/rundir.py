@@ -310,10 +310,10 @@ class RunDir:
 
     def _owns(self, checkpoint_dir: Path) -> bool:
         """Whether ``checkpoint_dir`` is this (existing) run's own checkpoint directory."""
-        try:
-            old = RunDir(self.path).checkpoints
-        except JobrunError:
-            return False
+        from jobrun.runner.overwrite import old_plan
+
+        plan = old_plan(self)  # refused when it does not load: its checkpoints are unknown
+        old = RunDir(self.path, plan).checkpoints if plan is not None else None
         return old is not None and old.resolve() == checkpoint_dir.resolve()
 
     def clear(self, keep: Path | None = None) -> list[str]:
