@@ -45,8 +45,9 @@ LOCK_FILE = ".lock"
 PLOT_FILE = "metrics.png"  # `jobrun plot`'s default output
 MAX_INFO_BYTES = 1 << 20
 
+_METRICS_SHAPE = safedel.Shape(files=re.compile(re.escape(METRICS_FILE)))  # a new run's, emptied
+
 # A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
-_METRICS_SHAPE = safedel.Shape(files=re.compile(re.escape(METRICS_FILE)))
 _EPOCH_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.\d+")
 
 
@@ -364,7 +365,7 @@ class RunDir:
     def lock(self) -> Iterator[None]:
         """An exclusive flock on <run_dir>/.lock while the block runs."""
         with hold_lock(self.path / LOCK_FILE, f"pid {os.getpid()}",
-                       lambda holder: UsageError(f"run directory {self.path} is in use by {holder}",
+                       lambda who: UsageError(f"run directory {self.path} is in use by {who}",
                                                  hint="wait for that job to end, or choose another --run-dir")):
             yield
 
