@@ -504,3 +504,20 @@ def test_overwrite_of_a_run_whose_plan_does_not_load_deletes_nothing(tmp_path):
     assert r.code == 2 and "cannot tell which checkpoints" in r.err and "plan does not load" in r.err
     _clean(r)
     assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize("command", [["schema", "-o"], ["new", "--from", "counter"]])
+def test_schema_and_new_never_write_through_a_link(tmp_path, monkeypatch, command):
+    decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
+    before = _snapshot(decoys)
+    monkeypatch.chdir(tmp_path)
+    if command[0] == "schema":
+        (tmp_path / "s.json").symlink_to(decoys / "victim.txt")
+        r = jobrun(*command, "s.json")
+        assert r.code == 2 and "symlink" in r.err
+    else:
+        (tmp_path / "job").symlink_to(decoys / "victim_dir")
+        r = jobrun(*command, "job")
+        assert r.code == 2 and "exists already" in r.err
+    _clean(r)
+    assert _snapshot(decoys) == before
