@@ -114,6 +114,27 @@ def check_replaceable(path: Path) -> None:
         raise UnsafeFile(errno.EINVAL, f"{path} is {_kind(st.st_mode)}, not a regular file")
 
 
+def make_dirs_under(root: Path, path: Path) -> None:
+    """``mkdir -p path``, where the directories below ``root`` (a run directory, which
+    others may write into) must be real directories, never links: a link planted there
+    would take the write elsewhere. A ``path`` outside ``root`` is the user's own place,
+    made as given."""
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        path.mkdir(parents=True, exist_ok=True)
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    d = root
+    for part in rel.parts:
+        d = d / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeFile(errno.ENOTDIR, f"{d} is {_kind(st.st_mode)}, not a directory")
+
+
 def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` all at once (see :func:`write_with`)."""
     write_with(path, lambda f: write_all(f.fileno(), data), durable=durable)

@@ -15,21 +15,10 @@ from pathlib import Path
 
 import pytest
 from runner_util import jobrun
+from test_run_dir_safety import PLAN as SAFETY_PLAN
 
-PLAN = """\
-job: counter
-max_epochs: 2
-checkpoint: {dir: CKPT}
-init:
-  - task: setup
-    do: [{const: {out: total, value: 0}}]
-epoch:
-  - task: count
-    do:
-      - add: {in: [total, 1], out: total}
-      - log: {in: [total]}
-    outputs: [total]
-"""
+# The counter plan of the run directory tests, its checkpoint.dir left to each test.
+PLAN = SAFETY_PLAN.replace("{dir: ckpt}", "{dir: CKPT}")
 
 
 def _plan(tmp_path: Path, ckpt: str = "ckpt", name: str = "plan.yaml", extra: str = "") -> Path:
@@ -258,6 +247,8 @@ exit:
 WRITERS = {
     "run.json": ("run/run.json", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
     "metrics.jsonl": ("run/metrics.jsonl", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "tensorboard": ("run/tensorboard", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
+    "console.log": ("run/console.log", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
     "plan copy": ("run/plan.yaml", "", ["resume", "--run-dir", "run", "max_epochs=3"]),
     "run lock": ("run/.lock", "", ["resume", "--run-dir", "run", "--epoch", "1"]),
     "checkpoint lock": ("shared/.lock", "shared", ["resume", "--run-dir", "run", "--epoch", "1"]),
@@ -270,7 +261,8 @@ WRITERS = {
     "save json": ("run/model.json", "save", ["resume", "--run-dir", "run", "max_epochs=3"]),
     "save pt": ("run/model.pt", "save", ["resume", "--run-dir", "run", "max_epochs=3"]),
 }
-REFUSALS = ("symlink", "FIFO", "not a regular file", "refusing", "not a directory", "jobrun did not write")
+REFUSALS = ("symlink", "FIFO", "not a regular file", "refusing", "not a directory", "jobrun did not write",
+            "a link or a file")
 
 
 @pytest.mark.parametrize("place", ["target", "tmp", "beside"])
@@ -288,7 +280,7 @@ def test_no_writer_writes_through_what_was_planted(tmp_path, monkeypatch, writer
     decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
     before = _snapshot(decoys)
     target = tmp_path / target_rel
-    is_dir = writer in ("checkpoint epoch", "checkpoint rank", "upload")
+    is_dir = writer in ("checkpoint epoch", "checkpoint rank", "upload", "tensorboard")
     spot = {"target": target, "tmp": target.with_name(f".{target.name}.tmp"),
             "beside": target.with_name("mine.txt")}[place]
     if place == "beside" or (kind == "user" and place == "tmp"):
@@ -447,3 +439,85 @@ def test_open_under_refuses_a_link_below_the_root(tmp_path):
     with pytest.raises(OSError):
         safedel.open_under(tmp_path / "run", "../real")
     os.close(safedel.open_under(tmp_path / "run" / "ckpt"))  # the root as the user named it
+
+
+@pytest.mark.slow
+def test_two_processes_given_one_checkpoint_dir(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    shared = tmp_path / "shared"
+    plan = _plan(tmp_path, str(shared))
+    plan.write_text(plan.read_text().replace("      - log: {in: [total]}\n",
+                                             "      - log: {in: [total]}\n"
+                                             "      - call: {fn: \"jobrun_test_helpers:sleep\", in: [0.5]}\n")
+                    .replace("max_epochs: 2", "max_epochs: 40"))
+    first = tmp_path / "first"
+    proc = subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(first)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not list(shared.glob("local.1")):
+            time.sleep(0.05)
+        saved = _snapshot(shared)
+        r = jobrun("train", plan, "--run-dir", tmp_path / "second", "--set", "max_epochs=1")
+        assert r.code == 2
+        assert f"checkpoint directory {shared} is in use by run {first.resolve()} (pid {proc.pid})" in r.err
+        _clean(r)
+        now = _snapshot(shared)
+        assert {k: now.get(k) for k in saved if k.startswith("local.0")} == \
+            {k: v for k, v in saved.items() if k.startswith("local.0")}  # its epochs untouched
+        assert not (tmp_path / "second" / "metrics.jsonl").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("suffix", ["json", "pt"])
+def test_save_never_writes_through_a_linked_directory_in_the_run(tmp_path, suffix):
+    plan = _plan(tmp_path)
+    plan.write_text(plan.read_text() + SAVE.replace("SAVED", f"out/model.{suffix}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    decoys = _decoys(tmp_path / "decoys", "victim_dir/")
+    before = _snapshot(decoys)
+    for p in (run / "out").iterdir():
+        p.unlink()
+    (run / "out").rmdir()
+    (run / "out").symlink_to(decoys / "victim_dir")
+    r = jobrun("resume", "--run-dir", run, "max_epochs=3")
+    assert r.code != 0 and "refusing to write" in r.err and "symlink, not a directory" in r.err
+    _clean(r)
+    assert _snapshot(decoys) == before
+
+
+def test_overwrite_of_a_run_whose_plan_does_not_load_deletes_nothing(tmp_path):
+    plan = _plan(tmp_path)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    original = plan.read_text()
+    plan.write_text(original + "# edited: the run now reads its own copy\n")
+    (run / "plan.yaml").write_text("job: counter\nepoch: [oops\n")
+    before = _snapshot(run)
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite")
+    assert r.code == 2 and "cannot tell which checkpoints" in r.err and "plan does not load" in r.err
+    _clean(r)
+    assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize("command", [["schema", "-o"], ["new", "--from", "counter"]])
+def test_schema_and_new_never_write_through_a_link(tmp_path, monkeypatch, command):
+    decoys = _decoys(tmp_path / "decoys", "victim.txt", "victim_dir/")
+    before = _snapshot(decoys)
+    monkeypatch.chdir(tmp_path)
+    if command[0] == "schema":
+        (tmp_path / "s.json").symlink_to(decoys / "victim.txt")
+        r = jobrun(*command, "s.json")
+        assert r.code == 2 and "symlink" in r.err
+    else:
+        (tmp_path / "job").symlink_to(decoys / "victim_dir")
+        r = jobrun(*command, "job")
+        assert r.code == 2 and "exists already" in r.err
+    _clean(r)
+    assert _snapshot(decoys) == before

@@ -201,7 +201,6 @@ def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) 
     target = ctx.resolve_write(path)
     suffix = target.suffix.lower()
     named = dict(zip(_names, values))
-    target.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".json":
         data = (json.dumps({k: plain(v) for k, v in named.items()}, indent=2) + "\n").encode()
         fill = lambda f: f.write(data)  # noqa: E731
@@ -217,6 +216,7 @@ def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) 
         raise RunError(f"save: unknown file type {suffix or '(none)'!r} for {path}",
                        hint="use .json, .safetensors or .pt")
     try:
+        safefs.make_dirs_under(ctx.run_dir, target.parent)
         safefs.write_with(target, fill)
         safedel.record_written(ctx.run_dir, target)  # train --overwrite deletes it then
     except safefs.UnsafeFile as e:

@@ -214,8 +214,8 @@ def export(
     out = ctx.resolve_write(path)
     if ctx.rank == 0:
         program = _export_program(ctx, model, example_input, dynamic_batch)
-        out.parent.mkdir(parents=True, exist_ok=True)
         try:
+            safefs.make_dirs_under(ctx.run_dir, out.parent)
             safefs.write_with(out, lambda f: torch.export.save(program, f))
             safedel.record_written(ctx.run_dir, out)  # train --overwrite deletes it then
         except safefs.UnsafeFile as e:

@@ -27,6 +27,26 @@ def _drop_locks_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_locks_in_child)
+_held_paths: set[str] = set()  # the lock files this process holds
+
+
+def holder(path: Path) -> str | None:
+    """Who holds the lock file ``path`` (what it says), without taking it; None when no
+    other process does (or there is no such regular file)."""
+    if os.path.abspath(path) in _held_paths:
+        return None
+    try:
+        fd = safefs.open_read(path)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return os.read(fd, 512).decode(errors="replace").strip() or "another process"
+        return None
+    finally:
+        os.close(fd)  # also releases the shared flock
 
 
 @contextmanager
@@ -54,7 +74,9 @@ def hold_lock(path: Path, me: str, busy: Callable[[str], JobrunError], optional:
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode(), 0)
         _held_locks.add(fd)
+        _held_paths.add(os.path.abspath(path))
         yield
     finally:
+        _held_paths.discard(os.path.abspath(path))
         _held_locks.discard(fd)
         os.close(fd)  # also releases the flock

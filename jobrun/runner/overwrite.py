@@ -51,10 +51,7 @@ def clear(run: RunDir, keep: Path | None = None) -> list[str]:
     its ops recorded) and its plan's checkpoint epochs, where the plan put them. ``keep``:
     a file never deleted (the plan being trained, when it lies here). What else is there
     stays, and is said on stderr; the list of it is returned."""
-    try:
-        plan = RunDir(run.path).plan() if _is_run(run) else None
-    except JobrunError:
-        plan = None
+    plan = old_plan(run)
     kept: list[str] = []
     try:
         if plan is not None and plan.checkpoint is not None:
@@ -69,6 +66,22 @@ def clear(run: RunDir, keep: Path | None = None) -> list[str]:
         print(f"note: train --overwrite kept what jobrun did not write in {run.path}: "
               f"{safedel.say_kept(kept)}", file=sys.stderr, flush=True)
     return kept
+
+
+def old_plan(run: RunDir) -> ir.Plan | None:
+    """The plan of the run in ``run``'s directory (None: it holds no jobrun run). A run
+    whose plan does not load is refused: without it, which checkpoints are the run's and
+    where is unknown, and guessing by names is what deleted the user's exp.1/ once."""
+    if not _is_run(run):
+        return None
+    try:
+        return RunDir(run.path).plan()
+    except JobrunError as e:
+        raise UsageError(
+            f"--overwrite cannot tell which checkpoints the run in {run.path} wrote: its plan "
+            f"does not load ({e.message})",
+            hint="delete the old run (and its checkpoint directory) yourself, or choose another --run-dir",
+        ) from None
 
 
 def _is_run(run: RunDir) -> bool:

@@ -70,7 +70,14 @@ class TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        log_dir = run_dir / "tensorboard"
+        # The library writes its event files by path: a link planted as the directory
+        # would take them elsewhere, so only a directory of its own is written into.
+        if log_dir.is_symlink() or (log_dir.exists() and not log_dir.is_dir()):
+            print(f"warning: no TensorBoard scalars: {log_dir} is a link or a file, not a directory "
+                  "jobrun made", file=sys.stderr, flush=True)
+            return
+        self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def write(self, task: str, step: int, values: dict[str, Any]) -> None:
         if self.writer is None:

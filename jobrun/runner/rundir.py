@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobrun import records_schema, safedel, safefs
 from jobrun.errors import JobrunError, UsageError
-from jobrun.runner.locks import hold_lock
+from jobrun.runner.locks import hold_lock, holder
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -46,8 +46,9 @@ LOCK_FILE = ".lock"
 PLOT_FILE = "metrics.png"  # `jobrun plot`'s default output
 MAX_INFO_BYTES = 1 << 20
 
+_METRICS_SHAPE = safedel.Shape(files=re.compile(re.escape(METRICS_FILE)))  # a new run's, emptied
+
 # A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
-_METRICS_SHAPE = safedel.Shape(files=re.compile(re.escape(METRICS_FILE)))
 _EPOCH_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.\d+")
 
 
@@ -296,6 +297,9 @@ class RunDir:
                     f"{self.path} is not empty and is not a jobrun run directory",
                     hint="jobrun only writes into a new or empty directory: choose another --run-dir",
                 )
+        if checkpoint_dir is not None and not _inside(checkpoint_dir, self.path) \
+                and (who := holder(checkpoint_dir / LOCK_FILE)):
+            raise _checkpoints_busy(checkpoint_dir, who)  # before "holds checkpoints": the cause
         if checkpoint_dir is not None and not (overwrite and self._owns(checkpoint_dir)) \
                 and _holds_checkpoints(checkpoint_dir, depth=0):
             raise UsageError(f"checkpoint directory {checkpoint_dir} already holds checkpoints",
@@ -303,10 +307,10 @@ class RunDir:
 
     def _owns(self, checkpoint_dir: Path) -> bool:
         """Whether ``checkpoint_dir`` is this (existing) run's own checkpoint directory."""
-        try:
-            old = RunDir(self.path).checkpoints
-        except JobrunError:
-            return False
+        from jobrun.runner.overwrite import old_plan
+
+        plan = old_plan(self)  # refused when it does not load: its checkpoints are unknown
+        old = RunDir(self.path, plan).checkpoints if plan is not None else None
         return old is not None and old.resolve() == checkpoint_dir.resolve()
 
     def clear(self, keep: Path | None = None) -> list[str]:
@@ -362,7 +366,7 @@ class RunDir:
     def lock(self) -> Iterator[None]:
         """An exclusive flock on <run_dir>/.lock while the block runs."""
         with hold_lock(self.path / LOCK_FILE, f"pid {os.getpid()}",
-                       lambda holder: UsageError(f"run directory {self.path} is in use by {holder}",
+                       lambda who: UsageError(f"run directory {self.path} is in use by {who}",
                                                  hint="wait for that job to end, or choose another --run-dir")):
             yield
 
@@ -380,10 +384,8 @@ class RunDir:
             yield  # no checkpoint can be written there: each save says so, training goes on
             return
         me = f"run {self.path.resolve()} (pid {os.getpid()})"
-        with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda holder: UsageError(
-                f"checkpoint directory {checkpoint_dir} is in use by {holder}",
-                hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
-                     "directory (--set checkpoint.dir=DIR), or wait for that run to end"), optional=True):
+        with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda who: _checkpoints_busy(checkpoint_dir, who),
+                       optional=True):
             yield
 
     def truncate_metrics(self, after_epoch: int) -> None:
@@ -407,6 +409,12 @@ class RunDir:
             if (record.epoch or 0) <= after_epoch:
                 kept.append(line)
         self._write(path, "".join(k + "\n" for k in kept).encode())
+
+
+def _checkpoints_busy(checkpoint_dir: Path, who: str) -> UsageError:
+    return UsageError(f"checkpoint directory {checkpoint_dir} is in use by {who}",
+                      hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
+                           "directory (--set checkpoint.dir=DIR), or wait for that run to end")
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -267,7 +267,8 @@ def write(
             _write_file(tmp, json.dumps(marker).encode())
             os.replace(tmp, final / COMMIT_FILE)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                remove_in(final, RANK_SHAPE, [tmp.name])
             raise
         fsync_dir(final)
 

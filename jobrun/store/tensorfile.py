@@ -147,7 +147,8 @@ def read(path: Path, *, as_numpy: bool, sums: Checksums | None = None) -> dict[s
     if as_numpy:
         import safetensors
 
-        data = path.read_bytes()
+        with os.fdopen(safefs.open_read(path), "rb") as f:  # regular files only, no link
+            data = f.read()
         if sums is not None:
             sums.update(data)
         return {name: _numpy(name, info) for name, info in safetensors.deserialize(data)}
@@ -159,7 +160,7 @@ def read(path: Path, *, as_numpy: bool, sums: Checksums | None = None) -> dict[s
     if sums is not None:
         # The library has checked that the tensors, in the order of their offsets, fill the
         # file after the header with no gap: header + their bytes are the whole file.
-        with open(path, "rb") as f:
+        with os.fdopen(safefs.open_read(path), "rb") as f:
             head = f.read(8)
             sums.update(head)
             sums.update(f.read(int.from_bytes(head, "little")))
