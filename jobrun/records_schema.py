@@ -265,7 +265,8 @@ _SECONDS = Num(0, 4.1e9)  # a time since 1970, before 2100
 _SETS = ListOf(Str(), 4096)
 RUN_INFO = Obj(
     {
-        "job": Str(256), "status": OneOf(("running", "finished", "failed", "interrupted")),
+        # running, finished, failed, interrupted (a newer jobrun may say more)
+        "job": Str(256), "status": Str(32, r"[a-z_]+"),
         "source": Str(), "plan_dir": Str(), "plan_sha256": Str(64, r"[0-9a-f]{64}"),
         "sets": _SETS, "replicas": Int(1, 1 << 20), "device": Str(64), "started": _SECONDS,
         "ended": _SECONDS, "last_epoch": Opt(_COUNT), "resumed_from": Opt(_COUNT),
@@ -316,8 +317,8 @@ def run_info(raw: bytes, path: str, error: Callable[[str], Exception]) -> RunInf
 
 METRICS_LINE = Obj(
     {
-        "epoch": _COUNT, "group": Str(64), "event": Str(64), "task": Str(256), "node": Str(256),
-        "rank": _COUNT, "seconds": Num(0), "step": Int(0), "time": _SECONDS,
+        "epoch": Opt(Int(0, 1 << 31)), "group": Str(64), "event": Str(64), "task": Str(256),
+        "node": Str(256), "rank": Opt(_COUNT), "seconds": Num(0), "step": Int(0), "time": _SECONDS,
         "values": MapOf(ANY_NUMBER, 4096), "outputs": MapOf(MapOf(ANY_NUMBER, 4096), 4096),
     },
     extra=ANY_NUMBER,  # json.dumps writes a NaN loss as NaN
@@ -384,6 +385,9 @@ MANIFEST = Obj(
     extra=ANY,
 )
 
+COMMIT = Obj({"manifest_sha256": Str(64, r"[0-9a-f]{64}"), "node": _NAME, "epoch": _COUNT,
+              "rank": _COUNT, "world_size": Int(1, 1 << 20)},
+             required=frozenset({"manifest_sha256"}), extra=ANY)
 MODULE_FLAGS = Obj({"training": Bool(), "flipped": ListOf(Str()), "frozen": ListOf(Str())},
                    required=frozenset({"training", "flipped", "frozen"}))
 _SIZES = ListOf(Int(0, MAX_INT), 64)
