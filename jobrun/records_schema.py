@@ -285,15 +285,33 @@ RUN_INFO = Obj(
 
 @dataclass(frozen=True)
 class RunInfo:
-    """run.json, checked. ``record``: every field as read (to write it back, updated)."""
+    """run.json, checked: each field of RUN_INFO (None when run.json lacks it), and
+    ``record``, every field as read (to write it back, updated)."""
 
     record: dict[str, Any] = field(repr=False)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only the schema's fields exist; a field run.json lacks is None.
-        if name in RUN_INFO.fields:
-            return self.record.get(name)
-        raise AttributeError(name)
+    job: str = ""
+    status: str | None = None
+    source: str | None = None
+    plan_dir: str | None = None
+    plan_sha256: str | None = None
+    sets: list[str] | None = None
+    replicas: int | None = None
+    device: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    last_epoch: int | None = None
+    resumed_from: int | None = None
+    max_restarts: int | None = None
+    hosts: int | None = None
+    host_copy_of: str | None = None
+    launch_token: str | None = None
+    error: str | None = None
+    error_at: str | None = None
+    jobrun: str | None = None
+    note: str | None = None
+    changes: list[dict[str, Any]] | None = None
+    replica_changes: list[dict[str, Any]] | None = None
+    restarts: list[dict[str, Any]] | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.record
@@ -308,9 +326,10 @@ def run_info(raw: bytes, path: str, error: Callable[[str], Exception]) -> RunInf
     if not isinstance(data, dict) or not isinstance(data.get("job"), str):
         raise error(f"{path} is not a jobrun run record")
     try:
-        return RunInfo(check(data, RUN_INFO))
+        record = check(data, RUN_INFO)
     except Invalid as e:
         raise error(f"{path} is damaged: field {e}") from None
+    return RunInfo(record, **{k: record[k] for k in RUN_INFO.fields if k in record})
 
 
 # -------------------------------------------------------------------------- metrics.jsonl

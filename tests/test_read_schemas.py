@@ -417,3 +417,13 @@ def test_the_schema_layer_raises_its_own_errors():
         records_schema.parse_json(DEEP)
     with pytest.raises(records_schema.Malformed):
         records_schema.parse_json("9" * 5000)
+
+
+def test_run_info_has_a_typed_field_for_every_field_of_the_schema():
+    import dataclasses
+
+    from jobrun.records_schema import RunInfo
+
+    assert {f.name for f in dataclasses.fields(RunInfo)} - {"record"} == set(RUN_INFO.fields)
+    info = records_schema.run_info(b'{"job": "j", "replicas": 2, "x": [1]}', "run.json", UsageError)
+    assert (info.job, info.replicas, info.status, "x" in info) == ("j", 2, None, True)
