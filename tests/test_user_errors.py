@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -159,3 +160,30 @@ def test_under_torchrun_a_failure_of_rank_1_is_its_message_everywhere(tmp_path):
     assert "[rank0]: Traceback" not in out and "jobrun/runner" not in out, out
     # torchrun's own summary names jobrun's message as the root cause.
     assert f"traceback : [rank 1] {tmp_path / 'run' / 'plan.yaml'}" in out, out
+
+
+@pytest.mark.slow
+def test_on_two_hosts_the_other_host_prints_the_failed_ranks_message(tmp_path):
+    """Two torchrun agents, one rank each (two "hosts"): host 0 printed its own broken
+    connection ("Connection closed by peer") as jobrun's error; now rank 1's message."""
+    import socket
+
+    (tmp_path / "user_rank1.py").write_text(RANK1_CODE)
+    (tmp_path / "plan.yaml").write_text(TORCHRUN_PLAN)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-hosts",
+           "-m", "jobrun", "train", "plan.yaml", "--run-dir", "run"]
+    hosts = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=tmp_path) for _ in range(2)]
+    outs = [h.communicate(timeout=240)[0] for h in hosts]
+    assert all(h.returncode != 0 for h in hosts)
+    message = (r"\[rank 1\] run/plan.yaml:\d+:5: error: op `call` in task 'train' on node 'local' \(rank 1\) "
+               r"failed in user_rank1.boom: ValueError: rank 1 data is bad")
+    for out in outs:  # each host: the message, and torchrun's summary names it as the root cause
+        assert re.search(f"^{message}$", out, re.M) and re.search(f"traceback : {message}", out), out
+        assert "Connection closed by peer" not in out and "[rank0]: Traceback" not in out, out
