@@ -187,3 +187,18 @@ def test_on_two_hosts_the_other_host_prints_the_failed_ranks_message(tmp_path):
     for out in outs:  # each host: the message, and torchrun's summary names it as the root cause
         assert re.search(f"^{message}$", out, re.M) and re.search(f"traceback : {message}", out), out
         assert "Connection closed by peer" not in out and "[rank0]: Traceback" not in out, out
+
+
+@pytest.mark.slow
+def test_with_replicas_run_json_keeps_the_failed_ranks_own_message(tmp_path):
+    from runner_util import jobrun_proc
+
+    (tmp_path / "user_rank1.py").write_text(RANK1_CODE)
+    (tmp_path / "plan.yaml").write_text(TORCHRUN_PLAN)
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+                    cwd=tmp_path, timeout=240)
+    assert r.code == 1 and "error: replica rank 1 failed (exit code 1)" in r.err, r.text
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "failed"
+    assert info["error"].startswith(f"[rank 1] {tmp_path / 'plan.yaml'}:21:9: error: op `call`")
+    assert info["error"].endswith("failed in user_rank1.boom: ValueError: rank 1 data is bad")

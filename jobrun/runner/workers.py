@@ -110,7 +110,11 @@ def _elastic(launch: Launch) -> int:
             hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
                  f"`jobrun resume --run-dir {launch.run_dir}`",
         )
-        RunDir(launch.run_dir).record_end("failed", error, keep_ended=True)
+        # run.json keeps what the rank itself said (its error file: see _error_file).
+        said = failure.message.get("message") if isinstance(failure.message, dict) else None
+        RunDir(launch.run_dir).record_end(
+            "failed", RunError(said.split("\n")[0]) if isinstance(said, str) and said else error,
+            keep_ended=True)
         raise error from None
     except SignalException as e:
         RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
