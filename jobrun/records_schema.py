@@ -262,7 +262,8 @@ def check(v: Any, spec: Spec) -> Any:
 
 _COUNT = Int(0, 1 << 20)
 _SECONDS = Num(0, 4.1e9)  # a time since 1970, before 2100
-_SETS = ListOf(Str(), 4096)
+_TEXT = Str(1 << 20)  # run.json's own bound (a bigger file is refused unread)
+_SETS = ListOf(_TEXT, 4096)
 RUN_INFO = Obj(
     {
         # running, finished, failed, interrupted (a newer jobrun may say more)
@@ -271,7 +272,7 @@ RUN_INFO = Obj(
         "sets": _SETS, "replicas": Int(1, 1 << 20), "device": Str(64), "started": _SECONDS,
         "ended": _SECONDS, "last_epoch": Opt(_COUNT), "resumed_from": Opt(_COUNT),
         "max_restarts": Opt(_COUNT), "hosts": Int(1, 1 << 20), "host_copy_of": Str(256),
-        "launch_token": Str(256), "error": Opt(Str(MAX_STR)), "error_at": Opt(Str()),
+        "launch_token": Str(256), "error": Opt(_TEXT), "error_at": Opt(Str()),
         "jobrun": Str(64), "note": Str(),
         "changes": ListOf(Obj({"from_epoch": _COUNT, "sets": _SETS, "changed": _SETS}), 4096),
         "replica_changes": ListOf(Obj({"from_epoch": _COUNT, "from": Int(1, 1 << 20),

@@ -449,3 +449,11 @@ def test_hostile_values_json_trees_decode_or_give_one_checkpoint_error(tree):
         decode(tree, tensors)
     except CheckpointError as e:
         _nested(e.message)
+
+
+def test_a_huge_error_message_is_recorded_shortened_and_run_json_stays_readable(run):
+    from jobrun.errors import RunError
+
+    RunDir(run).record_end("failed", RunError("x" * (2 << 20)))
+    info = RunDir(run).info()
+    assert info.status == "failed" and 0 < len(info.error) <= 1 << 14

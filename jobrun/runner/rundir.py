@@ -43,6 +43,7 @@ METRICS_FILE = "metrics.jsonl"
 CONSOLE_FILE = "console.log"
 LOCK_FILE = ".lock"
 MAX_INFO_BYTES = 1 << 20
+MAX_ERROR_CHARS = 1 << 14
 
 # A checkpoint epoch directory (`<node>.<epoch>`, see the store) and its rank folders.
 _held_locks: set[int] = set()  # the run locks this process holds (their fds)
@@ -195,7 +196,7 @@ class RunDir:
         if last_epoch is not None:
             facts["last_epoch"] = last_epoch
         if error is not None:
-            facts["error"] = error.message
+            facts["error"] = error.message[:MAX_ERROR_CHARS]  # run.json stays under MAX_INFO_BYTES
             facts["error_at"] = str(error.pos) if error.pos else None
         try:
             self.update_info(**facts)
