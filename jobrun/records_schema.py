@@ -23,7 +23,6 @@ from typing import Any
 MAX_DEPTH = 24
 # Integers jobrun writes fit in 64 bits; a bigger one would overflow float() or a tensor.
 MAX_INT = (1 << 63) - 1
-MAX_STR = 1 << 16
 MAX_ITEMS = 1 << 16
 
 
@@ -199,6 +198,7 @@ class AnyJSON(Spec):
     strings and lists."""
 
     finite: bool = True
+    size: int = MAX_ITEMS  # the most characters of a string, items of a list or object
 
     def check(self, v: Any, where: str, depth: int) -> Any:
         if v is None or type(v) is bool:
@@ -206,16 +206,17 @@ class AnyJSON(Spec):
         if type(v) in (int, float):
             return Num(finite=self.finite).check(v, where, depth)
         if isinstance(v, str):
-            return Str(MAX_STR).check(v, where, depth)
+            return Str(self.size).check(v, where, depth)
         if isinstance(v, list):
-            return ListOf(self).check(v, where, depth)
+            return ListOf(self, self.size).check(v, where, depth)
         if isinstance(v, dict):
-            return MapOf(self, key_len=MAX_STR).check(v, where, depth)
+            return MapOf(self, self.size, key_len=self.size).check(v, where, depth)
         raise Invalid(where, f"unexpected {type(v).__name__}")
 
 
 ANY = AnyJSON()
-ANY_NUMBER = AnyJSON(finite=False)
+# What a `log` step wrote (a logged list or text may be long; the file's size bounds it).
+ANY_NUMBER = AnyJSON(finite=False, size=1 << 30)
 
 
 def _deeper(where: str, depth: int) -> None:
@@ -339,7 +340,7 @@ METRICS_LINE = Obj(
     {
         "epoch": Opt(Int(0, 1 << 31)), "group": Str(64), "event": Str(64), "task": Str(256),
         "node": Str(256), "rank": Opt(_COUNT), "seconds": Num(0), "step": Int(0), "time": _SECONDS,
-        "values": MapOf(ANY_NUMBER, 4096), "outputs": MapOf(MapOf(ANY_NUMBER, 4096), 4096),
+        "values": MapOf(ANY_NUMBER, 1 << 20), "outputs": MapOf(MapOf(ANY_NUMBER, 1 << 20), 1 << 20),
     },
     extra=ANY_NUMBER,  # json.dumps writes a NaN loss as NaN
 )
