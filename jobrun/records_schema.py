@@ -380,16 +380,17 @@ def metrics_line(line: str, where: str) -> MetricsRecord | None:
 # ------------------------------------------------------------------- checkpoint manifests
 
 _NAME = Str(256)
+_SAVED = AnyJSON(size=1 << 26)  # what the epoch's tasks output (a text may be long): the manifest bounds it
 MONITOR_META = {"monitor": _NAME, "mode": OneOf(("min", "max"))}
 CHECKPOINT_META = Obj(
     {
         "epoch": _COUNT, "stop": Bool(), "job": _NAME, "world_size": Int(1, 1 << 20),
-        "outputs": MapOf(MapOf(ANY, 4096), 4096),
+        "outputs": MapOf(MapOf(_SAVED, 1 << 20), 1 << 20),
         "best": Obj({**MONITOR_META, "value": Opt(Num())}),
         "early_stop": Obj({**MONITOR_META, "min_delta": Num(), "best": Opt(Num()),
                            "best_epoch": Opt(_COUNT), "wait": _COUNT, "bad_value": Opt(Str()),
                            "bad_epoch": Opt(_COUNT)}),
-        "init": MapOf(ANY, 4096),
+        "init": MapOf(_SAVED, 1 << 20),
     },
     extra=ANY,
 )
