@@ -23,7 +23,6 @@ from typing import Any
 MAX_DEPTH = 24
 # Integers jobrun writes fit in 64 bits; a bigger one would overflow float() or a tensor.
 MAX_INT = (1 << 63) - 1
-MAX_STR = 1 << 16
 MAX_ITEMS = 1 << 16
 
 
@@ -199,6 +198,7 @@ class AnyJSON(Spec):
     strings and lists."""
 
     finite: bool = True
+    size: int = MAX_ITEMS  # the most characters of a string, items of a list or object
 
     def check(self, v: Any, where: str, depth: int) -> Any:
         if v is None or type(v) is bool:
@@ -206,16 +206,17 @@ class AnyJSON(Spec):
         if type(v) in (int, float):
             return Num(finite=self.finite).check(v, where, depth)
         if isinstance(v, str):
-            return Str(MAX_STR).check(v, where, depth)
+            return Str(self.size).check(v, where, depth)
         if isinstance(v, list):
-            return ListOf(self).check(v, where, depth)
+            return ListOf(self, self.size).check(v, where, depth)
         if isinstance(v, dict):
-            return MapOf(self, key_len=MAX_STR).check(v, where, depth)
+            return MapOf(self, self.size, key_len=self.size).check(v, where, depth)
         raise Invalid(where, f"unexpected {type(v).__name__}")
 
 
 ANY = AnyJSON()
-ANY_NUMBER = AnyJSON(finite=False)
+# What a `log` step wrote (a logged list or text may be long; the file's size bounds it).
+ANY_NUMBER = AnyJSON(finite=False, size=1 << 30)
 
 
 def _deeper(where: str, depth: int) -> None:
@@ -262,15 +263,17 @@ def check(v: Any, spec: Spec) -> Any:
 
 _COUNT = Int(0, 1 << 20)
 _SECONDS = Num(0, 4.1e9)  # a time since 1970, before 2100
-_SETS = ListOf(Str(), 4096)
+_TEXT = Str(1 << 20)  # run.json's own bound (a bigger file is refused unread)
+_SETS = ListOf(_TEXT, 4096)
 RUN_INFO = Obj(
     {
-        "job": Str(256), "status": OneOf(("running", "finished", "failed", "interrupted")),
+        # running, finished, failed, interrupted (a newer jobrun may say more)
+        "job": Str(256), "status": Str(32, r"[a-z_]+"),
         "source": Str(), "plan_dir": Str(), "plan_sha256": Str(64, r"[0-9a-f]{64}"),
         "sets": _SETS, "replicas": Int(1, 1 << 20), "device": Str(64), "started": _SECONDS,
         "ended": _SECONDS, "last_epoch": Opt(_COUNT), "resumed_from": Opt(_COUNT),
         "max_restarts": Opt(_COUNT), "hosts": Int(1, 1 << 20), "host_copy_of": Str(256),
-        "launch_token": Str(256), "error": Opt(Str(MAX_STR)), "error_at": Opt(Str()),
+        "launch_token": Str(256), "error": Opt(_TEXT), "error_at": Opt(Str()),
         "jobrun": Str(64), "note": Str(),
         "changes": ListOf(Obj({"from_epoch": _COUNT, "sets": _SETS, "changed": _SETS}), 4096),
         "replica_changes": ListOf(Obj({"from_epoch": _COUNT, "from": Int(1, 1 << 20),
@@ -284,15 +287,33 @@ RUN_INFO = Obj(
 
 @dataclass(frozen=True)
 class RunInfo:
-    """run.json, checked. ``record``: every field as read (to write it back, updated)."""
+    """run.json, checked: each field of RUN_INFO (None when run.json lacks it), and
+    ``record``, every field as read (to write it back, updated)."""
 
     record: dict[str, Any] = field(repr=False)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only the schema's fields exist; a field run.json lacks is None.
-        if name in RUN_INFO.fields:
-            return self.record.get(name)
-        raise AttributeError(name)
+    job: str = ""
+    status: str | None = None
+    source: str | None = None
+    plan_dir: str | None = None
+    plan_sha256: str | None = None
+    sets: list[str] | None = None
+    replicas: int | None = None
+    device: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    last_epoch: int | None = None
+    resumed_from: int | None = None
+    max_restarts: int | None = None
+    hosts: int | None = None
+    host_copy_of: str | None = None
+    launch_token: str | None = None
+    error: str | None = None
+    error_at: str | None = None
+    jobrun: str | None = None
+    note: str | None = None
+    changes: list[dict[str, Any]] | None = None
+    replica_changes: list[dict[str, Any]] | None = None
+    restarts: list[dict[str, Any]] | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.record
@@ -307,18 +328,19 @@ def run_info(raw: bytes, path: str, error: Callable[[str], Exception]) -> RunInf
     if not isinstance(data, dict) or not isinstance(data.get("job"), str):
         raise error(f"{path} is not a jobrun run record")
     try:
-        return RunInfo(check(data, RUN_INFO))
+        record = check(data, RUN_INFO)
     except Invalid as e:
         raise error(f"{path} is damaged: field {e}") from None
+    return RunInfo(record, **{k: record[k] for k in RUN_INFO.fields if k in record})
 
 
 # -------------------------------------------------------------------------- metrics.jsonl
 
 METRICS_LINE = Obj(
     {
-        "epoch": _COUNT, "group": Str(64), "event": Str(64), "task": Str(256), "node": Str(256),
-        "rank": _COUNT, "seconds": Num(0), "step": Int(0), "time": _SECONDS,
-        "values": MapOf(ANY_NUMBER, 4096), "outputs": MapOf(MapOf(ANY_NUMBER, 4096), 4096),
+        "epoch": Opt(Int(0, 1 << 31)), "group": Str(64), "event": Str(64), "task": Str(256),
+        "node": Str(256), "rank": Opt(_COUNT), "seconds": Num(0), "step": Int(0), "time": _SECONDS,
+        "values": MapOf(ANY_NUMBER, 1 << 20), "outputs": MapOf(MapOf(ANY_NUMBER, 1 << 20), 1 << 20),
     },
     extra=ANY_NUMBER,  # json.dumps writes a NaN loss as NaN
 )
@@ -358,16 +380,17 @@ def metrics_line(line: str, where: str) -> MetricsRecord | None:
 # ------------------------------------------------------------------- checkpoint manifests
 
 _NAME = Str(256)
+_SAVED = AnyJSON(size=1 << 26)  # what the epoch's tasks output (a text may be long): the manifest bounds it
 MONITOR_META = {"monitor": _NAME, "mode": OneOf(("min", "max"))}
 CHECKPOINT_META = Obj(
     {
         "epoch": _COUNT, "stop": Bool(), "job": _NAME, "world_size": Int(1, 1 << 20),
-        "outputs": MapOf(MapOf(ANY, 4096), 4096),
+        "outputs": MapOf(MapOf(_SAVED, 1 << 20), 1 << 20),
         "best": Obj({**MONITOR_META, "value": Opt(Num())}),
         "early_stop": Obj({**MONITOR_META, "min_delta": Num(), "best": Opt(Num()),
                            "best_epoch": Opt(_COUNT), "wait": _COUNT, "bad_value": Opt(Str()),
                            "bad_epoch": Opt(_COUNT)}),
-        "init": MapOf(ANY, 4096),
+        "init": MapOf(_SAVED, 1 << 20),
     },
     extra=ANY,
 )
@@ -384,6 +407,9 @@ MANIFEST = Obj(
     extra=ANY,
 )
 
+COMMIT = Obj({"manifest_sha256": Str(64, r"[0-9a-f]{64}"), "node": _NAME, "epoch": _COUNT,
+              "rank": _COUNT, "world_size": Int(1, 1 << 20)},
+             required=frozenset({"manifest_sha256"}), extra=ANY)
 MODULE_FLAGS = Obj({"training": Bool(), "flipped": ListOf(Str()), "frozen": ListOf(Str())},
                    required=frozenset({"training", "flipped", "frozen"}))
 _SIZES = ListOf(Int(0, MAX_INT), 64)

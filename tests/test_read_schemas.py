@@ -419,3 +419,43 @@ def test_the_schema_layer_raises_its_own_errors():
         records_schema.parse_json(DEEP)
     with pytest.raises(records_schema.Malformed):
         records_schema.parse_json("9" * 5000)
+
+
+def test_run_info_has_a_typed_field_for_every_field_of_the_schema():
+    import dataclasses
+
+    from jobrun.records_schema import RunInfo
+
+    assert {f.name for f in dataclasses.fields(RunInfo)} - {"record"} == set(RUN_INFO.fields)
+    info = records_schema.run_info(b'{"job": "j", "replicas": 2, "x": [1]}', "run.json", UsageError)
+    assert (info.job, info.replicas, info.status, "x" in info) == ("j", 2, None, True)
+
+
+tags = st.sampled_from(["float", "tuple", "dict", "odict", "bytes", "np_scalar", "tensor", "ndarray", "state", "x"])
+tagged = st.recursive(
+    hostile,
+    lambda kids: st.one_of(
+        st.builds(lambda t, extra: {"__jobrun__": t, **extra}, tags,
+                  st.dictionaries(st.sampled_from(["v", "items", "meta", "b64", "dtype", "key", "type", "state",
+                                                   "module", "shard", "complex", "param"]), kids, max_size=3)),
+        st.lists(kids, max_size=3)),
+    max_leaves=10)
+
+
+@FEW
+@given(tree=st.dictionaries(st.text(max_size=3), tagged, max_size=3))
+def test_hostile_values_json_trees_decode_or_give_one_checkpoint_error(tree):
+    """values.json, re-sealed by an attacker: any tree decodes or is a CheckpointError."""
+    tensors = {"t": np.zeros(2, np.float32)}
+    try:
+        decode(tree, tensors)
+    except CheckpointError as e:
+        _nested(e.message)
+
+
+def test_a_huge_error_message_is_recorded_shortened_and_run_json_stays_readable(run):
+    from jobrun.errors import RunError
+
+    RunDir(run).record_end("failed", RunError("x" * (2 << 20)))
+    info = RunDir(run).info()
+    assert info.status == "failed" and 0 < len(info.error) <= 1 << 14

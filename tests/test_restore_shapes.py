@@ -115,3 +115,13 @@ def test_a_checkpoint_from_another_plan_is_refused_naming_both_shapes(tmp_path):
     r = jobrun("resume", "--run-dir", tmp_path / "a", "--epoch", "1", "max_epochs=2")
     assert r.code == 1, r.text
     assert "key '0.weight': the checkpoint holds a tensor of shape [5, 4], the Sequential init built has [8, 4]" in r.err
+
+
+def test_a_lazy_module_takes_its_shapes_from_the_checkpoint():
+    trained = torch.nn.LazyLinear(2)
+    trained(torch.ones(1, 3))
+    saved = SavedState("torch.nn.modules.linear.LazyLinear", dict(trained.state_dict()), None)
+    fresh = torch.nn.LazyLinear(2)
+    restore._check_fits(_node(), "net", fresh, saved, 1)  # no shape to compare yet: no error
+    fresh.load_state_dict(saved.state)
+    assert torch.equal(fresh.weight, trained.weight)

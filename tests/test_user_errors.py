@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,7 @@ def test_a_called_function_that_raises_shows_its_own_frames_under_the_op_line(tm
     assert r.code == 1
     lines = r.err.splitlines()
     assert lines[0].startswith(f"{tmp_path / 'plan.yaml'}:10:9: error: op `call` in task 'go'")
-    assert "failed in user_divide.divide: ZeroDivisionError: division by zero" in lines[0]
+    assert "failed: ZeroDivisionError: division by zero (in user_divide.divide)" in lines[0]
     assert lines[1].strip() == "traceback of your code (most recent call last):"
     frames = [line.strip() for line in lines if line.strip().startswith("File ")]
     assert frames == [f'File "{tmp_path / "user_divide.py"}", line 6, in divide',
@@ -153,9 +154,54 @@ def test_under_torchrun_a_failure_of_rank_1_is_its_message_everywhere(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode != 0
-    head = "error: op `call` in task 'train' on node 'local' (rank 1) failed in user_rank1.boom: " \
-           "ValueError: rank 1 data is bad"
+    head = "error: op `call` in task 'train' on node 'local' (rank 1) failed: " \
+           "ValueError: rank 1 data is bad (in user_rank1.boom)"
     assert f"[rank 1] {tmp_path / 'run' / 'plan.yaml'}:" in out and head in out, out
     assert "[rank0]: Traceback" not in out and "jobrun/runner" not in out, out
     # torchrun's own summary names jobrun's message as the root cause.
     assert f"traceback : [rank 1] {tmp_path / 'run' / 'plan.yaml'}" in out, out
+
+
+@pytest.mark.slow
+def test_on_two_hosts_the_other_host_prints_the_failed_ranks_message(tmp_path):
+    """Two torchrun agents, one rank each (two "hosts"): host 0 printed its own broken
+    connection ("Connection closed by peer") as jobrun's error; now rank 1's message."""
+    import socket
+
+    (tmp_path / "user_rank1.py").write_text(RANK1_CODE)
+    (tmp_path / "plan.yaml").write_text(TORCHRUN_PLAN)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-hosts",
+           "-m", "jobrun", "train", "plan.yaml", "--run-dir", "run"]
+    hosts = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=tmp_path) for _ in range(2)]
+    outs = [h.communicate(timeout=240)[0] for h in hosts]
+    assert all(h.returncode != 0 for h in hosts)
+    message = (r"\[rank 1\] run/plan.yaml:\d+:5: error: op `call` in task 'train' on node 'local' \(rank 1\) "
+               r"failed: ValueError: rank 1 data is bad \(in user_rank1.boom\)")
+    for out in outs:  # each host prints the message, never its own broken connection
+        assert re.search(f"^{message}$", out, re.M), out
+        assert "error: RuntimeError" not in out and "[rank0]: Traceback" not in out, out
+    # torchrun's summary names it as the root cause (on host 0 too, unless its agent lost
+    # the rendezvous store first, when host 1's agent held it: torchrun's own error then).
+    assert any(re.search(f"traceback : {message}", out) for out in outs), outs
+
+
+@pytest.mark.slow
+def test_with_replicas_run_json_keeps_the_failed_ranks_own_message(tmp_path):
+    from runner_util import jobrun_proc
+
+    (tmp_path / "user_rank1.py").write_text(RANK1_CODE)
+    (tmp_path / "plan.yaml").write_text(TORCHRUN_PLAN)
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+                    cwd=tmp_path, timeout=240)
+    assert r.code == 1 and "error: replica rank 1 failed (exit code 1)" in r.err, r.text
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "failed"
+    assert info["error"].startswith(f"[rank 1] {tmp_path / 'plan.yaml'}:21:9: error: op `call`")
+    assert info["error"].endswith("failed: ValueError: rank 1 data is bad (in user_rank1.boom)")

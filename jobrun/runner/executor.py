@@ -82,8 +82,9 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
     found = usertrace.of(cause)
     if found is not None:
         error.trace = found.text
-        if not isinstance(cause, JobrunError):  # the line names the user's function
-            error.message = message.replace(" failed: ", f" failed in {found.function}: ", 1)
+        if not isinstance(cause, JobrunError):  # the first line names the user's function
+            head, newline, rest = message.partition("\n")
+            error.message = f"{head} (in {found.function}){newline}{rest}"
     return error
 
 

@@ -164,6 +164,7 @@ def lost_peer(error: BaseException) -> bool:
 
 _FAILURE_KEY = "jobrun/failure"
 _MAX_FAILURE_CHARS = 1 << 16
+_SEEN_WAIT_S = 5.0
 
 
 def tell_failure(rank: int, text: str) -> None:
@@ -176,7 +177,10 @@ def tell_failure(rank: int, text: str) -> None:
         if dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
             store.compare_set(_FAILURE_KEY, "", json.dumps({"rank": rank, "message": text[:_MAX_FAILURE_CHARS]}))
-    except Exception:  # noqa: BLE001 - the message is printed here anyway
+            # A while for another rank to read it: when this host's launcher holds the
+            # store, it goes when this rank has ended.
+            store.wait([_FAILURE_KEY + "/seen"], timedelta(seconds=_SEEN_WAIT_S))
+    except Exception:  # noqa: BLE001 - the message is printed here anyway; nobody read it in time
         pass
 
 
@@ -189,6 +193,7 @@ def peer_failure(wait_s: float = 5.0) -> tuple[int, str] | None:
         store = dist.distributed_c10d._get_default_store()
         store.wait([_FAILURE_KEY], timedelta(seconds=wait_s))
         told = json.loads(store.get(_FAILURE_KEY).decode())
+        store.set(_FAILURE_KEY + "/seen", "1")
         rank, message = told["rank"], told["message"]
         if type(rank) is int and isinstance(message, str):
             return rank, message[:_MAX_FAILURE_CHARS]

@@ -17,10 +17,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from jobrun import records_schema, safefs
+from jobrun import safefs
 from jobrun.errors import UsageError, did_you_mean
-from jobrun.records_schema import MetricsRecord
-from jobrun.runner.rundir import RunDir
+from jobrun.runner.rundir import RunDir, metrics_records
 
 MAX_METRICS_BYTES = 1 << 30
 
@@ -39,7 +38,7 @@ def series(run: RunDir, x: str = "epoch") -> Series:
     outputs: dict[tuple[str, int], float] = {}
     steps: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)  # --x step
     last_step: dict[int, int] = {}  # epoch -> the last step a value was logged at
-    for record in read_metrics(run.metrics_file, data):
+    for _, record in metrics_records(run.metrics_file, data):
         epoch = record.epoch
         if epoch is None:
             continue
@@ -70,21 +69,6 @@ def series(run: RunDir, x: str = "epoch") -> Series:
         n = len(values)
         out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
     return dict(out)
-
-
-def read_metrics(path: Path, data: bytes) -> list[MetricsRecord]:
-    """Every record of metrics.jsonl (lines cut by a kill left out), each checked against
-    its schema; a UsageError naming the file, the line and the field otherwise."""
-    records = []
-    for n, line in enumerate(data.decode(errors="replace").splitlines(), 1):
-        try:
-            record = records_schema.metrics_line(line, f"{path}:{n}")
-        except records_schema.Invalid as e:
-            raise UsageError(f"{e} (the run's metrics file is damaged)",
-                             hint=f"repair or delete that line of {path}") from None
-        if record is not None:
-            records.append(record)
-    return records
 
 
 def _number(value: Any) -> bool:

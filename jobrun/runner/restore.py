@@ -160,7 +160,10 @@ def _pairs(saved: Any, live: Any, path: str) -> Iterable[tuple[str, Any, Any]]:
 def _shape(v: Any) -> tuple[int, ...] | None:
     if isinstance(v, shards.SavedShard):
         return v.shape  # the whole tensor's (a DTensor's shape is too)
-    shape = getattr(v, "shape", None)
+    try:
+        shape = getattr(v, "shape", None)
+    except (ValueError, RuntimeError):  # a lazy module's parameter has none yet: torch fills it
+        return None
     return tuple(shape) if shape is not None and hasattr(v, "dtype") else None
 
 

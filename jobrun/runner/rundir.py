@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
     from jobrun.plans import ir
-    from jobrun.records_schema import RunInfo
+    from jobrun.records_schema import MetricsRecord, RunInfo
 
 RUN_FILE = "run.json"
 PLAN_FILE = "plan.yaml"
@@ -45,6 +45,7 @@ CONSOLE_FILE = "console.log"
 LOCK_FILE = ".lock"
 PLOT_FILE = "metrics.png"  # `jobrun plot`'s default output
 MAX_INFO_BYTES = 1 << 20
+MAX_ERROR_CHARS = 1 << 14
 
 _METRICS_SHAPE = safedel.Shape(files=re.compile(re.escape(METRICS_FILE)))  # a new run's, emptied
 
@@ -174,7 +175,7 @@ class RunDir:
         if last_epoch is not None:
             facts["last_epoch"] = last_epoch
         if error is not None:
-            facts["error"] = error.message
+            facts["error"] = error.message[:MAX_ERROR_CHARS]  # run.json stays under MAX_INFO_BYTES
             facts["error_at"] = str(error.pos) if error.pos else None
         try:
             self.update_info(**facts)
@@ -397,17 +398,8 @@ class RunDir:
             return
         except OSError as e:
             raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-        kept = []
-        for n, line in enumerate(data.decode(errors="replace").splitlines(), 1):
-            try:
-                record = records_schema.metrics_line(line, f"{path}:{n}")
-            except records_schema.Invalid as e:
-                raise UsageError(f"{e} (the run's metrics file is damaged)",
-                                 hint=f"repair or delete that line of {path}") from None
-            if record is None or record.group in ("download", "exit"):
-                continue  # a line cut by a kill; the interrupted run's end phase runs again
-            if (record.epoch or 0) <= after_epoch:
-                kept.append(line)
+        kept = [line for line, record in metrics_records(path, data)  # the end phase runs again
+                if record.group not in ("download", "exit") and (record.epoch or 0) <= after_epoch]
         self._write(path, "".join(k + "\n" for k in kept).encode())
 
 
@@ -422,6 +414,20 @@ def _inside(path: Path, root: Path) -> bool:
         return path.resolve().is_relative_to(root.resolve())
     except OSError:
         return False
+
+
+def metrics_records(path: Path, data: bytes) -> Iterator[tuple[str, MetricsRecord]]:
+    """(line, record) of each line of metrics.jsonl (``data``), checked against its
+    schema (lines cut by a kill left out); a UsageError naming the file, the line and
+    the field for any other that is no record."""
+    for n, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+        try:
+            record = records_schema.metrics_line(line, f"{path}:{n}")
+        except records_schema.Invalid as e:
+            raise UsageError(f"{e} (the run's metrics file is damaged)",
+                             hint=f"repair or delete that line of {path}") from None
+        if record is not None:
+            yield line, record
 
 
 def _holds_checkpoints(root: Path, depth: int) -> Path | None:

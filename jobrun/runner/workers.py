@@ -112,7 +112,11 @@ def _elastic(launch: Launch) -> int:
             hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
                  f"`jobrun resume {launch.run_dir}`",
         )
-        RunDir(launch.run_dir).record_end("failed", error, keep_ended=True)
+        # run.json keeps what the rank itself said (its error file: see _error_file).
+        said = failure.message.get("message") if isinstance(failure.message, dict) else None
+        RunDir(launch.run_dir).record_end(
+            "failed", RunError(said.split("\n")[0]) if isinstance(said, str) and said else error,
+            keep_ended=True)
         raise error from None
     except SignalException as e:
         RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
@@ -244,12 +248,16 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
             # Another rank failed: say what it said (on another host too), not the broken
             # connection, then let the launcher stop this one.
             told = group.peer_failure()
-            local = int(os.environ.get("LOCAL_RANK", 0))
-            first = rank - local  # this host's ranks: first... (the failed one printed it there)
-            if told is not None and local == 0 and not first <= told[0] < first + int(
-                    os.environ.get("LOCAL_WORLD_SIZE", world)):
-                print(f"[rank {told[0]}] {told[1]}", file=sys.stderr, flush=True)
+            if told is not None:
+                theirs = f"[rank {told[0]}] {told[1]}"
+                _error_file(theirs)  # the root cause a launcher on this host reports
+                local = int(os.environ.get("LOCAL_RANK", 0))
+                first = rank - local  # this host's ranks: first... (the failed one printed it there)
+                if local == 0 and not first <= told[0] < first + int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+                    print(theirs, file=sys.stderr, flush=True)
             _await_stop(launch)
+            if told is not None:  # not stopped (another host's launcher): leave, said already
+                _leave(launch, e.exit_code)
         text = f"[rank {rank}] {e.format_message()}" if world > 1 else e.format_message()
         if world > 1:
             group.tell_failure(rank, e.format_message())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import stat
 from collections.abc import Collection
 from pathlib import Path
@@ -37,7 +36,6 @@ from jobrun.store.files import (
     rank_dir,
 )
 
-_CRC_RE = re.compile(r"[0-9a-f]{8}")
 HINT_RESUME = "resume from an earlier epoch (see `jobrun ckpt list`); this one can be deleted"
 
 
@@ -47,8 +45,6 @@ def problem(what: str, hint: str = HINT_RESUME) -> NoReturn:
 
 # COMMIT and MANIFEST.json are small: a bigger one is damaged (and never read whole).
 MAX_JSON_BYTES = 64 << 20
-# A save's time: a finite number of seconds since 1970, before the year 2100.
-_LATEST_TIME = 4.1e9
 
 
 def _read_json(path: Path, what: str) -> tuple[bytes, Any]:
@@ -83,27 +79,18 @@ def _check_manifest(m: Any, path: Path) -> dict[str, Any]:
             f"{path} has checkpoint format {version!r}; this jobrun reads format {FORMAT_VERSION}",
             hint="upgrade jobrun to read this checkpoint",
         )
-    try:
+    try:  # every field's type and range (records_schema.MANIFEST), then how they fit together
         records_schema.check(m, records_schema.MANIFEST)
     except records_schema.Invalid as e:
-        problem(f"{path}: field {e}")
-    ws, rank = m.get("world_size"), m.get("rank")
-    if not (type(ws) is int and type(rank) is int and 0 <= rank < ws):
-        problem(f"{path}: bad rank {rank!r} / world_size {ws!r}")
-    files = m.get("files")
-    if not isinstance(files, dict) or set(files) != set(DATA_FILES):
+        entry = next((n for n in DATA_FILES if e.where.startswith(f"files.{n}")), None)
+        problem(f"{path}: bad entry for {entry} (field {e})" if entry else f"{path}: field {e}")
+    if m["rank"] >= m["world_size"]:
+        problem(f"{path}: bad rank {m['rank']!r} / world_size {m['world_size']!r}")
+    if set(m["files"]) != set(DATA_FILES):
         problem(f"{path}: the file list must be exactly {', '.join(DATA_FILES)}")
-    for name, info in files.items():
-        if not _entry_ok(info):
+    for name, info in m["files"].items():
+        if len(info["crc32_chunks"]) != max(1, -(-info["size"] // info["chunk_bytes"])):
             problem(f"{path}: bad entry for {name}")
-    if not isinstance(m.get("meta"), dict):
-        problem(f"{path}: meta is not an object")
-    if not isinstance(m.get("node"), str) or type(m.get("epoch")) is not int or m["epoch"] < 0:
-        problem(f"{path}: bad node {m.get('node')!r} / epoch {m.get('epoch')!r}")
-    for key in ("created", "seconds"):
-        t = m.get(key)
-        if key in m and not (type(t) in (int, float) and 0 <= t < _LATEST_TIME):
-            problem(f"{path}: bad {key} {t!r} (seconds expected)")
     return m
 
 
@@ -117,17 +104,6 @@ def manifest_of(rdir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _entry_ok(info: Any) -> bool:
-    """Whether a file's manifest entry is well formed: a size and a CRC-32 per chunk."""
-    if not (isinstance(info, dict) and type(info.get("size")) is int and info["size"] >= 0):
-        return False
-    chunk, digests = info.get("chunk_bytes"), info.get("crc32_chunks")
-    if type(chunk) is not int or chunk < 1 or not isinstance(digests, list):
-        return False
-    count = max(1, -(-info["size"] // chunk))
-    return len(digests) == count and all(_CRC_RE.fullmatch(str(d)) for d in digests)
-
-
 def check_commit(
     rdir: Path, node: str | None = None, epoch: int | None = None, rank: int | None = None
 ) -> dict[str, Any]:
@@ -138,10 +114,11 @@ def check_commit(
         problem(f"{rdir}: incomplete save: no {COMMIT_FILE} marker (the save was interrupted)")
     _, commit = _read_json(rdir / COMMIT_FILE, "commit marker")
     raw, manifest = _read_json(rdir / MANIFEST_FILE, "manifest")
-    if (
-        not isinstance(commit, dict)
-        or commit.get("manifest_sha256") != hashlib.sha256(raw).hexdigest()
-    ):
+    try:
+        commit = records_schema.check(commit, records_schema.COMMIT)
+    except records_schema.Invalid as e:
+        problem(f"{rdir / COMMIT_FILE}: field {e}")
+    if commit["manifest_sha256"] != hashlib.sha256(raw).hexdigest():
         problem(f"{rdir}: {COMMIT_FILE} does not match {MANIFEST_FILE} (changed or corrupt)")
     m = _check_manifest(manifest, rdir / MANIFEST_FILE)
     for key in ("node", "epoch", "rank", "world_size"):
