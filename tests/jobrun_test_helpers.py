@@ -118,3 +118,10 @@ def record_threads(path: str) -> None:
 
     with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as f:
         f.write(str(torch.get_num_threads()))
+
+
+def own_step(model, opt) -> None:
+    """A hand-written optimizer step (the global step counts it too)."""
+    opt.zero_grad()
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()

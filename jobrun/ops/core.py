@@ -164,24 +164,20 @@ def plain(value: Any) -> Any:
     return repr(value) if len(repr(value)) < 200 else f"<{type(value).__name__}>"
 
 
-def log(ctx: OpContext, *values: Any, msg: str | None = None, every: int = 1,
-        _names: tuple[str, ...] = (), _site: str = "") -> None:
-    """`log`: record the values. ``every`` K: only each K-th call of this step logs (its
-    count goes on across epochs and resumes: it is a counter of the node's)."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise RunError(f"every is {every!r}, not a count", hint="every: K logs each K-th call (K >= 1)")
-    step = ctx.next_number(f"log {_site}") + 1
-    if step % every:
-        return
+def log(ctx: OpContext, *values: Any, msg: str | None = None,
+        _names: tuple[str, ...] = (), _clock: int | None = None) -> None:
+    """`log`: record the values at the global step (``_clock``: the step its loop's
+    iteration began at, given by the executor; else the step now). A step's `every: K`
+    is the executor's (it runs the call at steps 0, K, 2K, ... only)."""
     record = {name: plain(v) for name, v in zip(_names, values)}
     if ctx.log is not None:
-        ctx.log(record, msg, step)
+        ctx.log(record, msg, ctx.step if _clock is None else _clock)
     else:
         print(" ".join([msg or ""] + [f"{k}={v}" for k, v in record.items()]).strip())
 
 
 log.wants_names = True  # type: ignore[attr-defined]
-log.wants_site = True  # type: ignore[attr-defined]
+log.wants_clock = True  # type: ignore[attr-defined]
 
 
 def _state_of(value: Any) -> Any:

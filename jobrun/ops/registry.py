@@ -97,10 +97,9 @@ CORE_SPECS: tuple[OpSpec, ...] = (
     ),
     OpSpec(
         "log", "Record values: the epoch's summary line (a line of their own outside epochs), "
-        "metrics.jsonl, TensorBoard. every: K logs each K-th call only (inside a training loop).",
+        "metrics.jsonl, TensorBoard, at the global step. every: K logs at steps 0, K, 2K, ... only.",
         _C + "log", inputs=("values",), min_inputs=0, max_inputs=None,
-        args=(arg("msg", ("or", "str", "null"), None),
-              arg("every", "int", 1, "log each K-th call of this step (counted across epochs)")),
+        args=(arg("msg", ("or", "str", "null"), None),),
         example="- log: {in: [loss], every: 50}", **_PURE,
     ),
     OpSpec(

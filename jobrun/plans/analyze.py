@@ -106,11 +106,12 @@ class _Analyzer(Visitor):
     # -- plan and groups -------------------------------------------------------------------
     def visit_Plan(self, plan: ir.Plan) -> None:
         self.plan = plan
-        if plan.max_epochs is None and not plan.stop_when and plan.early_stop is None:
+        if plan.max_epochs is None and plan.max_steps is None and not plan.stop_when \
+                and plan.early_stop is None:
             self._emit(
                 "error", "no-stop", plan.pos, f"job {plan.job!r} has no stop condition",
-                "add `max_epochs: N`, `stop_when: [blob]` or `early_stop: {monitor: blob}` "
-                "naming an output of an epoch task",
+                "add `max_epochs: N`, `max_steps: N`, `stop_when: [blob]` or "
+                "`early_stop: {monitor: blob}` naming an output of an epoch task",
             )
         for group in plan.groups:
             self.visit(group)

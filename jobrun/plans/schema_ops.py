@@ -39,6 +39,14 @@ def op_def(name: str) -> str:
     return f"op:{name}"
 
 
+# `every: N` of any step: it runs at global steps 0, N, 2N, ... only.
+EVERY = {
+    "description": "Run this step only at global steps 0, N, 2N, ... (optimizer steps taken; "
+    "inside a loop, as the loop's iteration began), once per step.",
+    "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
+}
+
+
 def op_call(ops: dict[str, OpSpec]) -> dict[str, Any]:
     return {
         "description": "An op call: one key, the op's name, holding its arguments (and an `id`).",
@@ -60,6 +68,7 @@ def op_schema(spec: OpSpec) -> dict[str, Any]:
     properties = {
         "in": _slots("in", spec.inputs, in_lo, in_hi, {"$ref": "#/$defs/input"}),
         "out": _slots("out", spec.outputs, out_lo, out_hi, BLOB),
+        "every": EVERY,
         **{a.name: arg_schema(a) for a in spec.args},
     }
     required = [k for k, lo in (("in", in_lo), ("out", out_lo)) if lo > 0]

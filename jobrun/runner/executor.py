@@ -35,6 +35,7 @@ from finds the step it belongs to, which turns it into an error with the plan po
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -43,11 +44,12 @@ from collections.abc import Callable
 from typing import Any
 
 from jobrun.errors import Interrupted, JobrunError, RunError
-from jobrun.ops.context import OpContext
+from jobrun.ops.context import STEP_COUNTER, OpContext
 from jobrun.ops.core import truthy
 from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
 from jobrun.plans.visit import Visitor
+from jobrun.runner import clock
 from jobrun.runner.codegen import Handler, Source
 
 Thunk = Callable[[], Any]
@@ -70,19 +72,23 @@ class NodeRuntime:
 class CompiledTask:
     """A task generated once for its node; `run` runs it (every epoch, for an epoch task)."""
 
-    def __init__(self, task: ir.Task, node: NodeRuntime):
+    def __init__(self, task: ir.Task, node: NodeRuntime, max_steps: int | None = None):
         self.task = task
         self.node = node
         self.ctx = dataclasses.replace(node.ctx, task=task.name)
         node.task_ctxs.append(self.ctx)
         g = node.globals
         self.local: dict[str, Any] = g if task.workspace == "global" else _private_workspace(g)
-        self._init, self._do, self._exit = _Generator(self.ctx, g, self.local, task, node.name).visit(task)
+        # `max_steps` ends the loops of epoch tasks (the epoch) once the global step reaches it.
+        limit = max_steps if task.group == "epoch" else None
+        generator = _Generator(self.ctx, g, self.local, task, node.name, limit)
+        self._init, self._do, self._exit = generator.visit(task)
 
     def run(self) -> dict[str, Any]:
         """Run init, do (all instances, each in its own workspace), exit; return the
         declared outputs."""
         local = self.local
+        counting = clock.counting(self.ctx._counters)  # optimizer steps count on this node
         try:
             self._init(local)
             if self.task.instances == 1:
@@ -93,6 +99,7 @@ class CompiledTask:
             self._exit(local)
             return {ref.name: self._output(ref) for ref in self.task.outputs}
         finally:
+            clock.stop_counting(counting)
             if self.local is not self.node.globals:
                 self.local.clear()
 
@@ -143,7 +150,9 @@ def run_concurrently(thunks: list[Thunk], what: str) -> bool:
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=body, args=(fn,), name=what, daemon=True) for fn in thunks[1:]]
+    # Each thread runs in a copy of this context: its optimizer steps count on the same node.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(body, fn), name=what, daemon=True)
+               for fn in thunks[1:]]
     for t in threads:
         t.start()
     body(thunks[0])
@@ -183,7 +192,8 @@ class _Report:
         self.body = body
         self.stop = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="report", daemon=True)
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,),
+                                       name="report", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
@@ -211,8 +221,12 @@ _PASS_THROUGH = (KeyboardInterrupt, Interrupted)
 class _Generator(Visitor):
     """Writes one task's steps as Python (see the module docstring)."""
 
-    def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str):
+    def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str,
+                 max_steps: int | None = None):
         self.ctx = ctx
+        self.max_steps = max_steps
+        self.clock: str | None = None  # the clock variable of the innermost loop being written
+        self.every_number = 0  # steps with `every` written so far (each one's counter key)
         self.private = local is not g
         self.instance = False  # writing `do` of a task with instances: stores reach T too
         self.op_number = 0  # op calls written so far, in plan order
@@ -226,6 +240,7 @@ class _Generator(Visitor):
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": _Reports,
             "partial": functools.partial,
             "PROGRESS": progress, "TASK": task.name,
+            "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
         }, pass_through=_PASS_THROUGH)
 
     def visit_Task(self, t: ir.Task) -> tuple[Thunk, Thunk, Thunk]:
@@ -242,13 +257,28 @@ class _Generator(Visitor):
         first = next((s for s in steps if isinstance(s, ir.Report)), None)
         if first is None:
             for s in steps:
-                self.visit(s)
+                self.visit_step(s)
             return
         outer, self.reports = self.reports, self.code.fresh("reports")
         with self.code.step(first.pos, "report"), self.code.block(f"with reports() as {self.reports}:"):
             for s in steps:
-                self.visit(s)
+                self.visit_step(s)
         self.reports = outer
+
+    def visit_step(self, s: ir.Step) -> None:
+        """A step; with `every: N`, under the test of the clock it sees (see runner/clock.py)."""
+        if s.every is None:
+            self.visit(s)
+            return
+        self.every_number += 1
+        site = f"every {self.task.group}/{self.task.name}#{self.every_number}"
+        with self.code.step(s.pos, f"every {s.every}"), \
+                self.code.block(f"if EVERY(C, {site!r}, {self._clock()}, {s.every}):"):
+            self.visit(s)
+
+    def _clock(self) -> str:
+        """The global step as a step sees it: its loop's iteration began at, or now."""
+        return self.clock if self.clock is not None else f"C.get({STEP_COUNTER!r}, 0)"
 
     def generic_visit(self, node: Any) -> None:
         raise RunError(f"cannot run step {type(node).__name__}", getattr(node, "pos", None))
@@ -267,6 +297,7 @@ class _Generator(Visitor):
             kwargs["_names"] = tuple(i.name if isinstance(i, ir.BlobRef) else repr(i.value) for i in s.ins)
         if getattr(impl, "wants_out_names", False):
             kwargs["_out_names"] = tuple(o.name for o in s.outs)
+        clocked = getattr(impl, "wants_clock", False)
         self.op_number += 1
         if getattr(impl, "wants_site", False):
             # A per-step counter's key: the step's place in the plan, by task and order (a
@@ -277,6 +308,8 @@ class _Generator(Visitor):
             args = ["ctx"]
             for i in s.ins:
                 args.append(f"L[{i.name!r}]" if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
+            if clocked and self.clock is not None:
+                args.append(f"_clock={self.clock}")
             if kwargs:
                 args.append("**" + code.value("kw", kwargs))
             call = f"{code.value('op', impl, s.op)}({', '.join(args)})"
@@ -406,7 +439,13 @@ class _Generator(Visitor):
                 code.env[n] = s.count
             if s.count is None:
                 code.line(f"{i} = -1")
+            outer, self.clock = self.clock, (code.fresh("clock") if _uses_clock(s.body) else None)
             with code.loop("while True:" if s.count is None else f"for {i} in range({n}):"):
+                if self.max_steps is not None:  # the epoch ends once the global step reaches it
+                    with code.block(f"if C.get({STEP_COUNTER!r}, 0) >= MAX_STEPS:"):
+                        code.line("break")
+                if self.clock is not None:
+                    code.line(f"{self.clock} = C.get({STEP_COUNTER!r}, 0)")
                 if s.count is None:
                     code.line(f"{i} += 1")
                 # The live display shows the innermost running loop: the last to update.
@@ -414,15 +453,18 @@ class _Generator(Visitor):
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
+            self.clock = outer
 
     # -- concurrency ----------------------------------------------------------------------
     def visit_Parallel(self, s: ir.Parallel) -> None:
         code = self.code
         branches = []
+        outer, self.clock = self.clock, None  # another function: the clock as it runs
         for b in s.branches:
             branches.append(code.fresh("branch", b.name or ""))
             with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
+        self.clock = outer
         thunks = "".join(f"partial({b}, L), " for b in branches)
         call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
@@ -431,10 +473,24 @@ class _Generator(Visitor):
     def visit_Report(self, s: ir.Report) -> None:
         code = self.code
         body = code.fresh("report")
+        outer, self.clock = self.clock, None
         with code.function(body, "L"):
             self.visit_block(s.body)
+        self.clock = outer
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
+
+
+def _uses_clock(steps: tuple[ir.Step, ...]) -> bool:
+    """Whether a loop body reads the clock of its iterations: a step with `every`, or a
+    `log`, outside inner loops and the functions of parallel branches and reports."""
+    for s in steps:
+        if s.every is not None or (isinstance(s, ir.OpCall) and s.op == "log"):
+            return True
+        if isinstance(s, ir.If) and (any(_uses_clock(b.body) for b in s.branches)
+                                     or _uses_clock(s.orelse or ())):
+            return True
+    return False
 
 
 def _results(result: Any, n: int) -> tuple[Any, ...]:

@@ -1,10 +1,12 @@
-"""`jobrun plot`: the logged values of one or more runs against epochs, as a PNG.
+"""`jobrun plot`: the logged values of one or more runs against the global step, as a PNG.
 
 One panel per metric (a name a `log` op logged with a number, or an epoch task's numeric
-output), one line per run. A value
-logged once an epoch sits at that epoch; one logged several times in an epoch (inside the
-training loop, or with `log: {every: K}`) is spread evenly over the epoch, so that epoch E's
-points lie in (E-1, E]. matplotlib is an optional extra: `pip install "jobrun[plot]"`.
+output), one line per run. A run that takes optimizer steps is drawn against the global
+step (the `step` metrics.jsonl records with each value; an epoch output at the step its
+epoch ended). A run that takes none is drawn against epochs: a value logged once an epoch
+sits at that epoch; one logged several times in an epoch is spread evenly over the epoch,
+so that epoch E's points lie in (E-1, E]. matplotlib is an optional extra:
+`pip install "jobrun[plot]"`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from jobrun.runner.rundir import RunDir
 
 MAX_METRICS_BYTES = 1 << 30
 
-Series = dict[str, list[tuple[float, float]]]  # metric -> [(x, value)]
+class Series(dict[str, list[tuple[float, float]]]):
+    """metric -> [(x, value)]; `axis` says what x is: "step" or "epoch"."""
+
+    axis = "epoch"
 
 
 def series(run: RunDir) -> Series:
-    """Every numeric value the run logged, placed on the epoch axis."""
+    """Every numeric value the run logged, placed on the step axis (or the epoch axis when
+    the run took no optimizer step)."""
     try:
         data = safefs.read_bounded(run.metrics_file, MAX_METRICS_BYTES)
     except FileNotFoundError:
@@ -33,6 +39,8 @@ def series(run: RunDir) -> Series:
     except OSError as e:
         raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
     per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
+    steps: dict[tuple[str, int], list[int]] = defaultdict(list)  # the global step of each value
+    ended: dict[int, int] = {}  # epoch -> the global step it ended at
     outputs: dict[tuple[str, int], float] = {}
     for line in data.decode(errors="replace").splitlines():
         try:
@@ -42,7 +50,11 @@ def series(run: RunDir) -> Series:
         epoch = record.get("epoch") if isinstance(record, dict) else None
         if not isinstance(epoch, int) or isinstance(epoch, bool):
             continue
+        step = record.get("step")
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
         if record.get("event") == "epoch" and isinstance(record.get("outputs"), dict):
+            if step is not None:
+                ended[epoch] = step
             for task in record["outputs"].values():
                 for name, value in (task.items() if isinstance(task, dict) else ()):
                     if _number(value):
@@ -51,14 +63,23 @@ def series(run: RunDir) -> Series:
             for name, value in record["values"].items():
                 if _number(value):
                     per_epoch[(str(name), epoch)].append(float(value))
+                    steps[(str(name), epoch)].append(step if step is not None else -1)
     # An epoch task's output that the epoch did not also log is a point at the epoch's end.
     for key, value in outputs.items():
-        per_epoch.setdefault(key, [value])
-    out: Series = defaultdict(list)
+        if key not in per_epoch:
+            per_epoch[key] = [value]
+            steps[key] = [ended.get(key[1], -1)]
+    out = Series()
+    by_step = any(s > 0 for s in ended.values()) and all(s >= 0 for v in steps.values() for s in v)
+    if by_step:
+        out.axis = "step"
     for (name, epoch), values in sorted(per_epoch.items()):
+        if by_step:
+            out.setdefault(name, []).extend((float(s), v) for s, v in zip(steps[(name, epoch)], values))
+            continue
         n = len(values)
-        out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
-    return dict(out)
+        out.setdefault(name, []).extend((epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values))
+    return out
 
 
 def _number(value: Any) -> bool:
@@ -109,7 +130,7 @@ def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
                 ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3,
                         label=_label(run, data))
         ax.set_title(name)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("step" if all(s.axis == "step" for s in data.values()) else "epoch")
         ax.grid(alpha=0.3)
         if len(data) > 1:
             ax.legend(fontsize="small")
