@@ -105,16 +105,27 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "scheduler",
-        "A learning-rate scheduler over an optimizer; other keys go to its constructor. "
-        "Schedulers nested as {target: ...} mappings (SequentialLR's schedulers: warmup then "
-        "cosine) are built on the same optimizer.",
+        "Without a target: linear warmup, then a cosine, linear or constant decay, computed in "
+        "closed form from the global step before every step of the optimizer. With a target: "
+        "that torch scheduler (other keys go to its constructor; nested {target: ...} mappings "
+        "are built on the same optimizer), advanced by scheduler.step.",
         "models:scheduler",
-        "- scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 5}",
+        "- scheduler: {in: opt, out: sched, warmup: 100, decay: cosine, steps: 5000, min_ratio: 0.1}",
         inputs=("opt",),
         outputs=("sched",),
         extra_args=True,
         keeps=("opt",),  # stepping it sets the optimizer's learning rate
-        args=(arg("target", "str", doc="dotted path, e.g. torch.optim.lr_scheduler.StepLR"),),
+        args=(
+            arg("target", _STR_OR_NULL, None,
+                "dotted path, e.g. torch.optim.lr_scheduler.StepLR; null: by the global step"),
+            arg("warmup", "int", 0, "no target: steps of linear warmup, lr * (step + 1) / (warmup + 1)"),
+            arg("decay", ("choice", "cosine", "linear", "constant"), "cosine",
+                "no target: the shape after warmup"),
+            arg("steps", ("or", "int", "null"), None,
+                "no target: the step where the decay ends (min_lr from there on)"),
+            arg("min_lr", ("or", "number", "null"), None, "no target: the final rate (every group)"),
+            arg("min_ratio", "number", 0.0, "no target: the final rate as a fraction of each group's lr"),
+        ),
     ),
     _training(
         "scheduler.step",
