@@ -324,9 +324,12 @@ def reader_op(
     shuffle: bool = False,
     passes: int = 1,
     drop_last: bool = False,
+    window: int | None = None,
+    sample: str = "order",
     **loading: Any,
 ) -> Reader:
-    """`reader`: fields... -> r, or one Dataset -> r (:mod:`jobrun.ops.loader`).
+    """`reader`: fields... -> r, or one Dataset -> r (:mod:`jobrun.ops.loader`), or with
+    `window` one token stream -> r over its windows (:mod:`jobrun.ops.windows`).
 
     The shuffle seed depends on (seed, node, creation order). `loading` holds the
     DataLoader's arguments (num_workers, pin_memory, ...), which need a Dataset.
@@ -339,6 +342,15 @@ def reader_op(
     )
     from jobrun.ops import loader
 
+    if window is not None or sample != "order":
+        if window is None:
+            raise RunError("reader: sample applies to a reader of windows", hint="add window: T")
+        if len(fields) != 1:
+            raise RunError(f"reader: a reader of windows reads one token stream, got {len(fields)} inputs",
+                           hint="in: tokens (its x and y are windows of the same stream)")
+        from jobrun.ops.windows import WindowReader
+
+        return WindowReader(fields[0], window, sample, ctx.generator, **geometry)
     if len(fields) == 1 and loader.is_dataset(fields[0]):
         return loader.dataset_reader(fields[0], geometry, {**loader.LOADING_DEFAULTS, **loading})
     given = sorted(k for k, v in loading.items() if v != loader.LOADING_DEFAULTS.get(k))

@@ -12,6 +12,8 @@ from jobrun.ops.spec import OpSpec, arg
 
 _LOSS_DOC = "cross_entropy, mse, or a dotted path to a callable(pred, y) giving the batch mean"
 _STR_OR_NULL = ("or", "str", "null")
+# The value types of a raw `.bin` file `data.load` reads (numpy's names).
+RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "float16", "float32", "float64")
 _LIST_OR_NULL = ("or", "list", "null")
 
 
@@ -42,7 +44,8 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "data.load",
-        "Arrays from .npz, .npy, .csv, .safetensors or .pt, as CPU tensors, one per output.",
+        "Arrays from .npz, .npy, .bin (raw, memory-mapped), .csv, .safetensors or .pt, as CPU "
+        "tensors, one per output.",
         "data:data_load",
         "- data.load: {out: [x, y], path: data/train.npz, keys: [x, y]}",
         outputs=("arrays",),
@@ -62,6 +65,10 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
                 "float32",
                 "floating arrays are cast to this; null keeps the stored type",
             ),
+            arg("dtype", ("or", ("choice", *RAW_DTYPES), "null"), None,
+                "a raw .bin file's values: uint8, uint16 (nanoGPT's tokens), int32, float32, ..."),
+            arg("mmap", ("or", "bool", "null"), None,
+                "memory-map .bin/.npy (copy-on-write); null: .bin always, .npy from 64 MiB"),
         ),
     ),
     _training(
