@@ -65,16 +65,41 @@ epoch:
 """) == ("fresh",)
 
 
-def test_call_changes_its_inputs_unless_it_says_which():
+def test_call_changes_its_inputs_that_are_not_data_unless_it_says_which():
+    init = INIT + """
+      - model.mlp: {out: m, sizes: [2, 2]}
+      - call: {fn: "m:load", out: tokens}
+      - call: {fn: "m:load", out: fixed, pure: true}
+      - call: {fn: "m:derive", in: [fixed], out: derived, pure: true}
+"""
     epoch = """
 epoch:
   - task: t
     do:
-      - call: {{fn: "m:f", in: [a, b]{mutates}}}
+      - call: {{fn: "m:f", in: [a, b, m, tokens, fixed, derived]{mutates}}}
 """
-    assert _held(INIT + epoch.format(mutates="")) == ("a", "b")
-    assert _held(INIT + epoch.format(mutates=", mutates: []")) == ()
-    assert _held(INIT + epoch.format(mutates=", mutates: [b]")) == ("b",)
+    # a, b (const) and the results of pure calls are data: an undeclared call leaves them;
+    # the model and an undeclared call's result may be changed by it.
+    assert _held(init + epoch.format(mutates="")) == ("m", "tokens")
+    assert _held(init + epoch.format(mutates=", mutates: []")) == ()
+    assert _held(init + epoch.format(mutates=", mutates: [b]")) == ("b",)
+    assert _held(init + epoch.format(mutates=", pure: true")) == ()
+
+
+def test_a_pure_calls_result_holds_on_to_none_of_its_inputs():
+    body = INIT + """
+      - model.mlp: {out: m, sizes: [2, 2]}
+epoch:
+  - task: t
+    workspace: global
+    do:
+      - call: {fn: "m:f", in: [m], out: kept}
+      - call: {fn: "m:g", in: [m], out: free, pure: true}
+"""
+    assert _held(body) == ("m", "kept", "free")  # the undeclared call may change m
+    assert _held(body.replace('out: kept}', 'out: kept, mutates: []}')) == ("m", "kept", "free")
+    pure_only = body.replace('- call: {fn: "m:f", in: [m], out: kept}\n', "")
+    assert _held(pure_only) == ("free",)
 
 
 def test_a_changed_object_changes_what_it_keeps():

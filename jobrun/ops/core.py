@@ -7,6 +7,7 @@ torch is imported only by the ops that make or read tensors.
 from __future__ import annotations
 
 import copy as _copy
+import functools
 import json
 import math
 import operator
@@ -282,8 +283,43 @@ def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None, **kwargs: Any) -> Any:
-    """`call`: fn(*inputs, **other keys). `mutates` is for checkpoints, not for `fn`."""
+# What `call` passes to a function whose signature names them (and the plan does not).
+CONTEXT_ARGS = ("rank", "world_size", "device", "generator", "step")
+
+
+def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
+         pure: bool = False, _clock: int | None = None, **kwargs: Any) -> Any:
+    """`call`: fn(*inputs, **other keys, **context it asks for). `mutates` and `pure` are
+    for checkpoints, not for `fn`. A parameter of `fn` named rank, world_size, device,
+    generator (the node's seeded torch.Generator) or step (the global step), not filled
+    by the inputs nor by the plan, receives the run's value."""
     from jobrun.ops.imports import resolve
 
-    return resolve(fn, "call", "fn")(*args, **kwargs)
+    f = resolve(fn, "call", "fn")
+    for name in _asks_for(f, len(args)):
+        if name not in kwargs:
+            if name == "step" and _clock is not None:
+                kwargs[name] = _clock  # the step its loop's iteration began at, as log's
+            else:
+                kwargs[name] = getattr(ctx, name, 0)  # `step`: 0 where no global step is kept
+    return f(*args, **kwargs)
+
+
+call.wants_clock = True  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=256)
+def _asks_for(f: Any, positional: int) -> tuple[str, ...]:
+    """The context names `f`'s signature takes by keyword, past its first `positional`."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature asks for nothing
+        return ()
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params[:positional + 1]):
+        positional = len(params)  # *args takes the inputs: only keyword-only ones are free
+    bound = {p.name for p in params[:positional] if p.kind in by_position}
+    return tuple(p.name for p in params if p.name in CONTEXT_ARGS and p.name not in bound
+                 and p.kind is not inspect.Parameter.POSITIONAL_ONLY)

@@ -50,6 +50,8 @@ def spec_json(spec: OpSpec) -> dict[str, Any]:
 
 
 def _changes_text(spec: OpSpec) -> str:
+    if spec.name == "call" and spec.category == "core":  # jobrun.plans.state decides
+        return "what `mutates` lists; none with pure: true; else its inputs that are not data"
     if spec.mutates is None:
         return "every input (not declared)"
     return ", ".join(spec.mutates) or "nothing"

@@ -8,6 +8,7 @@ data-parallel job builds the same parameters (and rank 0's are broadcast anyway)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,10 +17,14 @@ import torch
 from torch import nn
 
 from jobrun.errors import RunError, did_you_mean
+from jobrun.ops import nested, optim
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import broadcast_tensors
 from jobrun.ops.imports import resolve
+from jobrun.ops.nested import NESTING_OPS
+
+_NONE: Iterator[Any] = iter(())  # no nested blobs (an exhausted iterator stays exhausted)
 
 
 @contextlib.contextmanager
@@ -47,23 +52,32 @@ def _place_module(ctx: OpContext, module: nn.Module) -> nn.Module:
     return module
 
 
-def _materialize(op: str, value: Any, optimizer: Any = None) -> Any:
-    """Instantiate nested `{target: ..., args: [...], **kwargs}` mappings, depth first.
-    ``optimizer``: given to nested learning-rate schedulers as their first argument (the
-    ones SequentialLR or ChainedScheduler combine)."""
+def _materialize(op: str, value: Any, optimizer: Any = None, blobs: Iterator[Any] = _NONE) -> Any:
+    """Instantiate nested `{target: ..., in: [...], args: [...], **kwargs}` mappings, depth
+    first. ``optimizer``: given to nested learning-rate schedulers as their first argument
+    (the ones SequentialLR or ChainedScheduler combine). ``blobs``: the values of the
+    blobs nested targets name with `in`, in the order of jobrun.ops.nested."""
     if isinstance(value, dict):
         if "target" in value:
-            rest = {k: v for k, v in value.items() if k not in ("target", "args")}
-            return _instantiate(op, value["target"], value.get("args") or [], rest,
-                                optimizer=optimizer)
-        return {k: _materialize(op, v, optimizer) for k, v in value.items()}
+            names = value.get("in")
+            if names is not None and op not in NESTING_OPS:
+                raise RunError(f"{op}: a nested target cannot name blobs with `in`",
+                               hint="build the object with `build` and give it as an input")
+            named = {k: next(blobs) for k in names} if isinstance(names, dict) else {}
+            count = len(names) if isinstance(names, list) else int(names is not None and not named)
+            leading = tuple(next(blobs) for _ in range(count))
+            rest = {k: v for k, v in value.items() if k not in ("target", "args", "in")}
+            rest.update(named)
+            return _instantiate(op, value["target"], value.get("args") or [], rest, leading,
+                                optimizer=optimizer, blobs=blobs)
+        return {k: _materialize(op, v, optimizer, blobs) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_materialize(op, v, optimizer) for v in value]
+        return [_materialize(op, v, optimizer, blobs) for v in value]
     return value
 
 
 def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leading: tuple = (),
-                 optimizer: Any = None) -> Any:
+                 optimizer: Any = None, blobs: Iterator[Any] = _NONE) -> Any:
     """`target` called with `leading`, then `args`, and `kwargs` (nested targets built)."""
     if not isinstance(args, list | tuple):
         raise RunError(f"{op}: `args` of {target!r} must be a list, got {args!r}")
@@ -71,8 +85,8 @@ def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leadin
     if optimizer is not None and not leading and isinstance(fn, type) \
             and issubclass(fn, torch.optim.lr_scheduler.LRScheduler):
         leading = (optimizer,)
-    args = [*leading, *_materialize(op, list(args), optimizer)]
-    kwargs = _materialize(op, kwargs, optimizer)
+    args = [*leading, *_materialize(op, list(args), optimizer, blobs)]
+    kwargs = _materialize(op, kwargs, optimizer, blobs)
     try:
         return fn(*args, **kwargs)
     except RunError:
@@ -86,8 +100,9 @@ def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leadin
 
 def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None, **kwargs: Any):
     """`build`: inputs... -> obj. Seeded like model.mlp, so identical on every rank."""
+    own, blobs = nested.split(inputs, args, kwargs)
     with _seeded(ctx):
-        obj = _instantiate("build", target, args or [], kwargs, leading=inputs)
+        obj = _instantiate("build", target, args or [], kwargs, leading=own, blobs=blobs)
     return _place_module(ctx, obj) if isinstance(obj, nn.Module) else obj
 
 
@@ -125,10 +140,18 @@ def model_mlp(
     return _place_module(ctx, model)
 
 
-def optimizer(ctx: OpContext, model: Any, *, target: str = "torch.optim.SGD", **kwargs: Any):
-    """`optimizer`: model -> opt; every other key goes to the optimizer's constructor."""
+def optimizer(ctx: OpContext, model: Any, *, target: str | None = None,
+              groups: list | None = None, **kwargs: Any):
+    """`optimizer`: model -> opt; `class` names one of torch.optim (else `target`, SGD by
+    default); `groups` makes parameter groups by rule (jobrun.ops.optim); every other key
+    goes to the optimizer's constructor."""
+    path = optim.optimizer_class(kwargs.pop("class", None), target)
     params = model.parameters() if isinstance(model, nn.Module) else model
-    return _instantiate("optimizer", target, [], kwargs, leading=(params,))
+    if groups is not None:
+        cls = resolve(path, "optimizer", "class")
+        options = set(inspect.signature(cls).parameters) | {"lr", "weight_decay"}
+        params = optim.param_groups(model, groups, options)
+    return _instantiate("optimizer", path, [], kwargs, leading=(params,))
 
 
 def scheduler(ctx: OpContext, opt: Any, *, target: str | None = None, warmup: int = 0,

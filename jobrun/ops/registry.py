@@ -117,13 +117,18 @@ CORE_SPECS: tuple[OpSpec, ...] = (
         example="- load: {out: [w], path: weights.safetensors}", **_PURE,
     ),
     OpSpec(
-        "call", "Call user code `pkg.mod:func` with the inputs as positional arguments.",
+        "call", "Call user code `pkg.mod:func` with the inputs as positional arguments; parameters "
+        "named rank, world_size, device, generator or step get the run's values.",
         _C + "call", inputs=("args",), outputs=("results",), min_inputs=0, max_inputs=None,
         min_outputs=0, max_outputs=None,
         args=(
             arg("fn", "str", doc='"package.module:function"'),
             arg("mutates", ("or", "list", "null"), None,
-                "the inputs it changes in place, for checkpoints (null: all of them)"),
+                "the inputs it changes in place, for checkpoints (null: the inputs that are not "
+                "data: models, optimizers, readers, results of calls not declared pure)"),
+            arg("pure", "bool", False,
+                "it changes none of its inputs and its results hold none of them: its results "
+                "are data (not checkpointed for what later calls do with them)"),
         ),
         extra_args=True, example='- call: {fn: "mypkg.metrics:f1", in: [pred, y], out: f1, mutates: []}',
     ),

@@ -1,6 +1,6 @@
-"""Training: `train.step`, `evaluate` and their losses (collectives: :mod:`jobrun.ops.dist`).
+"""Training: `train.step` and `evaluate` (losses: :mod:`jobrun.ops.losses`; collectives:
+:mod:`jobrun.ops.dist`).
 
-A loss is "cross_entropy", "mse" or the path of a callable ``(pred, y) -> batch mean``.
 Both ops give the same numbers with one process and with replicas (see
 :mod:`jobrun.ops.dist`): `train.step`'s gradients and loss are those of the global batch.
 """
@@ -8,15 +8,13 @@ Both ops give the same numbers with one process and with replicas (see
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from jobrun.errors import RunError, did_you_mean
+from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import (
@@ -27,57 +25,11 @@ from jobrun.ops.dist import (
     comm_device,
     sparse_params,
 )
-from jobrun.ops.imports import resolve
+from jobrun.ops.losses import LOSSES as _LOSSES
+from jobrun.ops.losses import MODEL, accuracy_logits, forward, step_loss
+from jobrun.ops.losses import loss_fn as _loss_fn
 from jobrun.ops.models import require_optimizer
 from jobrun.ops.reader import Reader
-
-# ---------------------------------------------------------------------------- losses
-
-_LONG = torch.long
-
-
-def _cross_entropy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if y.dtype is _LONG and pred.ndim == 2:
-        # The common case first, in attribute reads: each method call here costs ~1 us
-        # between the step's kernels (cold caches), a tiny model's step ~400 us.
-        return F.cross_entropy(pred, y)
-    if y.is_floating_point() and y.dim() == pred.dim() - 1:
-        y = y.long()  # class indices stored as floats (e.g. read from a CSV file)
-    if pred.dim() > 2 and y.dim() == pred.dim() - 1:
-        # sequence outputs [B, T, V] against labels [B, T]: one class per position
-        return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), y.reshape(-1))
-    return F.cross_entropy(pred, y)
-
-
-def _mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if not y.is_floating_point():
-        y = y.to(pred.dtype)
-    if y.shape != pred.shape and y.numel() == pred.numel():
-        y = y.reshape(pred.shape)  # [n] targets against [n, 1] predictions
-    return F.mse_loss(pred, y)
-
-
-_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cross_entropy": _cross_entropy,
-    "mse": _mse,
-}
-
-
-@functools.lru_cache(maxsize=64)
-def _loss_fn(name: str, op: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A loss by name; a path names a callable(pred, y) giving the batch mean.
-
-    Cached: a dotted path is resolved once, not at every step.
-    """
-    if name in _LOSSES:
-        return _LOSSES[name]
-    if "." in name or ":" in name:
-        return resolve(name, op, "loss")
-    raise RunError(
-        f"{op}: unknown loss {name!r}",
-        hint=did_you_mean(name, _LOSSES) or "cross_entropy, mse, or a dotted path",
-    )
-
 
 # ------------------------------------------------------------------------ train.step
 
@@ -152,10 +104,10 @@ def train_step(
     for i, (xb, yb, n) in enumerate(batches):
         if n:
             if dtype is None:
-                part = loss_fn(model(xb), yb)
+                part = step_loss(loss_fn, model, xb, yb)
             else:
                 with _autocast(device, dtype):
-                    part = loss_fn(model(xb), yb)
+                    part = step_loss(loss_fn, model, xb, yb)
             if summed:
                 part = part * n  # the micro-batch's sum; the gradients are divided by all records later
             else:
@@ -290,7 +242,7 @@ def evaluate(
     """
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
-    if reader.field_count == 1:  # a Dataset reader learns its count from its first batch
+    if reader.field_count == 1 and loss != MODEL:  # a Dataset reader learns its count late
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     loss_fn = _loss_fn(loss, "evaluate")
     cast = contextlib.nullcontext() if amp is None else _autocast(ctx.device, amp_dtype(amp, "evaluate"))
@@ -326,23 +278,44 @@ def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> li
     count = classified = 0
     correct: Any = 0
     for fields in reader.full_pass():
-        if len(fields) < 2:
-            raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")
-        x = as_tensor(fields[0], ctx.device, "evaluate input x")
-        y = as_tensor(fields[1], ctx.device, "evaluate input y")
-        n = _count(y)
+        x, y, n = _eval_batch(ctx, fields, loss)
         if n == 0:
             continue
-        pred = model(x)
-        part = loss_fn(pred, y)
+        pred, part = forward(loss_fn, model, x, y)
         loss_sum = loss_sum + (part.item() if host else part.double()) * n
         count += n
-        labels = not y.is_floating_point() or loss == "cross_entropy"
-        if labels and pred.dim() == y.dim() + 1:
-            hits = (pred.argmax(dim=-1) == (y if y.dtype == torch.long else y.long())).sum()
+        pair = _compared(model, pred, x, y, loss)
+        if pair is not None:
+            guess, labels = pair
+            hits = (guess.argmax(dim=-1) == (labels if labels.dtype == torch.long else labels.long())).sum()
             correct = correct + (int(hits) if host else hits)
-            classified += y.numel()
+            classified += labels.numel()
     return [loss_sum, count, correct, classified]
+
+
+def _eval_batch(ctx: OpContext, fields: tuple, loss: str) -> tuple[Any, Any, int]:
+    """(x, y, records) of one batch on the run's device. With `loss: model` a batch may be
+    one mapping (its keys are the model's arguments) and y is None."""
+    first = fields[0] if fields else None
+    if loss == MODEL and isinstance(first, Mapping):
+        x = {k: as_tensor(v, ctx.device, f"evaluate input {k}") for k, v in first.items()}
+        y = as_tensor(fields[1], ctx.device, "evaluate input y") if len(fields) > 1 else None
+        sizes = [v for v in (y, *x.values()) if v is not None]
+        return x, y, _count(sizes[0]) if sizes else 0
+    if len(fields) < 2:
+        raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")
+    x = as_tensor(fields[0], ctx.device, "evaluate input x")
+    y = as_tensor(fields[1], ctx.device, "evaluate input y")
+    return x, y, _count(y)
+
+
+def _compared(model: Any, pred: Any, x: Any, y: Any, loss: str) -> tuple[Any, Any] | None:
+    """(predictions, labels) that accuracy compares, or None (regression, no logits)."""
+    if loss == MODEL:
+        labels = x.get("labels") if y is None and isinstance(x, Mapping) else y
+        return None if pred is None else accuracy_logits(model, pred, labels)
+    labels = not y.is_floating_point() or loss == "cross_entropy"
+    return (pred, y) if labels and pred.dim() == y.dim() + 1 else None
 
 
 def _reduce_sums(ctx: OpContext, sums: list[Any]) -> list[float]:

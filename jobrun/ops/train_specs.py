@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from jobrun.ops.spec import OpSpec, arg
 
-_LOSS_DOC = "cross_entropy, mse, or a dotted path to a callable(pred, y) giving the batch mean"
+_LOSS_DOC = (
+    "cross_entropy, mse, a dotted path to a callable(pred, y) giving the batch mean, or model: "
+    "the model computes it, model(x, y) (labels=y for Hugging Face) or model(**batch)"
+)
 _STR_OR_NULL = ("or", "str", "null")
 # The value types of a raw `.bin` file `data.load` reads (numpy's names).
 RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "float16", "float32", "float64")
 _LIST_OR_NULL = ("or", "list", "null")
+# torch.optim's optimizers (torch 2.13), for `class:` (any other class: `target`).
+OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS",
+              "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 
 
 def _training(name: str, doc: str, impl: str, example: str, **fields) -> OpSpec:
@@ -103,12 +109,20 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         "optimizer",
         "An optimizer over the model's parameters; other keys go to its constructor.",
         "models:optimizer",
-        "- optimizer: {in: model, out: opt, target: torch.optim.SGD, lr: 0.1, momentum: 0.9}",
+        "- optimizer: {in: model, out: opt, class: SGD, lr: 0.1, momentum: 0.9}",
         inputs=("model",),
         outputs=("opt",),
         extra_args=True,
         keeps=("model",),  # stepping it changes the parameters
-        args=(arg("target", "str", "torch.optim.SGD", "dotted path of the optimizer class"),),
+        args=(
+            arg("class", ("or", ("choice", *OPTIMIZERS), "null"), None,
+                "an optimizer of torch.optim by name, e.g. AdamW (or `target`)"),
+            arg("target", _STR_OR_NULL, None,
+                "dotted path of the optimizer class (null: torch.optim.SGD)"),
+            arg("groups", _LIST_OR_NULL, None,
+                "parameter groups by rule: [{ndim_below: 2, weight_decay: 0.0}] (selectors "
+                "ndim_below, ndim_at_least, names: shell patterns; other keys: the group's options)"),
+        ),
     ),
     _training(
         "scheduler",

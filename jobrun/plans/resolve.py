@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from jobrun.errors import PlanError, Pos, did_you_mean
+from jobrun.plans import arith
 from jobrun.plans.load import (
     MAX_ALIAS_NODES,
     MAX_DEPTH,
@@ -119,7 +120,7 @@ def _subst_str(text: str, ctx: _Ctx, pos: Pos, depth: int) -> Any:
     """`text` with its references replaced; `depth` is where the result will sit."""
     whole = _REF.fullmatch(text)
     if whole and not whole.group(1):
-        value = _lookup(whole.group(2), ctx, pos)
+        value = _value(whole.group(2), ctx, pos)
         if not isinstance(value, list | dict):
             return value
         if depth - 1 + nesting(value, MAX_DEPTH - depth + 1) > MAX_DEPTH:
@@ -139,7 +140,7 @@ def _subst_str(text: str, ctx: _Ctx, pos: Pos, depth: int) -> Any:
     def repl(m: re.Match[str]) -> str:
         if m.group(1):  # "$${x}" -> "${x}"
             return "${" + m.group(2) + "}"
-        return _as_text(_lookup(m.group(2), ctx, pos))
+        return _as_text(_value(m.group(2), ctx, pos))
 
     out = _REF.sub(repl, text)
     if len(out) > MAX_TEXT:
@@ -149,6 +150,17 @@ def _subst_str(text: str, ctx: _Ctx, pos: Pos, depth: int) -> Any:
             "do not repeat vars inside vars so many times",
         )
     return out
+
+
+def _value(text: str, ctx: _Ctx, pos: Pos) -> Any:
+    """The value of `${text}`: a var's, or arithmetic on vars and numbers."""
+    name = text.strip()
+    if VAR_NAME.match(name) or not name:
+        return _lookup(name, ctx, pos)
+    try:
+        return arith.evaluate(name, lambda n: _lookup(n, ctx, pos))
+    except arith.ArithError as e:
+        raise PlanError(str(e), pos, e.hint) from None
 
 
 def _lookup(name: str, ctx: _Ctx, pos: Pos) -> Any:

@@ -4,11 +4,13 @@ Resume runs `init` again, so what `init` builds and no later step touches (data,
 sets, constants, an evaluation reader) is rebuilt, not loaded. Per node::
 
     changed  = blobs an epoch step writes (`out`, a loop's `as`)
-             + inputs an epoch step changes in place (its op's `mutates`; `call` and
-               users' ops without a declaration: every input; `call: {mutates: [...]}`
-               says which)
+             + inputs an epoch step changes in place (its op's `mutates`; users' ops
+               without a declaration: every input; `call: {mutates: [...]}` says which;
+               a `call` that does not: its inputs that are not data, i.e. not made by
+               an op of DATA_OPS nor by a `pure: true` call; `pure: true`: none)
              + what a changed blob holds on to (its op's `keeps`: a scheduler its
-               optimizer; `build` and undeclared ops: every input), until nothing new
+               optimizer; `build` and undeclared ops: every input; a pure call: none),
+               until nothing new
     held     = (changed + checkpoint.include - checkpoint.exclude) & global blobs
 
 Global blobs are the names that global-workspace tasks of `init` and `epoch` create; an
@@ -87,6 +89,7 @@ class _Walk(Visitor):
         self.group = ""
         self.task: ir.Task | None = None
         self.bad_mutates: list[tuple[Pos, str, str]] = []
+        self.data: dict[str, set[str]] = {}  # node -> blobs that hold data (see DATA_OPS)
 
     def visit_Group(self, group: ir.Group) -> None:
         if group.name in ("init", "epoch"):  # download and exit run after the last save
@@ -120,15 +123,23 @@ class _Walk(Visitor):
         names = spec.input_names(len(call.ins)) if spec is not None else [""] * len(call.ins)
         blobs = [(i.name, n) for i, n in zip(call.ins, names) if isinstance(i, ir.BlobRef)]
         listed = self._listed(call, [b for b, _ in blobs])
+        pure = is_pure(call)
+        data = self.data.setdefault(task.node, set())
         if self.group == "epoch":
             changed = self.changed[task.node]
             if listed is not None:
                 changed.update(b for b, _ in blobs if b in listed)
+            elif call.op == "call":  # undeclared: it may change what is not data
+                changed.update(b for b, _ in blobs if not pure and b not in data)
             else:
                 changed.update(b for b, n in blobs if _declared(spec, "mutates", n))
-        kept = {b for b, n in blobs if _declared(spec, "keeps", n)}
+        kept = set() if pure else {b for b, n in blobs if _declared(spec, "keeps", n)}
         for out in call.outs:
             self._wrote(out.name)
+            if pure or call.op in DATA_OPS:
+                data.add(out.name)
+            else:
+                data.discard(out.name)
             if kept:
                 self.kept[task.node].setdefault(out.name, set()).update(kept)
 
@@ -162,6 +173,21 @@ def _declared(spec: OpSpec | None, field: str, input_name: str) -> bool:
         return True  # an unknown op (analyze reports it): assume the worst
     declared: Any = getattr(spec, field)
     return declared is None or input_name in declared
+
+
+# Ops whose outputs are data (numbers, tensors, batches, paths), not objects with state:
+# a `call` that does not say what it changes is taken to change none of these inputs.
+DATA_OPS = frozenset((
+    "const", "fill", "randn", "copy", "add", "sub", "mul", "div", "ge", "gt", "le", "lt",
+    "eq", "ne", "and", "or", "not", "read", "load", "data.load", "data.synthetic",
+    "train.step", "evaluate", "dist.allreduce", "dist.broadcast", "model.gather", "export",
+))
+
+
+def is_pure(call: ir.OpCall) -> bool:
+    """Whether a `call` says `pure: true`: it changes none of its inputs and its results
+    hold on to none of them."""
+    return call.op == "call" and call.kwargs.get("pure") is True
 
 
 def call_mutates(call: ir.OpCall) -> list[Any] | None:

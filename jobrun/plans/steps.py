@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from jobrun.errors import PlanError, Pos, did_you_mean
+from jobrun.ops.nested import NESTING_OPS, nested_inputs
 from jobrun.plans import ir
 from jobrun.plans.keys import (
     BLOB_NAME,
@@ -289,7 +290,24 @@ class StepCompiler:
         if args is None:
             return ir.OpCall(name, ins, outs, (), pos, (), step_id, every)
         arg_pos = tuple([(k, body.at(k)) for k, _ in args])
+        if name in NESTING_OPS:
+            ins = ins + self.nested(name, args)
         return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos, step_id, every)
+
+    def nested(self, op: str, args: list[tuple[str, Any]]) -> tuple[ir.Input, ...]:
+        """The blobs nested targets name with `in` (see jobrun.ops.nested), as inputs."""
+        kwargs = dict(args)
+        found = nested_inputs(kwargs.get("args"), kwargs)
+        refs: list[ir.Input] = []
+        for item, container, key in found:
+            at = container.at(key) if isinstance(container, PList | PMap) else Pos("<plan>")
+            if item.__class__ is not str:
+                raise PlanError(
+                    f"`in` of a nested target names blobs; {kind_of(item)} is not a blob name",
+                    at, "give literal values as `args` or keyword arguments of the target",
+                )
+            refs.append(self.blob(item, at, "in", op))
+        return tuple(refs)
 
     def input(self, op: str, item: Any, pos: Pos) -> ir.Input:
         if item.__class__ is str:

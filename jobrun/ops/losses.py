@@ -1,0 +1,178 @@
+"""Losses of `train.step` and `evaluate`: by name, by dotted path, or the model's own.
+
+A loss is "cross_entropy", "mse", the path of a callable ``(pred, y) -> batch mean``, or
+"model": the model computes its loss itself (nanoGPT, Hugging Face), called as
+
+    model(**x)                 x is a mapping (a dict batch): its keys are forward's arguments
+    model(x, labels=y)         forward has a parameter named `labels` (Hugging Face)
+    model(x, y)                otherwise (nanoGPT's forward(idx, targets))
+
+and its output gives the loss: a scalar tensor; a tuple or list holding one 0-d tensor
+(nanoGPT's ``(logits, loss)``, Hugging Face's ``(loss, logits, ...)``); a mapping or an
+object with ``loss`` (Hugging Face's ModelOutput). Logits, when the output has them, give
+`evaluate`'s accuracy. :func:`step_loss` and :func:`forward` are the one place both ops
+compute a batch's loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from jobrun.errors import RunError, did_you_mean
+from jobrun.ops.imports import resolve
+
+_LONG = torch.long
+_Tensor = torch.Tensor
+
+MODEL = "model"  # `loss: model`
+
+
+def _cross_entropy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if y.dtype is _LONG and pred.ndim == 2:
+        # The common case first, in attribute reads: each method call here costs ~1 us
+        # between the step's kernels (cold caches), a tiny model's step ~400 us.
+        return F.cross_entropy(pred, y)
+    if y.is_floating_point() and y.dim() == pred.dim() - 1:
+        y = y.long()  # class indices stored as floats (e.g. read from a CSV file)
+    if pred.dim() > 2 and y.dim() == pred.dim() - 1:
+        # sequence outputs [B, T, V] against labels [B, T]: one class per position
+        return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(pred, y)
+
+
+def _mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if not y.is_floating_point():
+        y = y.to(pred.dtype)
+    if y.shape != pred.shape and y.numel() == pred.numel():
+        y = y.reshape(pred.shape)  # [n] targets against [n, 1] predictions
+    return F.mse_loss(pred, y)
+
+
+def model_loss(model: Any, x: Any, y: Any) -> torch.Tensor:
+    """`loss: model`: the loss the model computes itself (see the module's doc)."""
+    return forward(model_loss, model, x, y)[1]
+
+
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "cross_entropy": _cross_entropy,
+    "mse": _mse,
+    MODEL: model_loss,  # called as (model, x, y), not (pred, y): see step_loss
+}
+
+
+@functools.lru_cache(maxsize=64)
+def loss_fn(name: str, op: str) -> Callable[..., torch.Tensor]:
+    """A loss by name; a path names a callable(pred, y) giving the batch mean.
+
+    Cached: a dotted path is resolved once, not at every step.
+    """
+    if name in LOSSES:
+        return LOSSES[name]
+    if "." in name or ":" in name:
+        return resolve(name, op, "loss")
+    raise RunError(
+        f"{op}: unknown loss {name!r}",
+        hint=did_you_mean(name, LOSSES) or "cross_entropy, mse, model, or a dotted path",
+    )
+
+
+def step_loss(fn: Callable[..., torch.Tensor], model: Any, x: Any, y: Any) -> torch.Tensor:
+    """One batch's loss: ``fn(model(x), y)``, or the model's own loss with `loss: model`."""
+    if fn is model_loss:
+        return forward(fn, model, x, y)[1]
+    return fn(model(x), y)
+
+
+def forward(fn: Callable[..., torch.Tensor], model: Any, x: Any, y: Any) -> tuple[Any, torch.Tensor]:
+    """(predictions or logits, loss) of one batch. With `loss: model` the predictions are
+    the output's logits, or None when it has none."""
+    if fn is not model_loss:
+        pred = model(x)
+        return pred, fn(pred, y)
+    if isinstance(x, Mapping):
+        out = model(**x)
+    elif _takes_labels(model):
+        out = model(x, labels=y)
+    else:
+        out = model(x, y)
+    return _loss_and_logits(out, model)
+
+
+def _takes_labels(model: Any) -> bool:
+    """Whether the model's forward names its targets `labels` (Hugging Face's models),
+    read once per class. Wrappers (DDP's `module`, torch.compile's `_orig_mod`) are
+    looked through."""
+    inner = model
+    for attr in ("_orig_mod", "module"):
+        inner = getattr(inner, attr, inner)
+    return _labels_param(type(inner))
+
+
+@functools.lru_cache(maxsize=256)
+def _labels_param(cls: type) -> bool:
+    try:
+        return "labels" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def _loss_and_logits(out: Any, model: Any) -> tuple[Any, torch.Tensor]:
+    logits = None
+    if out.__class__ is _Tensor or isinstance(out, _Tensor):
+        loss = out
+    elif isinstance(out, tuple | list):
+        scalars = [v for v in out if isinstance(v, _Tensor) and v.dim() == 0]
+        if not scalars and any(v is None for v in out):
+            scalars = [None]  # nanoGPT's (logits, None): it got no targets
+        if len(scalars) != 1:
+            raise RunError(
+                f"loss: model: the model returned a {type(out).__name__} of {len(out)} items "
+                f"with {len(scalars)} scalar tensors; which one is the loss?",
+                hint="return (logits, loss) as nanoGPT does, a scalar loss, or an object with `loss`",
+            )
+        loss = scalars[0]
+        logits = next((v for v in out if isinstance(v, _Tensor) and v.dim() > 0), None)
+    elif isinstance(out, Mapping) and "loss" in out:
+        loss, logits = out["loss"], out.get("logits")
+    elif hasattr(out, "loss"):
+        loss, logits = out.loss, getattr(out, "logits", None)
+    else:
+        raise RunError(
+            f"loss: model: the model returned a {type(out).__name__}, with no loss in it",
+            hint="its forward(x, y) must return the loss: a scalar tensor, (logits, loss), "
+            "or an object with `loss` (Hugging Face's ModelOutput)",
+        )
+    if not isinstance(loss, _Tensor) or loss.numel() != 1:
+        what = "None" if loss is None else (
+            f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, _Tensor) else type(loss).__name__)
+        raise RunError(
+            f"loss: model: the model's loss is {what}, not a scalar tensor",
+            hint="the model computes its loss only when given the targets: check that the "
+            "reader gives (x, y), or that a dict batch holds `labels`",
+        )
+    return logits, loss.reshape(()) if loss.dim() else loss
+
+
+def accuracy_logits(model: Any, logits: torch.Tensor, y: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits, labels) to compare for accuracy with `loss: model`, or None.
+
+    Causal language models of Hugging Face (``...ForCausalLM``, ``...LMHeadModel``) shift
+    their labels inside: position t predicts label t + 1, and accuracy compares the same.
+    """
+    if not isinstance(y, _Tensor) or y.is_floating_point() or logits.dim() != y.dim() + 1:
+        return None
+    if tuple(logits.shape[:-1]) != tuple(y.shape):
+        return None
+    inner = model
+    for attr in ("_orig_mod", "module"):
+        inner = getattr(inner, attr, inner)
+    name = type(inner).__name__
+    if _labels_param(type(inner)) and name.endswith(("ForCausalLM", "LMHeadModel")) and y.dim() >= 2:
+        return logits[..., :-1, :], y[..., 1:]
+    return logits, y

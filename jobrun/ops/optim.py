@@ -1,0 +1,95 @@
+"""`optimizer`'s class by name and its parameter groups by rule.
+
+    groups: [{ndim_below: 2, weight_decay: 0.0}]
+
+puts the parameters with fewer than 2 dimensions (biases, norms' weights) in a group
+without weight decay, as transformer recipes do (nanoGPT's configure_optimizers). The
+order is nanoGPT's: first the parameters that no rule selects (with the optimizer's own
+options), then one group per rule, each in ``model.parameters()`` order; a parameter
+belongs to the first rule that selects it; empty groups are left out.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobrun.errors import RunError, did_you_mean
+
+# How a rule selects parameters; its other keys are the group's options (lr, weight_decay...).
+SELECTORS = ("ndim_below", "ndim_at_least", "names")
+
+
+def optimizer_class(name: str | None, target: str | None) -> str:
+    """The dotted path of the optimizer: `class` names one of torch.optim."""
+    if name is None:
+        return target or "torch.optim.SGD"
+    if target is not None:
+        raise RunError("optimizer: give `class` or `target`, not both",
+                       hint="class: AdamW names torch.optim.AdamW; target is a dotted path to any class")
+    known = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]
+    if name not in known:
+        same = [k for k in known if k.lower() == str(name).lower()]  # adamw: AdamW, not Adam
+        raise RunError(f"optimizer: torch.optim has no optimizer {name!r}",
+                       hint=(f"did you mean {same[0]!r}?" if same else did_you_mean(str(name), known))
+                       or f"one of {', '.join(sorted(known))}")
+    return f"torch.optim.{name}"
+
+
+def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[str, Any]]:
+    """The parameter groups `groups` describes, for an optimizer whose options are `options`."""
+    if not isinstance(model, nn.Module):
+        raise RunError(f"optimizer: groups need a model (an nn.Module), got a {type(model).__name__}")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise RunError("optimizer: `groups` is a list of rules",
+                       hint="groups: [{ndim_below: 2, weight_decay: 0.0}]")
+    rules = [_rule(i, g, options) for i, g in enumerate(groups)]
+    chosen: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+    for name, p in model.named_parameters():  # shared parameters once, in parameters() order
+        k = next((i + 1 for i, (select, _) in enumerate(rules) if select(name, p)), 0)
+        chosen[k].append(p)
+    out = [{"params": chosen[0]}] if chosen[0] else []
+    out += [{"params": ps, **opts} for ps, (_, opts) in zip(chosen[1:], rules) if ps]
+    return out
+
+
+def _rule(i: int, group: dict[str, Any], options: set[str]) -> tuple[Any, dict[str, Any]]:
+    where = f"optimizer: groups[{i}]"
+    selectors = {k: v for k, v in group.items() if k in SELECTORS}
+    opts = {k: v for k, v in group.items() if k not in SELECTORS}
+    if not selectors:
+        raise RunError(f"{where} selects no parameters",
+                       hint=f"give one of {', '.join(SELECTORS)}, e.g. ndim_below: 2")
+    for key in opts:
+        if key not in options or key == "params":
+            raise RunError(f"{where}: {key!r} is neither a selector nor an option of the optimizer",
+                           hint=did_you_mean(key, [*SELECTORS, *sorted(options - {'params'})])
+                           or f"selectors: {', '.join(SELECTORS)}; options: {', '.join(sorted(options))}")
+    below, least, names = (selectors.get(k) for k in SELECTORS)
+    for key, value in (("ndim_below", below), ("ndim_at_least", least)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RunError(f"{where}: {key} is a number of dimensions, got {value!r}")
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise RunError(f"{where}: names is a list of patterns, got {names!r}",
+                       hint='names: ["*.bias", "*norm*"] (shell patterns on parameter names)')
+
+    def select(name: str, p: torch.Tensor) -> bool:
+        return ((below is None or p.dim() < below) and (least is None or p.dim() >= least)
+                and (names is None or any(fnmatch.fnmatchcase(name, n) for n in names)))
+
+    return select, opts
+
+
+def describe(opt: torch.optim.Optimizer, model: Any) -> list[str]:
+    """One line per parameter group: its size and options (for messages and tests)."""
+    names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, nn.Module) else {}
+    lines = []
+    for i, g in enumerate(opt.param_groups):
+        shown = [names.get(id(p), "?") for p in g["params"]]
+        lines.append(f"group {i}: {len(shown)} tensors ({', '.join(shown[:4])}"
+                     f"{', ...' if len(shown) > 4 else ''}), weight_decay={g.get('weight_decay')}")
+    return lines

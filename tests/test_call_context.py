@@ -1,0 +1,76 @@
+"""`call` passes the run's context to functions that name it: rank, world_size, device,
+generator (the node's), step (the global step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jobrun.ops import core
+from jobrun.ops.context import OpContext
+
+HERE = __name__
+
+
+def wants_all(x, *, rank, world_size, device, generator, step):
+    return x, rank, world_size, device, generator, step
+
+
+def wants_some(x, scale=1, generator=None, device="nowhere"):
+    return x * scale, generator, device
+
+
+def step_first(step, x=None):
+    return step, x
+
+
+def variadic(*xs, rank=-1):
+    return xs, rank
+
+
+def plain(x, y=0):
+    return x + y
+
+
+def test_a_function_gets_the_context_it_names():
+    ctx = OpContext(rank=1, world_size=2, device="cpu")
+    x, rank, world, device, gen, step = core.call(ctx, 5, fn=f"{HERE}:wants_all")
+    assert (x, rank, world, device) == (5, 1, 2, "cpu")
+    assert gen is ctx.generator and isinstance(gen, torch.Generator)
+    assert step == getattr(ctx, "step", 0)
+
+
+def test_the_executor_clock_is_the_step_a_call_sees():
+    assert core.call(OpContext(), 5, fn=f"{HERE}:wants_all", _clock=40)[5] == 40
+
+
+def test_plan_arguments_and_inputs_win_over_the_context():
+    ctx = OpContext(device="cpu")
+    assert core.call(ctx, 2, fn=f"{HERE}:wants_some", scale=3, device="mine") == (6, ctx.generator, "mine")
+    # an input that fills the parameter positionally is not overridden
+    assert core.call(ctx, 7, 8, fn=f"{HERE}:step_first") == (7, 8)
+    assert core.call(ctx, fn=f"{HERE}:step_first", _clock=3) == (3, None)
+    assert core.call(ctx, 1, 2, fn=f"{HERE}:variadic") == ((1, 2), 0)
+
+
+def test_functions_that_do_not_ask_get_nothing_more():
+    assert core.call(OpContext(), 1, fn=f"{HERE}:plain", y=2) == 3
+    assert core.call(OpContext(), -3, fn="builtins:abs") == 3
+
+
+def test_generator_draws_follow_the_nodes_stream():
+    def draw(ctx):
+        return core.call(ctx, fn=f"{HERE}:wants_some", scale=0, x=0)[1]
+
+    a, b = OpContext(seed=4), OpContext(seed=4)
+    assert torch.equal(torch.rand(3, generator=draw(a)), torch.rand(3, generator=draw(b)))
+    assert not torch.equal(torch.rand(3, generator=draw(a)),
+                           torch.rand(3, generator=draw(OpContext(seed=5))))
+
+
+@pytest.mark.parametrize("name", core.CONTEXT_ARGS)
+def test_every_context_name_is_documented(name):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plan-language.md").read_text()
+    assert f"`{name}`" in doc
