@@ -364,12 +364,17 @@ def reader_op(
     return TensorReader(fields, **geometry)
 
 
-def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
-    """`read`: r -> fields..., done."""
+def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
+    """`read`: r -> fields..., done; `done` may be left out (a reader that never ends, of
+    random windows say, or a loop that stops otherwise), then the fields alone."""
     if not isinstance(reader, Reader):
         raise RunError(
             f"read expects a reader, got a {type(reader).__name__}",
             hint="create one with `reader: {in: [x, y], out: r}`",
         )
     with reader.lock:  # each of several instances reading it gets batches of its own
-        return reader.read()
+        batch = reader.read()
+    return batch[:-1] if len(_out_names) == reader.field_count else batch
+
+
+read_op.wants_out_names = True  # type: ignore[attr-defined]
