@@ -364,7 +364,7 @@ def test_evaluate_sums_on_the_host_equal_the_device_tensor_sums(kind):
     reader = reader_op(ctx, x, y, batch_size=8)  # a short last batch
     with torch.no_grad():
         sums = [
-            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss, "evaluate"), loss, reader, host))
+            train._reduce_sums(ctx, train._eval_sums(ctx, model, train._loss_fn(loss, "evaluate"), loss, reader.full_pass(), host))
             for host in (True, False)
         ]
     assert sums[0] == sums[1]

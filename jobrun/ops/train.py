@@ -8,7 +8,7 @@ Both ops give the same numbers with one process and with replicas (see
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -232,18 +232,24 @@ def _count(y: torch.Tensor) -> int:
 
 def evaluate(
     ctx: OpContext, model: Any, reader: Reader, *, loss: str = "cross_entropy",
-    amp: str | None = None,
+    amp: str | None = None, batches: int | None = None,
 ) -> tuple[float, float | None]:
     """`evaluate`: mean loss and accuracy over one full pass, reduced over ranks.
 
     Accuracy is computed when the labels are class indices (integers, or cross_entropy
     with one dimension less than the predictions); it is None otherwise (regression).
-    ``amp`` autocasts each forward and loss as `train.step`'s does.
+    ``amp`` autocasts each forward and loss as `train.step`'s does. ``batches`` N: the
+    reader's next N batches instead (read as `read` reads them, moving its position), and
+    the loss is the mean of the N batch losses, as a hand loop's estimate (nanoGPT's
+    estimate_loss: float32 losses, their torch mean), each batch's loss the mean over its
+    global batch.
     """
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
     if reader.field_count == 1 and loss != MODEL:  # a Dataset reader learns its count late
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
+    if batches is not None:
+        require_int("evaluate", "batches", batches, 1)
     loss_fn = _loss_fn(loss, "evaluate")
     cast = contextlib.nullcontext() if amp is None else _autocast(ctx.device, amp_dtype(amp, "evaluate"))
     was_training = getattr(model, "training", False)
@@ -251,13 +257,17 @@ def evaluate(
         model.eval()
     try:
         with torch.no_grad(), cast:
-            sums = _eval_sums(ctx, model, loss_fn, loss, reader, _on_host(ctx))
+            passes = reader.full_pass() if batches is None else _next_batches(reader, batches)
+            sums = _eval_sums(ctx, model, loss_fn, loss, passes, _on_host(ctx), batches is not None)
     finally:
         if isinstance(model, nn.Module):
             model.train(was_training)
-    loss_sum, count, correct, classified = _reduce_sums(ctx, sums)
+    loss_sum, count, correct, classified, *each = _reduce_sums(ctx, sums)
     if count == 0:
         raise RunError("evaluate: the reader has no records", hint="check the eval data")
+    if batches is not None:  # the mean of the batch means, in float32 as a hand loop's
+        means = torch.tensor([s / n for s, n in zip(each[::2], each[1::2]) if n], dtype=torch.float32)
+        return means.mean().item(), (correct / classified if classified > 0 else None)
     # Accuracy per label: for sequence outputs every position is one prediction.
     return loss_sum / count, (correct / classified if classified > 0 else None)
 
@@ -266,8 +276,28 @@ def _on_host(ctx: OpContext) -> bool:
     return ctx.device == "cpu" or torch.device(ctx.device).type == "cpu"
 
 
-def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> list[Any]:
-    """[sum of loss * count, count, correct labels, labels compared] over one pass.
+def _next_batches(reader: Reader, n: int) -> Iterator[tuple[Any, ...]]:
+    """The reader's next `n` batches, read as `read` reads them (ends of passes skipped)."""
+    got = ends = 0
+    while got < n:
+        with reader.lock:
+            *fields, done = reader.read()
+        if done:
+            ends += 1
+            if reader.finished or ends > 1 and got == 0:
+                raise RunError(
+                    f"evaluate: the reader ran out after {got} of {n} batches",
+                    hint="give the reader passes: 0 (forever), or ask for fewer batches",
+                )
+            continue
+        got += 1
+        yield tuple(fields)
+
+
+def _eval_sums(ctx, model, loss_fn, loss: str, passes: Iterable[tuple], host: bool,
+               each: bool = False) -> list[Any]:
+    """[sum of loss * count, count, correct labels, labels compared] over the batches;
+    ``each``: then every batch's loss * count and count.
 
     Float64 sums, added batch by batch in order. On the CPU they are Python floats and
     ints (the same IEEE double arithmetic as float64 tensors, without three tensor ops
@@ -277,12 +307,18 @@ def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> li
     loss_sum: Any = 0.0
     count = classified = 0
     correct: Any = 0
-    for fields in reader.full_pass():
+    per_batch: list[Any] = []
+    for fields in passes:
         x, y, n = _eval_batch(ctx, fields, loss)
         if n == 0:
+            if each:  # a rank's empty slice of a global batch: the others have its records
+                per_batch += [0.0, 0]
             continue
         pred, part = forward(loss_fn, model, x, y)
-        loss_sum = loss_sum + (part.item() if host else part.double()) * n
+        weighted = (part.item() if host else part.double()) * n
+        loss_sum = loss_sum + weighted
+        if each:
+            per_batch += [weighted, n]
         count += n
         pair = _compared(model, pred, x, y, loss)
         if pair is not None:
@@ -290,7 +326,7 @@ def _eval_sums(ctx, model, loss_fn, loss: str, reader: Reader, host: bool) -> li
             hits = (guess.argmax(dim=-1) == (labels if labels.dtype == torch.long else labels.long())).sum()
             correct = correct + (int(hits) if host else hits)
             classified += labels.numel()
-    return [loss_sum, count, correct, classified]
+    return [loss_sum, count, correct, classified, *per_batch]
 
 
 def _eval_batch(ctx: OpContext, fields: tuple, loss: str) -> tuple[Any, Any, int]:

@@ -179,7 +179,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "evaluate",
-        "Mean loss and accuracy over one full pass of a reader, no gradients, all ranks.",
+        "Mean loss and accuracy over one full pass of a reader (or its next `batches`), no gradients, all ranks.",
         "train:evaluate",
         "- evaluate: {in: [model, test], out: [test_loss, test_acc]}",
         inputs=("model", "reader"),
@@ -188,6 +188,9 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
             arg("amp", ("or", ("choice", "bf16", "fp16"), "null"), None,
                 "mixed precision: autocast the forward and the loss, as train.step's amp"),
+            arg("batches", ("or", "int", "null"), None,
+                "the reader's next N batches (moving its position) instead of one full pass; "
+                "loss: the mean of the N batch losses, as a hand loop's estimate"),
         ),
     ),
     _training(

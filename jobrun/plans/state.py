@@ -133,6 +133,8 @@ class _Walk(Visitor):
                 changed.update(b for b, _ in blobs if not pure and b not in data)
             else:
                 changed.update(b for b, n in blobs if _declared(spec, "mutates", n))
+            if call.op == "evaluate" and call.kwargs.get("batches") is not None:
+                changed.update(b for b, n in blobs if n == "reader")  # it reads on, as `read`
         kept = set() if pure else {b for b, n in blobs if _declared(spec, "keeps", n)}
         for out in call.outs:
             self._wrote(out.name)
