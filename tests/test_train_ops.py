@@ -167,8 +167,9 @@ def test_build_instantiates_nested_targets():
     )
     assert isinstance(model, nn.Sequential) and model[2].bias is None
     assert model(torch.zeros(3, 4)).shape == (3, 2)
-    again = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6])
-    assert torch.equal(again.weight, model[0].weight)  # same seed stream, same init
+    again = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6], fork_rng=True)
+    forked = models.build(OpContext(), target="torch.nn.Linear", args=[4, 6], fork_rng=True)
+    assert torch.equal(again.weight, forked.weight)  # same node seed stream, same init
     layer = models.build(ctx, 3, target="torch.nn.Linear", out_features=2)  # input first
     assert layer.in_features == 3
     with pytest.raises(RunError, match="build: target 'nosuchpkg.Thing' cannot be imported"):

@@ -98,10 +98,15 @@ def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leadin
         ) from e
 
 
-def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None, **kwargs: Any):
-    """`build`: inputs... -> obj. Seeded like model.mlp, so identical on every rank."""
+def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None,
+          fork_rng: bool = False, **kwargs: Any):
+    """`build`: inputs... -> obj, drawing its random numbers from torch's global generator
+    as a hand loop's constructor does (after ``torch.manual_seed(seed)``: the job seeds it
+    alike on every process, so every rank builds the same parameters). ``fork_rng``: under
+    a seed drawn from the node's generator instead, as model.mlp, leaving the global stream
+    where it was."""
     own, blobs = nested.split(inputs, args, kwargs)
-    with _seeded(ctx):
+    with _seeded(ctx) if fork_rng else contextlib.nullcontext():
         obj = _instantiate("build", target, args or [], kwargs, leading=own, blobs=blobs)
     return _place_module(ctx, obj) if isinstance(obj, nn.Module) else obj
 

@@ -138,7 +138,7 @@ def train_step(
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, float(clip_grad_norm))
+        torch.nn.utils.clip_grad_norm_(model.parameters() if isinstance(model, nn.Module) else params, float(clip_grad_norm))  # a hand loop's order
     if scaler is None:
         opt.step()
     else:

@@ -91,6 +91,9 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         args=(
             arg("target", "str", doc='"pkg.mod:Class" or dotted "pkg.mod.Class"'),
             arg("args", _LIST_OR_NULL, None, "positional arguments after the inputs"),
+            arg("fork_rng", "bool", False,
+                "draw from a seed of the node's generator, leaving torch's global stream alone "
+                "(false: from torch's global generator, as a hand loop's constructor)"),
         ),
     ),
     _training(
