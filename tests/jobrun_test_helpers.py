@@ -125,3 +125,8 @@ def own_step(model, opt) -> None:
     opt.zero_grad()
     sum(p.sum() for p in model.parameters()).backward()
     opt.step()
+
+
+def the_step(step: int) -> int:
+    """The global step, as a `call` gets it (a parameter named `step`)."""
+    return step

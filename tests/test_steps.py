@@ -138,3 +138,17 @@ def test_print_shows_max_steps_in_the_header_and_the_epoch_condition(tmp_path):
     out = jobrun("print", plan).out
     assert "max_steps: 7" in out and "epoch (repeat until step 7):" in out
     assert json.loads(jobrun("print", plan, "--format", "json").out)["max_steps"] == 7
+
+
+def test_a_call_that_asks_for_the_step_gets_the_global_step(tmp_path):
+    do = """\
+      - loop: 3
+        do:
+          - train.step: {in: [model, opt, x, y], out: loss, loss: mse}
+          - call: {fn: "jobrun_test_helpers:the_step", out: now, pure: true}
+          - log: {in: [now]}"""
+    plan = write(tmp_path, "max_epochs: 2", do)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    # the step its loop's iteration began at, as `log` sees it
+    assert [(s, v["now"]) for _, s, v in values(run) if "now" in v] == [(k, k) for k in range(6)]

@@ -385,6 +385,25 @@ class _Generator(Visitor):
 
         return failed
 
+    def _uses_clock(self, steps: tuple[ir.Step, ...]) -> bool:
+        """Whether a loop body reads the clock of its iterations: a step with `every`, or an
+        op that wants it (`log`, `call`), outside inner loops and the functions of parallel
+        branches and reports."""
+        for s in steps:
+            if s.every is not None or (isinstance(s, ir.OpCall) and self._clocked(s.op)):
+                return True
+            if isinstance(s, ir.If) and (any(self._uses_clock(b.body) for b in s.branches)
+                                         or self._uses_clock(s.orelse or ())):
+                return True
+        return False
+
+    def _clocked(self, op: str) -> bool:
+        spec = self.ops.get(op)
+        try:
+            return spec is not None and getattr(resolve_impl(spec), "wants_clock", False)
+        except RunError:
+            return False  # visit_OpCall says why
+
     # -- conditions -----------------------------------------------------------------------
     @staticmethod
     def _test(ref: ir.BlobRef) -> str:
@@ -439,7 +458,7 @@ class _Generator(Visitor):
                 code.env[n] = s.count
             if s.count is None:
                 code.line(f"{i} = -1")
-            outer, self.clock = self.clock, (code.fresh("clock") if _uses_clock(s.body) else None)
+            outer, self.clock = self.clock, (code.fresh("clock") if self._uses_clock(s.body) else None)
             with code.loop("while True:" if s.count is None else f"for {i} in range({n}):"):
                 if self.max_steps is not None:  # the epoch ends once the global step reaches it
                     with code.block(f"if C.get({STEP_COUNTER!r}, 0) >= MAX_STEPS:"):
@@ -479,18 +498,6 @@ class _Generator(Visitor):
         self.clock = outer
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
-
-
-def _uses_clock(steps: tuple[ir.Step, ...]) -> bool:
-    """Whether a loop body reads the clock of its iterations: a step with `every`, or a
-    `log`, outside inner loops and the functions of parallel branches and reports."""
-    for s in steps:
-        if s.every is not None or (isinstance(s, ir.OpCall) and s.op == "log"):
-            return True
-        if isinstance(s, ir.If) and (any(_uses_clock(b.body) for b in s.branches)
-                                     or _uses_clock(s.orelse or ())):
-            return True
-    return False
 
 
 def _results(result: Any, n: int) -> tuple[Any, ...]:
