@@ -152,3 +152,9 @@ def test_a_call_that_asks_for_the_step_gets_the_global_step(tmp_path):
     assert jobrun("train", plan, "--run-dir", run).code == 0
     # the step its loop's iteration began at, as `log` sees it
     assert [(s, v["now"]) for _, s, v in values(run) if "now" in v] == [(k, k) for k in range(6)]
+
+
+def test_analyze_suggests_every_for_a_typo_in_an_op_call(tmp_path):
+    plan = write(tmp_path, "max_epochs: 1", "      - log: {in: [seen], evrey: 10}")
+    r = jobrun("analyze", plan)
+    assert r.code == 1 and "`log` has no argument `evrey`" in r.out and "did you mean 'every'" in r.out

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
-from jobrun.plans.keys import DURATION
+from jobrun.plans.keys import DURATION, EVERY_KEY
 
 MAX_SHAPE_ELEMENTS = 2**34
 
@@ -85,7 +85,7 @@ def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem |
         known = [x.name for x in spec.args]
         return Problem(
             "unknown-arg", pos, f"`{call.op}` has no argument `{key}`",
-            did_you_mean(key, known)
+            did_you_mean(key, [*known, EVERY_KEY])
             or (f"its arguments are: {', '.join(known)}" if known else f"`{call.op}` takes no arguments"),
         )
     if not _type_ok(value, a.type):
