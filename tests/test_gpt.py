@@ -123,3 +123,15 @@ def test_kill_9_mid_run_then_resume_is_bit_exact(tmp_path, one_thread):
     a = torch.load(whole / "model.pt", weights_only=True)["model"]
     b = torch.load(killed / "model.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_example_is_a_short_clean_plan_and_its_tokens_are_reproducible(tmp_path):
+    r = jobrun("analyze", PLAN, "--format", "json")
+    assert r.code == 0 and json.loads(r.out)["warnings"] == 0, r.out
+    lines = [line for line in PLAN.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert len(lines) <= 50
+    made = subprocess.run([sys.executable, str(ROOT / "plans" / "data" / "make_tokens.py"), "-o", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    for name in ("gpt_train.bin", "gpt_val.bin"):
+        assert (tmp_path / name).read_bytes() == (ROOT / "plans" / "data" / name).read_bytes()
