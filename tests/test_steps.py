@@ -67,6 +67,20 @@ def test_max_steps_ends_the_epoch_mid_loop_then_saves_downloads_and_exits(tmp_pa
     assert r.code == 0 and "epoch 4" not in r.text
 
 
+def test_a_loop_that_takes_no_step_runs_to_its_end_after_max_steps(tmp_path):
+    do = """\
+      - loop: 4
+        do: [{train.step: {in: [model, opt, x, y], out: loss, loss: mse}}]
+      - loop: 3
+        do: [{add: {in: [seen, 1], out: seen}}]
+      - log: {in: [seen], msg: evaluated}"""
+    plan = write(tmp_path, "max_steps: 6", do)
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    # epoch 2's training loop stops at step 6; the loop after it still runs its 3 times
+    assert [(e, s, v["seen"]) for e, s, v in values(run) if "seen" in v][:2] == [(1, 4, 3), (2, 6, 6)]
+
+
 def test_a_plan_may_stop_on_max_steps_alone_and_it_must_be_a_count(tmp_path):
     do = "      - loop: null\n        do: [{train.step: {in: [model, opt, x, y], out: loss, loss: mse}}]"
     plan = write(tmp_path, "max_steps: 3", do)

@@ -459,9 +459,15 @@ class _Generator(Visitor):
             if s.count is None:
                 code.line(f"{i} = -1")
             outer, self.clock = self.clock, (code.fresh("clock") if self._uses_clock(s.body) else None)
+            entry, now = code.fresh("entry"), code.fresh("now")
+            if self.max_steps is not None:
+                code.line(f"{entry} = C.get({STEP_COUNTER!r}, 0)")
             with code.loop("while True:" if s.count is None else f"for {i} in range({n}):"):
-                if self.max_steps is not None:  # the epoch ends once the global step reaches it
-                    with code.block(f"if C.get({STEP_COUNTER!r}, 0) >= MAX_STEPS:"):
+                if self.max_steps is not None:
+                    # The epoch ends once the global step reaches max_steps: each loop that
+                    # took optimizer steps stops there; one that takes none (an evaluation
+                    # over a reader, after the training loop) runs to its end.
+                    with code.block(f"if ({now} := C.get({STEP_COUNTER!r}, 0)) >= MAX_STEPS and {now} != {entry}:"):
                         code.line("break")
                 if self.clock is not None:
                     code.line(f"{self.clock} = C.get({STEP_COUNTER!r}, 0)")
