@@ -308,10 +308,10 @@ class _Generator(Visitor):
             args = ["ctx"]
             for i in s.ins:
                 args.append(f"L[{i.name!r}]" if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
-            if clocked and self.clock is not None:
-                args.append(f"_clock={self.clock}")
             if kwargs:
                 args.append("**" + code.value("kw", kwargs))
+            if clocked and self.clock is not None:
+                args.append(f"_clock={self.clock}")
             call = f"{code.value('op', impl, s.op)}({', '.join(args)})"
             outs = [o.name for o in s.outs]
             if not outs:
