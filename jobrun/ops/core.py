@@ -290,9 +290,9 @@ CONTEXT_ARGS = ("rank", "world_size", "device", "generator", "step")
 def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
          pure: bool = False, _clock: int | None = None, **kwargs: Any) -> Any:
     """`call`: fn(*inputs, **other keys, **context it asks for). `mutates` and `pure` are
-    for checkpoints, not for `fn`. A parameter of `fn` named rank, world_size, device,
-    generator (the node's seeded torch.Generator) or step (the global step), not filled
-    by the inputs nor by the plan, receives the run's value."""
+    for checkpoints, not for `fn`. A parameter of `fn` without a default named rank,
+    world_size, device, generator (the node's seeded torch.Generator) or step (the global
+    step), not filled by the inputs nor by the plan, receives the run's value."""
     from jobrun.ops.imports import resolve
 
     f = resolve(fn, "call", "fn")
@@ -321,5 +321,9 @@ def _asks_for(f: Any, positional: int) -> tuple[str, ...]:
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params[:positional + 1]):
         positional = len(params)  # *args takes the inputs: only keyword-only ones are free
     bound = {p.name for p in params[:positional] if p.kind in by_position}
+    # Only parameters without a default ask: one with a default has a meaning of its own
+    # (tests' die_once(..., rank=1) names the rank to kill), and before the context was
+    # passed a required one failed, so no plan that ran changes its behaviour.
     return tuple(p.name for p in params if p.name in CONTEXT_ARGS and p.name not in bound
-                 and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+                 and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+                 and p.default is inspect.Parameter.empty)

@@ -169,7 +169,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         outputs=("loss",),
         mutates=("model", "opt"),
         args=(
-            arg("loss", "str", "cross_entropy", _LOSS_DOC),
+            arg("loss", "loss", "cross_entropy", _LOSS_DOC),
             arg("clip_grad_norm", ("or", "number", "null"), None, "clip the gradient norm to this"),
             arg("accumulate", "int", 1, "micro-batches per step (same step, less memory)"),
             arg(
@@ -188,7 +188,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         inputs=("model", "reader"),
         outputs=("loss", "accuracy"),
         args=(
-            arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
+            arg("loss", "loss", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
             arg("amp", ("or", ("choice", "bf16", "fp16"), "null"), None,
                 "mixed precision: autocast the forward and the loss, as train.step's amp"),
             arg("batches", ("or", "int", "null"), None,

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from jobrun.ops.spec import REQUIRED, ArgSpec, ArgType, OpSpec
+from jobrun.ops.spec import LOSS_NAMES, REQUIRED, ArgSpec, ArgType, OpSpec
 from jobrun.plans import keys as plan_keys
 
 VAR = {"$ref": "#/$defs/var"}
@@ -138,6 +138,7 @@ _SIMPLE: dict[str, dict[str, Any]] = {
     "any": {},
     "null": {"type": "null"},
     "duration": {"$ref": "#/$defs/duration"},
+    "loss": {"anyOf": [{"enum": list(LOSS_NAMES)}, {"type": "string", "pattern": r"[.:]"}]},
 }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from jobrun.errors import Pos, did_you_mean
-from jobrun.ops.spec import OpSpec
+from jobrun.ops.spec import LOSS_NAMES, OpSpec
 from jobrun.plans import ir
 from jobrun.plans.keys import DURATION, EVERY_KEY
 
@@ -130,12 +130,14 @@ _CHECKS = {
     "duration": lambda v: isinstance(v, str) and DURATION.match(v) is not None,
     "null": lambda v: v is None,
     "any": lambda v: True,
+    "loss": lambda v: isinstance(v, str) and (v in LOSS_NAMES or "." in v or ":" in v),
 }
 _NAMES = {
     "int": "an integer", "float": "a number", "number": "a number", "bool": "true or false",
     "str": "a string", "list": "a list", "dict": "a mapping", "duration": "a duration (500ms, 2s)",
     "shape": "a shape (a list of integers >= 0)", "null": "null", "any": "any value",
     "sizes": "a list of sizes (integers >= 1)",
+    "loss": "cross_entropy, mse, model or a dotted path (pkg.mod:fn)",
 }
 
 
@@ -183,6 +185,8 @@ def _type_hint(key: str, value: Any, t: Any) -> str:
         close = did_you_mean(value, t[1:])
         if close:
             return close
+    if isinstance(value, str) and t == "loss" and (close := did_you_mean(value, LOSS_NAMES)):
+        return close
     return f"give `{key}` {_describe(t)}"
 
 
