@@ -7,7 +7,8 @@ two DataLoader workers vs a hand loop over a DataLoader), dispatch (one core op 
 loop), plans (compile/analyze/print of 10^3..10^5 ops), checkpoint (save/load vs raw
 I/O and torch.save/load, the async stall), memory (RSS over epochs, peak of a save),
 startup (`jobrun --help`, `jobrun print`), restart (a rank's death to the restarted
-ranks' first step, against a fresh start). Every figure is a ratio against a baseline
+ranks' first step, against a fresh start), gpt (plans/gpt.yaml's steps/s against its
+hand-written nanoGPT loop). Every figure is a ratio against a baseline
 measured in the same run; each has a goal and says PASS or MISS. The full run takes a
 few minutes; --quick (smaller state, fewer repetitions) is meant for CI; --smoke only
 checks that everything runs (seconds; its figures mean little). See benchmarks/README.md.
@@ -31,6 +32,7 @@ from benchmarks import (  # noqa: E402
     bench_checkpoint,
     bench_dispatch,
     bench_fsdp,
+    bench_gpt,
     bench_loader,
     bench_memory,
     bench_plans,
@@ -50,6 +52,7 @@ SECTIONS = {
     "startup": bench_startup,
     "restart": bench_restart,
     "fsdp": bench_fsdp,
+    "gpt": bench_gpt,
 }
 # One torch thread everywhere (child processes too, through OMP_NUM_THREADS): on a small
 # shared machine, a second OpenMP thread that the kernel does not schedule makes the

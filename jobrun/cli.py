@@ -342,8 +342,9 @@ def _usage(message: str, hint: str | None = None):
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="A .png file. Default: RUN_DIR/metrics.png (one run), ./metrics.png (several).")
 @click.option("--metric", "metrics", multiple=True, help="Only this metric (repeatable). Default: all.")
-@click.option("--x", "x", type=click.Choice(["epoch", "step"]), default="epoch", show_default=True,
-              help="The x-axis: epochs, or the steps the values were logged at.")
+@click.option("--x", "x", type=click.Choice(["auto", "step", "epoch"]), default="auto", show_default=True,
+              help="The x-axis: the global steps the values were logged at, or epochs "
+                   "(auto: steps when the run took optimizer steps).")
 def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, ...], x: str) -> None:
     """Draw the values runs logged against epochs or steps (default: the latest run; several: overlaid)."""
     from jobrun.runner.plot import plot

@@ -16,15 +16,19 @@ def wants_all(x, *, rank, world_size, device, generator, step):
     return x, rank, world_size, device, generator, step
 
 
-def wants_some(x, scale=1, generator=None, device="nowhere"):
+def wants_some(x, *, generator, device, scale=1):
     return x * scale, generator, device
+
+
+def has_defaults(x, rank=1, device="mine", *, step=None):
+    return x, rank, device, step
 
 
 def step_first(step, x=None):
     return step, x
 
 
-def variadic(*xs, rank=-1):
+def variadic(*xs, rank):
     return xs, rank
 
 
@@ -55,6 +59,9 @@ def test_plan_arguments_and_inputs_win_over_the_context():
 
 def test_functions_that_do_not_ask_get_nothing_more():
     assert core.call(OpContext(), 1, fn=f"{HERE}:plain", y=2) == 3
+    # a parameter with a default keeps its meaning (e.g. the rank a test helper kills)
+    ctx = OpContext(rank=0, world_size=2)
+    assert core.call(ctx, 1, fn=f"{HERE}:has_defaults", _clock=5) == (1, 1, "mine", None)
     assert core.call(OpContext(), -3, fn="builtins:abs") == 3
 
 

@@ -66,8 +66,8 @@ def test_a_checkpoint_holds_no_data_and_records_its_fingerprint(data_run):
     # the random streams are where init left them: listed, not saved
     saved = _rng(run, 2)
     assert saved.pop("unchanged") == ["python", "numpy", "torch", "node"]
-    # the node's counters: readers made, and how often each `log` step ran
-    assert saved == {"ctx_state": {"reader.ordinal": 1, "log epoch/train/log#3": 2}}
+    # the node's counters: readers made, and the global step (optimizer steps taken)
+    assert saved == {"ctx_state": {"reader.ordinal": 1, "step": 8}}
     _, meta = store.load(run / "ckpt", "local", 2)
     assert meta["init"]["x"] == {"tensor": [16, 3], "dtype": "float32", "crc": meta["init"]["x"]["crc"]}
     r = jobrun("resume", "--run-dir", run, "max_epochs=3")

@@ -257,3 +257,25 @@ def test_a_nested_in_with_a_literal_is_one_clear_error(tmp_path):
     ))
     r = jobrun("analyze", plan)
     assert r.code == 2 and "p.yaml:11:" in r.text and "not a blob name" in r.text
+
+
+def test_analyze_knows_the_loss_names(tmp_path):
+    from jobrun.ops.losses import LOSSES
+    from jobrun.ops.spec import LOSS_NAMES
+
+    assert tuple(LOSSES) == LOSS_NAMES
+    plan = tmp_path / "p.yaml"
+    plan.write_text(
+        "job: l\nmax_epochs: 1\ninit:\n  - task: s\n    do:\n"
+        "      - model.mlp: {out: model, sizes: [2, 2]}\n"
+        "      - optimizer: {in: model, out: opt}\n"
+        "      - data.synthetic: {out: [x, y], task: classification, n: 8, features: 2, classes: 2}\n"
+        "epoch:\n  - task: t\n    do:\n"
+        "      - train.step: {in: [model, opt, x, y], out: loss, loss: LOSS}\n")
+    for ok in ("model", "mse", "cross_entropy", "models.charlm:lm_loss", "'${plan_dir}.x'"):
+        plan.write_text(plan.read_text().replace("LOSS", ok))
+        assert jobrun("analyze", plan).code == 0, ok
+        plan.write_text(plan.read_text().replace(f"loss: {ok}", "loss: LOSS"))
+    plan.write_text(plan.read_text().replace("LOSS", "modle"))
+    r = jobrun("analyze", plan)
+    assert r.code == 1 and "p.yaml:12:" in r.out and "did you mean 'model'" in r.out

@@ -156,47 +156,67 @@ def test_not_a_run_is_one_message(tmp_path):
     assert r.code == 2 and "not a jobrun run directory" in r.err
 
 
-def test_log_every_k_logs_each_kth_call_across_epochs_and_resumes(tmp_path):
+def test_log_every_k_logs_at_global_steps_0_k_2k_across_epochs_and_resumes(tmp_path):
     text = """\
 job: every
 max_epochs: 3
 checkpoint: {dir: ckpt}
 init:
   - task: setup
-    do: [{const: {out: x, value: 0}}]
+    do:
+      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}
+      - model.mlp: {out: model, sizes: [2, 1]}
+      - optimizer: {in: model, out: opt, lr: 0.01}
+      - const: {out: n, value: 0}
 epoch:
   - task: t
     do:
       - loop: 5
         do:
-          - add: {in: [x, 1], out: x}
-          - log: {in: [x], every: 2}
+          - train.step: {in: [model, opt, x, y], out: loss, loss: mse}
+          - add: {in: [n, 1], out: n}
+          - log: {in: [n], every: 2}
 """
     plan = tmp_path / "plan.yaml"
     plan.write_text(text)
     run = tmp_path / "run"
     assert jobrun("train", plan, "--run-dir", run).code == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    logs = [(r["epoch"], r["step"], r["values"]["x"]) for r in records if "values" in r]
-    # the 2nd, 4th, ... call of the step, counted across epochs (5 calls an epoch)
-    assert logs == [(1, 2, 2), (1, 4, 4), (2, 6, 6), (2, 8, 8), (2, 10, 10), (3, 12, 12), (3, 14, 14)]
-    xs, ys = zip(*series(RunDir(run))["x"])
-    assert xs == pytest.approx([0.5, 1.0, 4 / 3, 5 / 3, 2.0, 2.5, 3.0])
-    assert ys == (2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0)
+    logs = [(r["epoch"], r["step"], r["values"]["n"]) for r in records if "values" in r]
+    # at global steps 0, 2, 4, ... as each iteration began (its train.step is the n-th step)
+    assert logs == [(1, 0, 1), (1, 2, 3), (1, 4, 5), (2, 6, 7), (2, 8, 9), (3, 10, 11), (3, 12, 13),
+                    (3, 14, 15)]
+    assert [r["step"] for r in records if r.get("event") == "epoch"] == [5, 10, 15]
+    s = series(RunDir(run))
+    assert s.axis == "step"
+    assert s["n"] == [(float(step), float(n)) for _, step, n in logs]
     # TensorBoard gets the same points, at the same steps
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("t/x")] == [(s, float(x)) for _, s, x in logs]
+    assert [(e.step, e.value) for e in acc.Scalars("t/n")] == [(s, float(x)) for _, s, x in logs]
     # a resume from epoch 1 counts on from the checkpoint: the same points
     assert jobrun("resume", "--run-dir", run, "--epoch", "1").code == 0
     again = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["step"], r["values"]["x"]) for r in again if "values" in r] == logs
+    assert [(r["epoch"], r["step"], r["values"]["n"]) for r in again if "values" in r] == logs
 
 
-def test_log_every_must_be_a_count(tmp_path):
+def test_every_runs_once_per_step_in_a_loop_that_takes_none(tmp_path):
     plan = tmp_path / "plan.yaml"
-    plan.write_text("job: j\nmax_epochs: 1\nepoch:\n  - task: t\n    do: [{log: {every: 0}}]\n")
+    plan.write_text("job: j\nmax_epochs: 2\nepoch:\n  - task: t\n    do:\n      - loop: 4\n        as: i\n"
+                    "        do: [{log: {in: [i], every: 3}}]\n")
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # the global step stays 0: the step runs once (at step 0), not at every iteration
+    assert [(r["epoch"], r["step"], r["values"]) for r in records if "values" in r] == [(1, 0, {"i": 0})]
+
+
+@pytest.mark.parametrize("every", ["0", "2.5", "true"])
+def test_every_must_be_a_count(tmp_path, every):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"job: j\nmax_epochs: 1\nepoch:\n  - task: t\n    do: [{{log: {{every: {every}}}}}]\n")
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
-    assert r.code == 1 and "every is 0, not a count" in r.err
+    assert r.code == 2 and "plan.yaml:5:" in r.err and "every" in r.err
+    assert not (tmp_path / "run").exists()

@@ -420,7 +420,7 @@ def test_json_shape() -> None:
     json.dumps(data)  # JSON-able
     assert list(data) == [
         "job", "source", "seed", "device", "replicas", "parallel", "fsdp_layers", "fsdp_amp",
-        "max_restarts", "vars", "max_epochs", "stop_when", "early_stop", "checkpoint", "loggers", "groups",
+        "max_restarts", "vars", "max_epochs", "max_steps", "stop_when", "early_stop", "checkpoint", "loggers", "groups",
     ]
     assert data["max_restarts"] == 0 and data["parallel"] == "ddp" and data["fsdp_layers"] == []
     assert data["fsdp_amp"] is None

@@ -55,6 +55,12 @@ class OpContext:
             self._generator = torch.Generator().manual_seed(node_seed(self.seed, self.node))
         return self._generator
 
+    @property
+    def step(self) -> int:
+        """The global step: optimizer steps taken on this node so far (0 before the first).
+        A counter of the node's, so checkpoints hold it and a resume goes on from it."""
+        return self._counters.get(STEP_COUNTER, 0)
+
     def next_number(self, counter: str) -> int:
         """0, 1, 2, ... on successive calls: a per-node counter (e.g. readers number
         themselves in creation order). Counters are part of `state`, so a resumed job
@@ -80,6 +86,9 @@ class OpContext:
         """A path an op writes: relative ones are relative to the run directory."""
         p = Path(path).expanduser()
         return p if p.is_absolute() else self.run_dir / p
+
+
+STEP_COUNTER = "step"  # the node's counter of optimizer steps (see OpContext.step)
 
 
 def node_seed(seed: int, node: str) -> int:

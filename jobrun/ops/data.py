@@ -16,6 +16,7 @@ import torch
 
 from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
+from jobrun.ops.train_specs import RAW_DTYPES
 
 
 def data_synthetic(
@@ -83,8 +84,18 @@ def data_load(
     header: bool | None = None,
     delimiter: str = ",",
     float_dtype: str | None = "float32",
+    dtype: str | None = None,
+    mmap: bool | None = None,
 ) -> Any:
-    """Arrays from a file, as CPU tensors, one output per array (see train_specs)."""
+    """Arrays from a file, as CPU tensors, one output per array (see train_specs).
+
+    A raw `.bin` file (a token stream, as nanoGPT's prepare.py writes) is a 1-D array of
+    `dtype`; it and a `.npy` file are memory-mapped (`mmap`; null: a `.bin` always, a
+    `.npy` from MMAP_BYTES on): the tensor reads the file's pages as they are touched, and
+    copy-on-write keeps a write into it from reaching the file. Made in `init`, such a
+    tensor is not in checkpoints (what init builds is not: plans/state.py); resume maps
+    the file again, and the fingerprint of init's products checks it did not change.
+    """
     file = ctx.resolve_read(path)
     if not file.is_file():
         raise RunError(
@@ -99,10 +110,19 @@ def data_load(
     suffix = file.suffix.lower()
     if suffix != ".csv" and columns is not None:
         raise RunError("data.load: `columns` applies to .csv files only")
-    if suffix == ".npz":
+    if (dtype is None) == (suffix == ".bin"):
+        raise RunError(f"data.load: a .bin file is raw and needs its `dtype`, e.g. dtype: uint16 ({file.name!r})"
+                       if dtype is None else "data.load: `dtype` applies to raw .bin files only",
+                       hint=f"dtype is one of {', '.join(RAW_DTYPES)}")
+    if mmap and suffix not in (".bin", ".npy"):
+        raise RunError(f"data.load: only .bin and .npy files can be memory-mapped, not {suffix or file.name!r}")
+    if suffix == ".bin":
+        values = [_load_raw(file, dtype, mmap)]  # type: ignore[arg-type]
+    elif suffix == ".npz":
         values = _load_npz(file, keys)
     elif suffix == ".npy":
-        values = [_np_load(file)]
+        mapped = mmap if mmap is not None else file.stat().st_size >= MMAP_BYTES
+        values = [_np_load(file, "c" if mapped else None)]
     elif suffix == ".csv":
         values = _load_csv(file, columns, header, delimiter)
     elif suffix == ".safetensors":
@@ -112,15 +132,35 @@ def data_load(
     else:
         raise RunError(
             f"data.load: unsupported file type {suffix or '(none)'!r} for {file.name!r}",
-            hint="supported: .npz, .npy, .csv, .safetensors, .pt",
+            hint="supported: .npz, .npy, .bin (raw, with a dtype), .csv, .safetensors, .pt",
         )
     tensors = [_to_torch(v, float_dtype, file) for v in values]
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
-def _np_load(file: Path) -> Any:
+MMAP_BYTES = 64 << 20  # a .npy file this large is memory-mapped unless `mmap: false`
+
+
+def _load_raw(file: Path, dtype: str, mmap: bool | None) -> Any:
+    """A raw file as a 1-D array of `dtype`: memory-mapped copy-on-write (unless mmap: false)."""
+    if dtype not in RAW_DTYPES:
+        raise RunError(f"data.load: unknown dtype {dtype!r}", hint=did_you_mean(dtype, RAW_DTYPES)
+                       or f"one of {', '.join(RAW_DTYPES)}")
+    item = np.dtype(dtype).itemsize
+    size = file.stat().st_size
+    if size % item:
+        raise RunError(f"data.load: {file.name!r} has {size} bytes, not a whole number of {dtype} "
+                       f"values ({item} bytes each)", hint="check the dtype the file was written with")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    if mmap is False:
+        return np.fromfile(file, dtype=dtype)
+    return np.memmap(file, dtype=dtype, mode="c")
+
+
+def _np_load(file: Path, mmap_mode: str | None = None) -> Any:
     try:
-        return np.load(file, allow_pickle=False)
+        return np.load(file, allow_pickle=False, mmap_mode=mmap_mode)
     except Exception as e:  # object arrays need pickle, which is never allowed
         raise RunError(
             f"data.load: cannot read {file.name!r}: {e}",

@@ -10,8 +10,9 @@ A loss is "cross_entropy", "mse", the path of a callable ``(pred, y) -> batch me
 and its output gives the loss: a scalar tensor; a tuple or list holding one 0-d tensor
 (nanoGPT's ``(logits, loss)``, Hugging Face's ``(loss, logits, ...)``); a mapping or an
 object with ``loss`` (Hugging Face's ModelOutput). Logits, when the output has them, give
-`evaluate`'s accuracy. :func:`step_loss` and :func:`forward` are the one place both ops
-compute a batch's loss.
+`evaluate`'s accuracy. :func:`forward` is the one place both ops compute a batch's
+loss with it (train.step through :func:`model_loss`, tested against the loss's name, so
+that the common case costs no extra call per step).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def model_loss(model: Any, x: Any, y: Any) -> torch.Tensor:
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "cross_entropy": _cross_entropy,
     "mse": _mse,
-    MODEL: model_loss,  # called as (model, x, y), not (pred, y): see step_loss
+    MODEL: model_loss,  # called as (model, x, y), not (pred, y)
 }
 
 
@@ -80,13 +81,6 @@ def loss_fn(name: str, op: str) -> Callable[..., torch.Tensor]:
         f"{op}: unknown loss {name!r}",
         hint=did_you_mean(name, LOSSES) or "cross_entropy, mse, model, or a dotted path",
     )
-
-
-def step_loss(fn: Callable[..., torch.Tensor], model: Any, x: Any, y: Any) -> torch.Tensor:
-    """One batch's loss: ``fn(model(x), y)``, or the model's own loss with `loss: model`."""
-    if fn is model_loss:
-        return forward(fn, model, x, y)[1]
-    return fn(model(x), y)
 
 
 def forward(fn: Callable[..., torch.Tensor], model: Any, x: Any, y: Any) -> tuple[Any, torch.Tensor]:

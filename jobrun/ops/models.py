@@ -172,17 +172,32 @@ def optimizer(ctx: OpContext, model: Any, *, target: str | None = None,
     return _instantiate("optimizer", path, [], kwargs, leading=(params,))
 
 
-def scheduler(ctx: OpContext, opt: Any, *, target: str, **kwargs: Any):
+def scheduler(ctx: OpContext, opt: Any, *, target: str | None = None, warmup: int = 0,
+              decay: str = "cosine", steps: int | None = None, min_lr: float | None = None,
+              min_ratio: float = 0.0, **kwargs: Any):
     """`scheduler`: opt -> sched, e.g. target: torch.optim.lr_scheduler.StepLR. Nested
-    schedulers (SequentialLR's `schedulers`) are built on the same optimizer."""
+    schedulers (SequentialLR's `schedulers`) are built on the same optimizer. Without a
+    target: warmup and decay by the global step, in closed form (jobrun.ops.schedule)."""
     require_optimizer("scheduler", opt)
+    schedule = {"warmup": warmup, "decay": decay, "steps": steps, "min_lr": min_lr, "min_ratio": min_ratio}
+    if target is None:
+        from jobrun.ops.schedule import closed_form
+
+        return closed_form(ctx, opt, schedule, kwargs)
+    defaults = {"warmup": 0, "decay": "cosine", "steps": None, "min_lr": None, "min_ratio": 0.0}
+    given = sorted(k for k, v in schedule.items() if v != defaults[k])
+    if given:
+        raise RunError(f"scheduler: {', '.join(given)} belong(s) to the schedule without a target, "
+                       f"not to {target}", hint="remove `target` to schedule by the global step")
     return _instantiate("scheduler", target, [], kwargs, leading=(opt,), optimizer=opt)
 
 
 def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:
     """`scheduler.step`: sched[, metric] ->. The metric feeds ReduceLROnPlateau."""
     if not hasattr(sched, "step"):
-        raise RunError(f"scheduler.step expects a scheduler, got a {type(sched).__name__}")
+        hint = ("a scheduler without a target steps with its optimizer: remove scheduler.step"
+                if type(sched).__name__ == "StepSchedule" else None)
+        raise RunError(f"scheduler.step expects a scheduler, got a {type(sched).__name__}", hint=hint)
     if metric is None:
         sched.step()
     else:

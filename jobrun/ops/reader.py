@@ -343,9 +343,12 @@ def reader_op(
     shuffle: bool = False,
     passes: int = 1,
     drop_last: bool = False,
+    window: int | None = None,
+    sample: str = "order",
     **loading: Any,
 ) -> Reader:
-    """`reader`: fields... -> r, or one Dataset -> r (:mod:`jobrun.ops.loader`).
+    """`reader`: fields... -> r, or one Dataset -> r (:mod:`jobrun.ops.loader`), or with
+    `window` one token stream -> r over its windows (:mod:`jobrun.ops.windows`).
 
     The shuffle seed depends on (seed, node, creation order). `loading` holds the
     DataLoader's arguments (num_workers, pin_memory, ...), which need a Dataset.
@@ -358,6 +361,15 @@ def reader_op(
     )
     from jobrun.ops import loader
 
+    if window is not None or sample != "order":
+        if window is None:
+            raise RunError("reader: sample applies to a reader of windows", hint="add window: T")
+        if len(fields) != 1:
+            raise RunError(f"reader: a reader of windows reads one token stream, got {len(fields)} inputs",
+                           hint="in: tokens (its x and y are windows of the same stream)")
+        from jobrun.ops.windows import WindowReader
+
+        return WindowReader(fields[0], window, sample, ctx.generator, **geometry)
     if len(fields) == 1 and loader.is_dataset(fields[0]):
         return loader.dataset_reader(fields[0], geometry, {**loader.LOADING_DEFAULTS, **loading})
     given = sorted(k for k, v in loading.items() if v != loader.LOADING_DEFAULTS.get(k))
@@ -371,8 +383,9 @@ def reader_op(
     return TensorReader(fields, **geometry)
 
 
-def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
-    """`read`: r -> fields..., done."""
+def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
+    """`read`: r -> fields..., done; `done` may be left out (a reader that never ends, of
+    random windows say, or a loop that stops otherwise), then the fields alone."""
     if not isinstance(reader, Reader):
         raise RunError(
             f"read expects a reader, got a {type(reader).__name__}",
@@ -381,9 +394,13 @@ def read_op(ctx: OpContext, reader: Reader) -> tuple[Any, ...]:
     feed = ctx.progress.get("feed") if ctx.progress is not None else None
     if feed is None:
         with reader.lock:  # each of several instances reading it gets batches of its own
-            return reader.read()
-    t0 = time.perf_counter()
-    with reader.lock:
-        batch = reader.read()
-    feed.add(batch, time.perf_counter() - t0)
-    return batch
+            batch = reader.read()
+    else:
+        t0 = time.perf_counter()
+        with reader.lock:
+            batch = reader.read()
+        feed.add(batch, time.perf_counter() - t0)
+    return batch[:-1] if len(_out_names) == reader.field_count else batch
+
+
+read_op.wants_out_names = True  # type: ignore[attr-defined]

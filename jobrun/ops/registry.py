@@ -77,6 +77,10 @@ CORE_SPECS: tuple[OpSpec, ...] = (
             arg("shuffle", "bool", False, "a new seeded permutation every pass"),
             arg("passes", "int", 1, "passes over the data; 0 = forever"),
             arg("drop_last", "bool", False, "drop a short final batch"),
+            arg("window", ("or", "int", "null"), None,
+                "one 1-D token stream in: records are windows, x = tokens[i:i+T], y = tokens[i+1:i+T+1]"),
+            arg("sample", ("choice", "order", "random"), "order",
+                "windows: order (non-overlapping, in passes) or random (starts from the node's generator, endless)"),
             arg("num_workers", "int", 0, "Dataset: worker processes fetching batches"),
             arg("pin_memory", "bool", False, "Dataset: pinned host memory (for a CUDA device)"),
             arg("prefetch_factor", ("or", "int", "null"), None,
@@ -97,10 +101,9 @@ CORE_SPECS: tuple[OpSpec, ...] = (
     ),
     OpSpec(
         "log", "Record values: the epoch's summary line (a line of their own outside epochs), "
-        "metrics.jsonl, TensorBoard. every: K logs each K-th call only (inside a training loop).",
+        "metrics.jsonl, TensorBoard, at the global step. every: K logs at steps 0, K, 2K, ... only.",
         _C + "log", inputs=("values",), min_inputs=0, max_inputs=None,
-        args=(arg("msg", ("or", "str", "null"), None),
-              arg("every", "int", 1, "log each K-th call of this step (counted across epochs)")),
+        args=(arg("msg", ("or", "str", "null"), None),),
         example="- log: {in: [loss], every: 50}", **_PURE,
     ),
     OpSpec(
@@ -115,7 +118,7 @@ CORE_SPECS: tuple[OpSpec, ...] = (
     ),
     OpSpec(
         "call", "Call user code `pkg.mod:func` with the inputs as positional arguments; parameters "
-        "named rank, world_size, device, generator or step get the run's values.",
+        "without a default named rank, world_size, device, generator or step get the run's values.",
         _C + "call", inputs=("args",), outputs=("results",), min_inputs=0, max_inputs=None,
         min_outputs=0, max_outputs=None,
         args=(

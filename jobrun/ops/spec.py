@@ -13,11 +13,13 @@ from typing import Any
 #   "int", "float" (an int is accepted too), "number" (int or float), "bool", "str",
 #   "list", "dict", "shape" (list of ints >= 0, at most 2**34 elements in all),
 #   "sizes" (a non-empty list of ints >= 1, e.g. layer widths), "any", "duration",
+#   "loss" (one of LOSS_NAMES, or a dotted path: "pkg.mod:fn"),
 #   ("choice", "a", "b", ...) - one of the listed strings,
 #   ("or", T1, T2, ...) - any of the listed types; "null" allows None.
 ArgType = Any
 
 REQUIRED = object()  # default marker: the argument must be given
+LOSS_NAMES = ("cross_entropy", "mse", "model")  # the losses known by name (jobrun.ops.losses)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from jobrun.ops.dist import (
     stop_flags,
 )
 from jobrun.ops.losses import LOSSES as _LOSSES
-from jobrun.ops.losses import MODEL, accuracy_logits, forward, step_loss
+from jobrun.ops.losses import MODEL, accuracy_logits, forward, model_loss
 from jobrun.ops.losses import loss_fn as _loss_fn
 from jobrun.ops.models import require_optimizer
 from jobrun.ops.reader import Reader, global_records
@@ -120,10 +120,10 @@ def train_step(
             model.set_requires_gradient_sync(i == last)
         if n:
             if dtype is None:
-                part = step_loss(loss_fn, model, xb, yb)
+                part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
             else:
                 with _autocast(device, dtype):
-                    part = step_loss(loss_fn, model, xb, yb)
+                    part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
             if summed:
                 part = part * n  # the micro-batch's sum; the gradients are divided by all records later
             else:

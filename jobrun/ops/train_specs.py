@@ -15,6 +15,8 @@ _LOSS_DOC = (
     "the model computes it, model(x, y) (labels=y for Hugging Face) or model(**batch)"
 )
 _STR_OR_NULL = ("or", "str", "null")
+# The value types of a raw `.bin` file `data.load` reads (numpy's names).
+RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "float16", "float32", "float64")
 _LIST_OR_NULL = ("or", "list", "null")
 # torch.optim's optimizers (torch 2.13), for `class:` (any other class: `target`).
 OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS",
@@ -48,7 +50,8 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "data.load",
-        "Arrays from .npz, .npy, .csv, .safetensors or .pt, as CPU tensors, one per output.",
+        "Arrays from .npz, .npy, .bin (raw, memory-mapped), .csv, .safetensors or .pt, as CPU "
+        "tensors, one per output.",
         "data:data_load",
         "- data.load: {out: [x, y], path: data/train.npz, keys: [x, y]}",
         outputs=("arrays",),
@@ -68,6 +71,10 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
                 "float32",
                 "floating arrays are cast to this; null keeps the stored type",
             ),
+            arg("dtype", ("or", ("choice", *RAW_DTYPES), "null"), None,
+                "a raw .bin file's values: uint8, uint16 (nanoGPT's tokens), int32, float32, ..."),
+            arg("mmap", ("or", "bool", "null"), None,
+                "memory-map .bin/.npy (copy-on-write); null: .bin always, .npy from 64 MiB"),
         ),
     ),
     _training(
@@ -124,16 +131,27 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "scheduler",
-        "A learning-rate scheduler over an optimizer; other keys go to its constructor. "
-        "Schedulers nested as {target: ...} mappings (SequentialLR's schedulers: warmup then "
-        "cosine) are built on the same optimizer.",
+        "Without a target: linear warmup, then a cosine, linear or constant decay, computed in "
+        "closed form from the global step before every step of the optimizer. With a target: "
+        "that torch scheduler (other keys go to its constructor; nested {target: ...} mappings "
+        "are built on the same optimizer), advanced by scheduler.step.",
         "models:scheduler",
-        "- scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 5}",
+        "- scheduler: {in: opt, out: sched, warmup: 100, decay: cosine, steps: 5000, min_ratio: 0.1}",
         inputs=("opt",),
         outputs=("sched",),
         extra_args=True,
         keeps=("opt",),  # stepping it sets the optimizer's learning rate
-        args=(arg("target", "str", doc="dotted path, e.g. torch.optim.lr_scheduler.StepLR"),),
+        args=(
+            arg("target", _STR_OR_NULL, None,
+                "dotted path, e.g. torch.optim.lr_scheduler.StepLR; null: by the global step"),
+            arg("warmup", "int", 0, "no target: steps of linear warmup, lr * (step + 1) / (warmup + 1)"),
+            arg("decay", ("choice", "cosine", "linear", "constant"), "cosine",
+                "no target: the shape after warmup"),
+            arg("steps", ("or", "int", "null"), None,
+                "no target: the step where the decay ends (min_lr from there on)"),
+            arg("min_lr", ("or", "number", "null"), None, "no target: the final rate (every group)"),
+            arg("min_ratio", "number", 0.0, "no target: the final rate as a fraction of each group's lr"),
+        ),
     ),
     _training(
         "scheduler.step",
@@ -153,7 +171,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         outputs=("loss",),
         mutates=("model", "opt"),
         args=(
-            arg("loss", "str", "cross_entropy", _LOSS_DOC),
+            arg("loss", "loss", "cross_entropy", _LOSS_DOC),
             arg("clip_grad_norm", ("or", "number", "null"), None, "clip the gradient norm to this"),
             arg("accumulate", "int", 1, "micro-batches per step (same step, less memory)"),
             arg(
@@ -172,7 +190,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         inputs=("model", "reader"),
         outputs=("loss", "accuracy"),
         args=(
-            arg("loss", "str", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
+            arg("loss", "loss", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
             arg("amp", ("or", ("choice", "bf16", "fp16"), "null"), None,
                 "mixed precision: autocast the forward and the loss, as train.step's amp"),
             arg("batches", ("or", "int", "null"), None,

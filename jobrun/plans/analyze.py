@@ -106,11 +106,10 @@ class _Analyzer(Visitor):
     # -- plan and groups -------------------------------------------------------------------
     def visit_Plan(self, plan: ir.Plan) -> None:
         self.plan = plan
-        if plan.max_epochs is None and not plan.stop_when and plan.early_stop is None:
+        if plan.max_epochs is None and plan.max_steps is None and not (plan.stop_when or plan.early_stop):
             self._emit(
                 "error", "no-stop", plan.pos, f"job {plan.job!r} has no stop condition",
-                "add `max_epochs: N`, `stop_when: [blob]` or `early_stop: {monitor: blob}` "
-                "naming an output of an epoch task",
+                "add `max_epochs: N`, `max_steps: N`, `stop_when: [blob]` or `early_stop: {monitor: blob}`",
             )
         for group in plan.groups:
             self.visit(group)
@@ -260,8 +259,9 @@ class _Analyzer(Visitor):
     # -- steps -----------------------------------------------------------------------------
     def visit_block(self, steps: tuple[ir.Step, ...]) -> None:
         self.pending.append([])
+        seen: dict[int, set[str]] = {}  # what the steps with `every: N` of the block define
         for step in steps:
-            self.visit(step)
+            self.visit(step) if step.every is None else self.flow.every(step, seen, self.visit)
         for changes in self.pending.pop():
             self._apply(changes)
 

@@ -138,6 +138,9 @@ class _Compiler(StepCompiler):
         max_epochs = t.get("max_epochs")
         if max_epochs is not None:
             max_epochs = self.int_(max_epochs, t.at("max_epochs"), "max_epochs", 1)
+        max_steps = t.get("max_steps")
+        if max_steps is not None:
+            max_steps = self.int_(max_steps, t.at("max_steps"), "max_steps", 1)
         stop_when = self.blobs(t.get("stop_when"), t.at("stop_when"), "stop_when")
         early = self.early_stop(t["early_stop"], t.at("early_stop")) if t.get("early_stop") is not None else None
         ckpt = self.checkpoint(t["checkpoint"], t.at("checkpoint")) if t.get("checkpoint") is not None else None
@@ -157,6 +160,7 @@ class _Compiler(StepCompiler):
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
             max_restarts=max_restarts, parallel=parallel, fsdp_layers=tuple(fsdp_layers or ()),
             loggers=loggers,
+            max_steps=max_steps,
         )
 
     def loggers(self, value: Any, pos: Pos) -> tuple[str, ...]:

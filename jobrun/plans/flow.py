@@ -9,6 +9,7 @@ entries to MAYBE in place. A step costs O(1) and no workspace is ever copied.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jobrun.errors import Pos
@@ -38,6 +39,19 @@ class Flow:
 
     def mark(self) -> int:
         return len(self.names)
+
+    def every(self, step: ir.Step, seen: dict[int, set[str]], visit: Callable[[ir.Step], None]) -> None:
+        """Walk a step with `every: N` (`visit`): it runs at some steps only, so what it
+        defines is MAYBE after it (as after an `if` without `else`), except to the later
+        steps of its block with the same N (`seen`: what those define), which run with it."""
+        n = step.every or 1
+        mark = self.mark()
+        same = {name: self.state[name] for name in seen.get(n, ()) if self.state.get(name) == MAYBE}
+        self.state.update(dict.fromkeys(same, DEF))
+        visit(step)
+        self.state.update(same)
+        seen.setdefault(n, set()).update(self.names[mark:])
+        self.weaken(mark, f"the step at line {step.pos.line} runs every {n} steps only")
 
     def define(self, name: str, status: int, pos: Pos, why: str | None = None) -> int | None:
         old = self.state.get(name)

@@ -42,6 +42,7 @@ class OpCall:
     pos: Pos
     arg_pos: tuple[tuple[str, Pos], ...] = ()
     id: str | None = None  # `id:` beside the op's name: a name overrides can address
+    every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -63,6 +64,7 @@ class Loop:
     body: tuple[Step, ...]
     pos: Pos
     id: str | None = None
+    every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class StopIf:
     cond: BlobRef
     pos: Pos
     id: str | None = None
+    every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class If:
     orelse: tuple[Step, ...] | None
     pos: Pos
     id: str | None = None
+    every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,7 @@ class Parallel:
     branches: tuple[Branch, ...]
     pos: Pos
     id: str | None = None
+    every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,7 @@ class Report:
     body: tuple[Step, ...]
     pos: Pos
     id: str | None = None
+    every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
 
 
 Step = OpCall | Loop | StopIf | If | Parallel | Report
@@ -206,6 +212,7 @@ class Plan:
     parallel: str = "ddp"  # ddp: a full model on every rank; fsdp: sharded with FSDP2
     fsdp_layers: tuple[str, ...] = ()  # module classes sharded as units (dotted paths)
     loggers: tuple[str, ...] = ()  # experiment trackers the logged values also go to
+    max_steps: int | None = None  # stop once this many optimizer steps were taken (the global step)
 
     @property
     def groups(self) -> tuple[Group, ...]:

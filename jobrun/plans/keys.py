@@ -10,7 +10,7 @@ import re
 
 TOP_KEYS = (
     "job", "seed", "device", "replicas", "parallel", "fsdp_layers", "max_restarts", "vars",
-    "max_epochs", "stop_when",
+    "max_epochs", "max_steps", "stop_when",
     "early_stop", "checkpoint", "loggers", "init", "epoch", "download", "exit",
 )
 # Experiment trackers a plan may send its logged values to (`loggers: [...]`).
@@ -28,17 +28,20 @@ PARALLEL = ("ddp", "fsdp")
 # keys each kind of step takes. Any step may also have an `id` (see STEP_ID).
 CONTROL_KEYS = ("loop", "stop_if", "if", "parallel", "report")
 ID_KEY = "id"
+# `every: N` runs a step at global steps 0, N, 2N, ... only (inside an op call's mapping,
+# or beside a control step's keyword).
+EVERY_KEY = "every"
 STEP_KEYS = {
-    "loop": ("loop", "as", "do", ID_KEY),
-    "stop_if": ("stop_if", ID_KEY),
-    "if": ("if", "then", "elif", "else", ID_KEY),
-    "parallel": ("parallel", ID_KEY),
-    "report": ("report", "do", ID_KEY),
+    "loop": ("loop", "as", "do", ID_KEY, EVERY_KEY),
+    "stop_if": ("stop_if", ID_KEY, EVERY_KEY),
+    "if": ("if", "then", "elif", "else", ID_KEY, EVERY_KEY),
+    "parallel": ("parallel", ID_KEY, EVERY_KEY),
+    "report": ("report", "do", ID_KEY, EVERY_KEY),
 }
 ELIF_KEYS = ("if", "then")
 BRANCH_KEYS = ("name", "do")
 # The reserved keys of an op call's mapping; the others are its arguments.
-OP_IO_KEYS = ("in", "out")
+OP_IO_KEYS = ("in", "out", EVERY_KEY)
 
 # A step id names a step within its task, so that an override can reach it
 # (`epoch.train.step.clip_grad_norm=1`): no dots (they separate the parts of a path), and

@@ -244,6 +244,8 @@ class _TextPrinter(Visitor):
         if plan.vars:
             add(f"vars: {format_arg(to_plain(plan.vars))}")
         add(f"max_epochs: {format_value(plan.max_epochs)}")
+        if plan.max_steps is not None:
+            add(f"max_steps: {plan.max_steps}")
         add(f"stop_when: [{self.names(plan.stop_when)}]")
         if plan.early_stop is not None:
             add(f"early_stop: {format_value(_early_stop_data(plan.early_stop))}")
@@ -280,7 +282,7 @@ class _TextPrinter(Visitor):
         parts = self.inputs(op.ins)
         parts += [f"{_arg_key(k)}={format_arg(v)}" for k, v in op.args]
         call = f"{op.op}({', '.join(parts)})"
-        self.out.add((f"{self.names(op.outs)} = {call}" if op.outs else call) + _id_note(op.id))
+        self.out.add((f"{self.names(op.outs)} = {call}" if op.outs else call) + _note(op))
 
     def visit_Loop(self, loop: ir.Loop) -> None:
         if loop.count is None:
@@ -291,34 +293,36 @@ class _TextPrinter(Visitor):
             head = f"loop {loop.count}"
         if loop.index is not None:
             head += f" as {loop.index.name}"
-        with self.out.block(head + ":" + _id_note(loop.id)):
+        with self.out.block(head + ":" + _note(loop)):
             self.visit_block(loop.body)
 
     def visit_StopIf(self, step: ir.StopIf) -> None:
-        self.out.add(f"stop_if {step.cond.name}" + _id_note(step.id))
+        self.out.add(f"stop_if {step.cond.name}" + _note(step))
 
     def visit_If(self, step: ir.If) -> None:
         for i, branch in enumerate(step.branches):
-            with self.out.block(f"{'elif' if i else 'if'} {branch.cond.name}:" + ("" if i else _id_note(step.id))):
+            with self.out.block(f"{'elif' if i else 'if'} {branch.cond.name}:" + ("" if i else _note(step))):
                 self.visit_block(branch.body)
         if step.orelse is not None:
             with self.out.block("else:"):
                 self.visit_block(step.orelse)
 
     def visit_Parallel(self, step: ir.Parallel) -> None:
-        with self.out.block("parallel:" + _id_note(step.id)):
+        with self.out.block("parallel:" + _note(step)):
             for branch in step.branches:
                 with self.out.block(f"branch {branch.name}:" if branch.name else "branch:"):
                     self.visit_block(branch.body)
 
     def visit_Report(self, step: ir.Report) -> None:
         # A period may be written "500 ms"; collapsing its spaces keeps it on one line.
-        with self.out.block(f"report every {' '.join(step.period_text.split())}:" + _id_note(step.id)):
+        with self.out.block(f"report every {' '.join(step.period_text.split())}:" + _note(step)):
             self.visit_block(step.body)
 
 
-def _id_note(step_id: str | None) -> str:
-    return f"  # id: {step_id}" if step_id is not None else ""
+def _note(step: ir.Step) -> str:
+    """What a step carries besides its kind: `every N steps`, its id."""
+    notes = [f"every {step.every} steps"] * (step.every is not None) + [f"id: {step.id}"] * (step.id is not None)
+    return "  # " + "; ".join(notes) if notes else ""
 
 
 def _stop_text(plan: ir.Plan) -> str:
@@ -331,6 +335,8 @@ def _stop_text(plan: ir.Plan) -> str:
         conds.append(f"no {better} for {epochs} epoch{'s' * (epochs != 1)}")
     if plan.max_epochs is not None:
         conds.append(f"epoch {plan.max_epochs}")
+    if plan.max_steps is not None:
+        conds.append(f"step {plan.max_steps}")
     return "repeat until " + " or ".join(conds) if conds else "repeat forever: no stop condition"
 
 
@@ -399,6 +405,7 @@ class _JsonBuilder(Visitor):
             "max_restarts": plan.max_restarts,
             "vars": _json_value(plan.vars),
             "max_epochs": plan.max_epochs,
+            "max_steps": plan.max_steps,
             "stop_when": [r.name for r in plan.stop_when],
             "early_stop": None if plan.early_stop is None else _json_value(_early_stop_data(plan.early_stop)),
             "checkpoint": None if ckpt is None else {
@@ -436,6 +443,7 @@ class _JsonBuilder(Visitor):
             "out": [r.name for r in op.outs],
             "args": {k: _json_value(v) for k, v in op.args},
             "id": op.id,
+            "every_steps": op.every,
             "line": op.pos.line,
         }
 
@@ -447,11 +455,12 @@ class _JsonBuilder(Visitor):
             "as": loop.index.name if loop.index is not None else None,
             "do": self.steps(loop.body),
             "id": loop.id,
+            "every_steps": loop.every,
             "line": loop.pos.line,
         }
 
     def visit_StopIf(self, step: ir.StopIf) -> dict[str, Any]:
-        return {"kind": "stop_if", "cond": step.cond.name, "id": step.id, "line": step.pos.line}
+        return {"kind": "stop_if", "cond": step.cond.name, "id": step.id, "every_steps": step.every, "line": step.pos.line}
 
     def visit_If(self, step: ir.If) -> dict[str, Any]:
         branches = [
@@ -459,13 +468,13 @@ class _JsonBuilder(Visitor):
             for b in step.branches
         ]
         orelse = self.steps(step.orelse) if step.orelse is not None else None
-        return {"kind": "if", "branches": branches, "else": orelse, "id": step.id, "line": step.pos.line}
+        return {"kind": "if", "branches": branches, "else": orelse, "id": step.id, "every_steps": step.every, "line": step.pos.line}
 
     def visit_Parallel(self, step: ir.Parallel) -> dict[str, Any]:
         branches = [
             {"name": b.name, "do": self.steps(b.body), "line": b.pos.line} for b in step.branches
         ]
-        return {"kind": "parallel", "branches": branches, "id": step.id, "line": step.pos.line}
+        return {"kind": "parallel", "branches": branches, "id": step.id, "every_steps": step.every, "line": step.pos.line}
 
     def visit_Report(self, step: ir.Report) -> dict[str, Any]:
         return {
@@ -474,6 +483,7 @@ class _JsonBuilder(Visitor):
             "seconds": step.period,
             "do": self.steps(step.body),
             "id": step.id,
+            "every_steps": step.every,
             "line": step.pos.line,
         }
 
@@ -481,7 +491,7 @@ class _JsonBuilder(Visitor):
 # -- colour ----------------------------------------------------------------------------
 
 _KEYWORDS = "task|loop|if|elif|else|parallel|branch|report|stop_if|pass|init|do|exit|epoch|download"
-_HEADER_KEYS = "job|seed|device|replicas|parallel|fsdp_layers|max_restarts|vars|max_epochs|stop_when|early_stop|checkpoint|loggers"
+_HEADER_KEYS = "job|seed|device|replicas|parallel|fsdp_layers|max_restarts|vars|max_epochs|max_steps|stop_when|early_stop|checkpoint|loggers"
 
 # Applied in order; a later match restyles an earlier one (strings and marks win).
 _HIGHLIGHTS = (

@@ -21,7 +21,7 @@ from typing import Any
 from jobrun import __version__
 from jobrun.plans import keys as plan_keys
 from jobrun.plans.resolve import BUILTINS, VAR_NAME
-from jobrun.plans.schema_ops import BLOB, STEP_ID, VAR, anchored, op_call, op_def, op_schema
+from jobrun.plans.schema_ops import BLOB, EVERY, STEP_ID, VAR, anchored, op_call, op_def, op_schema
 
 SCHEMA_ID = "urn:jobrun:plan-schema"
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
@@ -214,7 +214,15 @@ def _top_properties() -> dict[str, dict[str, Any]]:
             "propertyNames": {"pattern": anchored(VAR_NAME), "not": {"enum": list(BUILTINS)}},
         },
         "max_epochs": {
-            "description": "Stop after this epoch. A plan needs max_epochs, stop_when or early_stop.",
+            "description": "Stop after this epoch. A plan needs max_epochs, max_steps, stop_when "
+            "or early_stop.",
+            "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
+        },
+        "max_steps": {
+            "description": (
+                "Stop once the global step (optimizer steps taken) reaches this: every loop of "
+                "the epoch ends at its next iteration, then the job ends as after its last epoch."
+            ),
             "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
         },
         "stop_when": {
@@ -376,13 +384,13 @@ def _control_defs() -> dict[str, Any]:
                     "anyOf": [BLOB, {"type": "null"}],
                 },
                 "do": {**BLOCK, "description": "The loop's body."},
-                "id": STEP_ID,
+                "id": STEP_ID, "every": EVERY,
             },
             ["loop", "do"],
         ),
         "stop_if": _control(
             "Truthy -> leave the innermost loop now; outside any loop, end the task's `do`.",
-            {"stop_if": {**BLOB, "description": "The blob tested."}, "id": STEP_ID},
+            {"stop_if": {**BLOB, "description": "The blob tested."}, "id": STEP_ID, "every": EVERY},
             ["stop_if"],
         ),
         "if": _control(
@@ -403,7 +411,7 @@ def _control_defs() -> dict[str, Any]:
                     ),
                 },
                 "else": {**BLOCK, "description": "Steps run when no condition is truthy."},
-                "id": STEP_ID,
+                "id": STEP_ID, "every": EVERY,
             },
             ["if", "then"],
         ),
@@ -425,7 +433,7 @@ def _control_defs() -> dict[str, Any]:
                         ["do"],
                     ),
                 },
-                "id": STEP_ID,
+                "id": STEP_ID, "every": EVERY,
             },
             ["parallel"],
         ),
@@ -435,7 +443,7 @@ def _control_defs() -> dict[str, Any]:
             {
                 "report": {"$ref": "#/$defs/duration", "description": "The period: 500ms, 2s."},
                 "do": {**BLOCK, "description": "The steps run every period."},
-                "id": STEP_ID,
+                "id": STEP_ID, "every": EVERY,
             },
             ["report", "do"],
         ),

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from jobrun.ops.spec import REQUIRED, ArgSpec, ArgType, OpSpec
+from jobrun.ops.spec import LOSS_NAMES, REQUIRED, ArgSpec, ArgType, OpSpec
 from jobrun.plans import keys as plan_keys
 
 VAR = {"$ref": "#/$defs/var"}
@@ -39,6 +39,14 @@ def op_def(name: str) -> str:
     return f"op:{name}"
 
 
+# `every: N` of any step: it runs at global steps 0, N, 2N, ... only.
+EVERY = {
+    "description": "Run this step only at global steps 0, N, 2N, ... (optimizer steps taken; "
+    "inside a loop, as the loop's iteration began), once per step.",
+    "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}, VAR],
+}
+
+
 def op_call(ops: dict[str, OpSpec]) -> dict[str, Any]:
     return {
         "description": "An op call: one key, the op's name, holding its arguments (and an `id`).",
@@ -60,6 +68,7 @@ def op_schema(spec: OpSpec) -> dict[str, Any]:
     properties = {
         "in": _slots("in", spec.inputs, in_lo, in_hi, {"$ref": "#/$defs/input"}),
         "out": _slots("out", spec.outputs, out_lo, out_hi, BLOB),
+        "every": EVERY,
         **{a.name: arg_schema(a) for a in spec.args},
     }
     required = [k for k, lo in (("in", in_lo), ("out", out_lo)) if lo > 0]
@@ -129,6 +138,7 @@ _SIMPLE: dict[str, dict[str, Any]] = {
     "any": {},
     "null": {"type": "null"},
     "duration": {"$ref": "#/$defs/duration"},
+    "loss": {"anyOf": [{"enum": list(LOSS_NAMES)}, {"type": "string", "pattern": r"[.:]"}]},
 }
 
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from jobrun.errors import Pos, did_you_mean
-from jobrun.ops.spec import OpSpec, arg
+from jobrun.ops.spec import LOSS_NAMES, OpSpec, arg
 from jobrun.plans import ir
-from jobrun.plans.keys import DURATION
+from jobrun.plans.keys import DURATION, EVERY_KEY
 
 MAX_SHAPE_ELEMENTS = 2**34
 
@@ -87,7 +87,7 @@ def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem |
         known = [x.name for x in spec.args]
         return Problem(
             "unknown-arg", pos, f"`{call.op}` has no argument `{key}`",
-            did_you_mean(key, known)
+            did_you_mean(key, [*known, EVERY_KEY])
             or (f"its arguments are: {', '.join(known)}" if known else f"`{call.op}` takes no arguments"),
         )
     if not _type_ok(value, a.type):
@@ -136,12 +136,14 @@ _CHECKS = {
     "duration": lambda v: isinstance(v, str) and DURATION.match(v) is not None,
     "null": lambda v: v is None,
     "any": lambda v: True,
+    "loss": lambda v: isinstance(v, str) and (v in LOSS_NAMES or "." in v or ":" in v),
 }
 _NAMES = {
     "int": "an integer", "float": "a number", "number": "a number", "bool": "true or false",
     "str": "a string", "list": "a list", "dict": "a mapping", "duration": "a duration (500ms, 2s)",
     "shape": "a shape (a list of integers >= 0)", "null": "null", "any": "any value",
     "sizes": "a list of sizes (integers >= 1)",
+    "loss": "cross_entropy, mse, model or a dotted path (pkg.mod:fn)",
 }
 
 
@@ -189,6 +191,8 @@ def _type_hint(key: str, value: Any, t: Any) -> str:
         close = did_you_mean(value, t[1:])
         if close:
             return close
+    if isinstance(value, str) and t == "loss" and (close := did_you_mean(value, LOSS_NAMES)):
+        return close
     return f"give `{key}` {_describe(t)}"
 
 

@@ -7,6 +7,7 @@ builds the plan around it. Every error is a PlanError at the value's file:line:c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,7 @@ from jobrun.plans.keys import (
     CONTROL_KEYS,
     DURATION,
     ELIF_KEYS,
+    EVERY_KEY,
     ID_KEY,
     MAX_INSTANCES,
     NAME_RULE,
@@ -185,7 +187,10 @@ class StepCompiler:
         step_id = self.step_id(m) if ID_KEY in m else None
         for key in CONTROL_KEYS:
             if key in m:
-                return self.control[key](m, step_id)
+                step = self.control[key](m, step_id)
+                if EVERY_KEY in m:
+                    step = dataclasses.replace(step, every=self.every(m[EVERY_KEY], m.at(EVERY_KEY)))
+                return step
         if not m:
             raise PlanError(
                 "empty step", parent.at(i), "write an op call (- add: {in: [a, b], out: c}) or a control step"
@@ -231,6 +236,10 @@ class StepCompiler:
             )
         return value
 
+    def every(self, value: Any, pos: Pos) -> int | None:
+        """`every: N` of a step (null: every time)."""
+        return None if value is None else self.int_(value, pos, "every", 1)
+
     def op(self, m: PMap, name: str, step_id: str | None = None) -> ir.OpCall:
         pos = m.key_at(name)
         if name not in self.good_ops:
@@ -250,6 +259,7 @@ class StepCompiler:
         ins: tuple[ir.Input, ...] = ()
         outs: tuple[ir.BlobRef, ...] = ()
         args: list[tuple[str, Any]] | None = None
+        every: int | None = None
         good = self.good_blobs
         ref = ir.BlobRef
         for key, value in body.items():
@@ -271,16 +281,18 @@ class StepCompiler:
                     ])
                 elif value is not None:
                     outs = (self.blob(value, body.at("out"), "out", name),)
+            elif key == EVERY_KEY:
+                every = self.every(value, body.at(key))
             elif args is None:
                 args = [(key, value)]
             else:
                 args.append((key, value))
         if args is None:
-            return ir.OpCall(name, ins, outs, (), pos, (), step_id)
+            return ir.OpCall(name, ins, outs, (), pos, (), step_id, every)
         arg_pos = tuple([(k, body.at(k)) for k, _ in args])
         if name in NESTING_OPS:
             ins = ins + self.nested(name, args)
-        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos, step_id)
+        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos, step_id, every)
 
     def nested(self, op: str, args: list[tuple[str, Any]]) -> tuple[ir.Input, ...]:
         """The blobs nested targets name with `in` (see jobrun.ops.nested), as inputs."""

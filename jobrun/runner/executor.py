@@ -36,6 +36,7 @@ from finds the step it belongs to, which turns it into an error with the plan po
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -45,11 +46,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from jobrun.errors import Interrupted, JobrunError, RunError
-from jobrun.ops.context import OpContext
+from jobrun.ops.context import STEP_COUNTER, OpContext
 from jobrun.ops.core import truthy
 from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
 from jobrun.plans.visit import Visitor, also_written, children
+from jobrun.runner import clock
 from jobrun.runner.codegen import Handler, Source
 
 if TYPE_CHECKING:
@@ -101,20 +103,24 @@ class NodeRuntime:
 class CompiledTask:
     """A task generated once for its node; `run` runs it (every epoch, for an epoch task)."""
 
-    def __init__(self, task: ir.Task, node: NodeRuntime, profile: Profile | None = None):
+    def __init__(self, task: ir.Task, node: NodeRuntime, profile: Profile | None = None,
+                 max_steps: int | None = None):
         self.task = task
         self.node = node
         self.ctx = dataclasses.replace(node.ctx, task=task.name)
         node.task_ctxs.append(self.ctx)
         g = node.globals
         self.local: dict[str, Any] = g if task.workspace == "global" else _private_workspace(g)
-        self._init, self._do, self._exit = _Generator(self.ctx, g, self.local, task, node.name,
-                                                      profile).visit(task)
+        # `max_steps` ends the loops of epoch tasks (the epoch) once the global step reaches it.
+        limit = max_steps if task.group == "epoch" else None
+        generator = _Generator(self.ctx, g, self.local, task, node.name, profile, limit)
+        self._init, self._do, self._exit = generator.visit(task)
 
     def run(self) -> dict[str, Any]:
         """Run init, do (all instances, each in its own workspace), exit; return the
         declared outputs."""
         local = self.local
+        counting = clock.counting(self.ctx._counters)  # optimizer steps count on this node
         try:
             self._init(local)
             if self.task.instances == 1:
@@ -125,6 +131,7 @@ class CompiledTask:
             self._exit(local)
             return {ref.name: self._output(ref) for ref in self.task.outputs}
         finally:
+            clock.stop_counting(counting)
             if self.local is not self.node.globals:
                 self.local.clear()
 
@@ -175,7 +182,9 @@ def run_concurrently(thunks: list[Thunk], what: str) -> bool:
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=body, args=(fn,), name=what, daemon=True) for fn in thunks[1:]]
+    # Each thread runs in a copy of this context: its optimizer steps count on the same node.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(body, fn), name=what, daemon=True)
+               for fn in thunks[1:]]
     for t in threads:
         t.start()
     body(thunks[0])
@@ -215,7 +224,8 @@ class _Report:
         self.body = body
         self.stop = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="report", daemon=True)
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,),
+                                       name="report", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
@@ -244,11 +254,14 @@ class _Generator(Visitor):
     """Writes one task's steps as Python (see the module docstring)."""
 
     def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str,
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, max_steps: int | None = None):
         self.ctx = ctx
         # With a profile (train --profile) op calls and loops are written timed; without
         # one the code is what it always was: the profile costs nothing when off.
         self.profile = profile
+        self.max_steps = max_steps
+        self.clock: str | None = None  # the clock variable of the innermost loop being written
+        self.every_number = 0  # steps with `every` written so far (each one's counter key)
         self.private = local is not g
         self.instance = False  # writing `do` of a task with instances: stores reach T too
         self.op_number = 0  # op calls written so far, in plan order
@@ -264,6 +277,7 @@ class _Generator(Visitor):
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": _Reports,
             "partial": functools.partial,
             "PROGRESS": progress, "TASK": task.name, "clock": time.perf_counter,
+            "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
         }, pass_through=_PASS_THROUGH)
         if profile is not None and profile.sync is not None:
             self.code.env["sync"] = profile.sync
@@ -282,13 +296,28 @@ class _Generator(Visitor):
         first = next((s for s in steps if isinstance(s, ir.Report)), None)
         if first is None:
             for s in steps:
-                self.visit(s)
+                self.visit_step(s)
             return
         outer, self.reports = self.reports, self.code.fresh("reports")
         with self.code.step(first.pos, "report"), self.code.block(f"with reports() as {self.reports}:"):
             for s in steps:
-                self.visit(s)
+                self.visit_step(s)
         self.reports = outer
+
+    def visit_step(self, s: ir.Step) -> None:
+        """A step; with `every: N`, under the test of the clock it sees (see runner/clock.py)."""
+        if s.every is None:
+            self.visit(s)
+            return
+        self.every_number += 1
+        site = f"every {self.task.group}/{self.task.name}#{self.every_number}"
+        with self.code.step(s.pos, f"every {s.every}"), \
+                self.code.block(f"if EVERY(C, {site!r}, {self._clock()}, {s.every}):"):
+            self.visit(s)
+
+    def _clock(self) -> str:
+        """The global step as a step sees it: its loop's iteration began at, or now."""
+        return self.clock if self.clock is not None else f"C.get({STEP_COUNTER!r}, 0)"
 
     def generic_visit(self, node: Any) -> None:
         raise RunError(f"cannot run step {type(node).__name__}", getattr(node, "pos", None))
@@ -307,6 +336,7 @@ class _Generator(Visitor):
             kwargs["_names"] = tuple(i.name if isinstance(i, ir.BlobRef) else repr(i.value) for i in s.ins)
         if getattr(impl, "wants_out_names", False):
             kwargs["_out_names"] = tuple(o.name for o in s.outs)
+        clocked = getattr(impl, "wants_clock", False)
         self.op_number += 1
         if getattr(impl, "wants_site", False):
             # A per-step counter's key: the step's place in the plan, by task and order (a
@@ -319,6 +349,8 @@ class _Generator(Visitor):
                 args.append(f"L[{i.name!r}]" if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
             if kwargs:
                 args.append("**" + code.value("kw", kwargs))
+            if clocked and self.clock is not None:
+                args.append(f"_clock={self.clock}")
             call = f"{code.value('op', impl, s.op)}({', '.join(args)})"
             outs = [o.name for o in s.outs]
             with self._timed(s.pos, s.op):
@@ -419,6 +451,25 @@ class _Generator(Visitor):
 
         return failed
 
+    def _uses_clock(self, steps: tuple[ir.Step, ...]) -> bool:
+        """Whether a loop body reads the clock of its iterations: a step with `every`, or an
+        op that wants it (`log`, `call`), outside inner loops and the functions of parallel
+        branches and reports."""
+        for s in steps:
+            if s.every is not None or (isinstance(s, ir.OpCall) and self._clocked(s.op)):
+                return True
+            if isinstance(s, ir.If) and (any(self._uses_clock(b.body) for b in s.branches)
+                                         or self._uses_clock(s.orelse or ())):
+                return True
+        return False
+
+    def _clocked(self, op: str) -> bool:
+        spec = self.ops.get(op)
+        try:
+            return spec is not None and getattr(resolve_impl(spec), "wants_clock", False)
+        except RunError:
+            return False  # visit_OpCall says why
+
     # -- conditions -----------------------------------------------------------------------
     @staticmethod
     def _test(ref: ir.BlobRef) -> str:
@@ -477,7 +528,19 @@ class _Generator(Visitor):
             for name in _step_losses(s.body):
                 self.means[name] = (code.fresh("sum"), code.fresh("count"))
                 code.line(f"{self.means[name][1]} = 0")
+            outer, self.clock = self.clock, (code.fresh("clock") if self._uses_clock(s.body) else None)
+            entry, now = code.fresh("entry"), code.fresh("now")
+            if self.max_steps is not None:
+                code.line(f"{entry} = C.get({STEP_COUNTER!r}, 0)")
             with code.loop("while True:" if s.count is None else f"for {i} in range({n}):"):
+                if self.max_steps is not None:
+                    # The epoch ends once the global step reaches max_steps: each loop that
+                    # took optimizer steps stops there; one that takes none (an evaluation
+                    # over a reader, after the training loop) runs to its end.
+                    with code.block(f"if ({now} := C.get({STEP_COUNTER!r}, 0)) >= MAX_STEPS and {now} != {entry}:"):
+                        code.line("break")
+                if self.clock is not None:
+                    code.line(f"{self.clock} = C.get({STEP_COUNTER!r}, 0)")
                 if s.count is None:
                     code.line(f"{i} += 1")
                 # The live display shows the innermost running loop: the last to update.
@@ -488,6 +551,7 @@ class _Generator(Visitor):
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
+            self.clock = outer
             means, self.means = self.means, outer
             self._store_means(means)
 
@@ -505,11 +569,13 @@ class _Generator(Visitor):
         code = self.code
         branches = []
         outer, self.means = self.means, None  # a function of its own: no loop's sums here
+        outer_clock, self.clock = self.clock, None  # another function: the clock as it runs
         for b in s.branches:
             branches.append(code.fresh("branch", b.name or ""))
             with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
         self.means = outer
+        self.clock = outer_clock
         thunks = "".join(f"partial({b}, L), " for b in branches)
         call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
@@ -519,9 +585,11 @@ class _Generator(Visitor):
         code = self.code
         body = code.fresh("report")
         outer, self.means = self.means, None
+        outer_clock, self.clock = self.clock, None
         with code.function(body, "L"):
             self.visit_block(s.body)
         self.means = outer
+        self.clock = outer_clock
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
 

@@ -27,7 +27,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import fingerprint, profile, restore, rng, trackers
+from jobrun.runner import clock, fingerprint, profile, restore, rng, trackers
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
 from jobrun.runner.monitor import Watch
@@ -101,8 +101,9 @@ class JobRunner:
         self.profile = profile.for_run(cfg.device, cfg.profile_torch, self.run_dir.path,
                                        self.main_rank) if cfg.profile else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
+        clock.install()  # the global step counts every optimizer step of a task
         self.groups = {
-            g.name: [CompiledTask(t, self.nodes[t.node], self.profile) for t in g.tasks]
+            g.name: [CompiledTask(t, self.nodes[t.node], self.profile, self.plan.max_steps) for t in g.tasks]
             for g in self.plan.groups
         }
         for node in self.nodes.values():
@@ -245,8 +246,8 @@ class JobRunner:
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
         self.display.epoch_line(result, self.plan.max_epochs)
         if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
-            self.metrics.write({"epoch": epoch, "event": "epoch", "seconds": round(result.seconds, 6),
-                                **result.rates,
+            self.metrics.write({"epoch": epoch, "step": self.step, "event": "epoch",
+                                "seconds": round(result.seconds, 6), **result.rates,
                                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
             if self.trackers is not None:
                 self.trackers.epoch(epoch, outputs, result.rates)
@@ -266,12 +267,19 @@ class JobRunner:
             self.display.line(f"stopping early (as after epoch {self.epoch}): {reason}")
         return reason is not None
 
+    @property
+    def step(self) -> int:
+        """The global step: the most optimizer steps any node took (most plans have one)."""
+        return max(node.ctx.step for node in self.nodes.values())
+
     def _should_stop(self, outputs: dict[str, dict[str, Any]], epoch: int) -> bool:
         names = {ref.name for ref in self.plan.stop_when}
         for task_outputs in outputs.values():
             for name, value in task_outputs.items():
                 if name in names and truthy(value):
                     return True
+        if self.plan.max_steps is not None and self.step >= self.plan.max_steps:
+            return True
         return self.plan.max_epochs is not None and epoch >= self.plan.max_epochs
 
     def _finish(self) -> None:
@@ -371,7 +379,8 @@ class JobRunner:
         """
         if self.ckpt_dir is None:
             return ""
-        meta = {"epoch": epoch, "stop": stop, "job": self.plan.job, "world_size": self.cfg.world_size,
+        meta = {"epoch": epoch, "step": self.step, "stop": stop, "job": self.plan.job,
+                "world_size": self.cfg.world_size,
                 "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in (outputs or {}).items()},
                 **self.watch.meta(outputs, epoch)}
         background = bool(self.plan.checkpoint and self.plan.checkpoint.background)

@@ -1,12 +1,12 @@
-"""`jobrun plot`: the logged values of one or more runs against epochs or steps, as a PNG.
+"""`jobrun plot`: the logged values of one or more runs against steps or epochs, as a PNG.
 
 One panel per metric (a name a `log` op logged with a number, or an epoch task's numeric
-output), one line per run. Against epochs (the default) a value
-logged once an epoch sits at that epoch; one logged several times in an epoch (inside the
-training loop, or with `log: {every: K}`) is spread evenly over the epoch, so that epoch E's
-points lie in (E-1, E]. Against steps (`--x step`) a logged value sits at the step its
-metrics record holds, and an epoch output not also logged at the epoch's last logged step.
-matplotlib is an optional extra: `pip install "jobrun[plot]"`.
+output), one line per run. Against the global step (`--x step`; `auto`, the default, when
+the run took optimizer steps) a value sits at the `step` metrics.jsonl records with it and
+an epoch output at the step its epoch ended. Against epochs (`--x epoch`; `auto` for a run
+that takes no step) a value logged once an epoch sits at that epoch; one logged several
+times in an epoch is spread evenly over the epoch, so that epoch E's points lie in
+(E-1, E]. matplotlib is an optional extra: `pip install "jobrun[plot]"`.
 """
 
 from __future__ import annotations
@@ -23,59 +23,69 @@ from jobrun.runner.rundir import RunDir, metrics_records
 
 MAX_METRICS_BYTES = 1 << 30
 
-Series = dict[str, list[tuple[float, float]]]  # metric -> [(x, value)]
+
+class Series(dict[str, list[tuple[float, float]]]):
+    """metric -> [(x, value)]; `axis` says what x is: "step" or "epoch"."""
+
+    axis = "epoch"
 
 
-def series(run: RunDir, x: str = "epoch") -> Series:
-    """Every numeric value the run logged, placed on the epoch axis (or the step axis)."""
+def series(run: RunDir, x: str = "auto") -> Series:
+    """Every numeric value the run logged, placed on the step axis or the epoch axis
+    (``x``: "step", "epoch", or "auto": steps when the run took optimizer steps)."""
     try:
         data = safefs.read_bounded(run.metrics_file, MAX_METRICS_BYTES)
     except FileNotFoundError:
-        return {}
+        return Series()
     except OSError as e:
         raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
     per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
+    steps: dict[tuple[str, int], list[int]] = defaultdict(list)  # the global step of each value
+    ended: dict[int, int] = {}  # epoch -> the global step it ended at
     outputs: dict[tuple[str, int], float] = {}
-    steps: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)  # --x step
-    last_step: dict[int, int] = {}  # epoch -> the last step a value was logged at
     for _, record in metrics_records(run.metrics_file, data):
         epoch = record.epoch
         if epoch is None:
             continue
+        step = record.step
         if record.event == "epoch":
+            if step is not None:
+                ended[epoch] = step
             for task in record.outputs.values():
                 for name, value in task.items():
                     if _number(value):
                         outputs[(name, epoch)] = float(value)
         elif record.group == "epoch":
-            step = record.step
             for name, value in record.values.items():
                 if _number(value):
                     per_epoch[(name, epoch)].append(float(value))
-                    if step is not None:
-                        steps[(name, epoch)].append((step, float(value)))
-                        last_step[epoch] = max(step, last_step.get(epoch, step))
+                    steps[(name, epoch)].append(step if step is not None else -1)
     # An epoch task's output that the epoch did not also log is a point at the epoch's end.
     for key, value in outputs.items():
-        per_epoch.setdefault(key, [value])
-        if key not in steps and key[1] in last_step:
-            steps[key] = [(last_step[key[1]], value)]
-    out: Series = defaultdict(list)
-    if x == "step":
-        for (name, _epoch), points in sorted(steps.items()):
-            out[name] += [(float(s), v) for s, v in points]
-        return dict(out)
+        if key not in per_epoch:
+            per_epoch[key] = [value]
+            steps[key] = [ended.get(key[1], -1)]
+    out = Series()
+    by_step = x == "step" or (x == "auto" and any(s > 0 for s in ended.values())
+                              and all(s >= 0 for v in steps.values() for s in v))
+    if by_step:
+        out.axis = "step"
     for (name, epoch), values in sorted(per_epoch.items()):
+        if by_step:  # a value without a step (an older run's) has no place on this axis
+            points = [(float(s), v) for s, v in zip(steps[(name, epoch)], values) if s >= 0]
+            if points:
+                out.setdefault(name, []).extend(points)
+            continue
         n = len(values)
-        out[name] += [(epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values)]
-    return dict(out)
+        out.setdefault(name, []).extend((epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values))
+    return out
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...], x: str = "epoch") -> Path:
+def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...], x: str = "auto") -> Path:
     runs = [RunDir(Path(d)) for d in run_dirs] if run_dirs else [RunDir.latest()]
     for run in runs:
         run.info()  # a clear message for what is not a run directory
@@ -96,11 +106,11 @@ def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...], x: s
     if not out.parent.is_dir():
         raise UsageError(f"cannot write {out}: directory {out.parent} does not exist",
                          hint="create it first, or give another -o")
-    _draw(data, names, out, x)
+    _draw(data, names, out)
     return out
 
 
-def _draw(data: dict[RunDir, Series], names: list[str], out: Path, x: str = "epoch") -> None:
+def _draw(data: dict[RunDir, Series], names: list[str], out: Path) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -112,10 +122,10 @@ def _draw(data: dict[RunDir, Series], names: list[str], out: Path, x: str = "epo
     # Metric names and run directories are the user's text, not mathtext (`$\alpha$`
     # or `\undefinedmacro` would be parsed, and fail).
     with matplotlib.rc_context({"text.parse_math": False}):
-        _panels(plt, data, names, out, x)
+        _panels(plt, data, names, out)
 
 
-def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path, x: str) -> None:
+def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path) -> None:
     cols = min(2, len(names))
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
@@ -127,7 +137,7 @@ def _panels(plt: Any, data: dict[RunDir, Series], names: list[str], out: Path, x
                 ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3,
                         label=_label(run, data))
         ax.set_title(name)
-        ax.set_xlabel(x)
+        ax.set_xlabel("step" if all(s.axis == "step" for s in data.values()) else "epoch")
         ax.grid(alpha=0.3)
         if len(data) > 1:
             ax.legend(fontsize="small")

@@ -56,9 +56,9 @@ class Metrics:
 class TensorBoard:
     """Also writes log values as TensorBoard scalars when `tensorboard` is installed.
 
-    Each numeric value becomes the scalar `<task>/<name>` at the step of its `log` call
-    (the how-many-th call of that step: the epoch for a value logged once an epoch, the
-    K-th, 2K-th... call with `every: K`), the same points `metrics.jsonl` holds.
+    Each numeric value becomes the scalar `<task>/<name>` at the global step its `log`
+    call sees (optimizer steps taken; see runner/clock.py), the same points
+    `metrics.jsonl` holds.
     """
 
     def __init__(self, run_dir: Path | None):

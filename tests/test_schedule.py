@@ -1,0 +1,112 @@
+"""`scheduler` without a target: warmup and decay in closed form from the global step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from runner_util import ckpt_values, jobrun, logged
+
+PLAN = """\
+job: sched
+max_steps: {max_steps}
+checkpoint: {{dir: ckpt}}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {{out: [x, y], task: regression, n: 16, features: 3}}
+      - model.mlp: {{out: model, sizes: [3, 4, 1]}}
+      - optimizer: {{in: model, out: opt, target: torch.optim.AdamW, lr: 0.001}}
+      - scheduler: {{in: opt, out: sched, {schedule}}}
+epoch:
+  - task: train
+    do:
+      - loop: 10
+        do:
+          - train.step: {{in: [model, opt, x, y], out: loss, loss: mse}}
+          - call: {{fn: "jobrun_test_helpers:last_lr", in: sched, out: lr, mutates: []}}
+          - log: {{in: [lr]}}
+"""
+
+
+def get_lr(it: int, learning_rate: float, warmup_iters: int, lr_decay_iters: int, min_lr: float) -> float:
+    """nanoGPT's train.py, as written there."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def train(tmp_path, schedule: str, max_steps: int = 30):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.format(schedule=schedule, max_steps=max_steps))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    return run
+
+
+def test_warmup_then_cosine_is_nanogpts_get_lr_bit_for_bit(tmp_path):
+    run = train(tmp_path, "warmup: 5, decay: cosine, steps: 25, min_lr: 0.0001")
+    lrs = [v["lr"] for v in logged(run)]
+    assert len(lrs) == 30
+    assert lrs == [get_lr(k, 0.001, 5, 25, 0.0001) for k in range(30)]  # exact, past the end too
+
+
+@pytest.mark.parametrize("decay, expect", [
+    ("linear", lambda k: 0.001 * (k + 1) / 3 if k < 2 else (
+        0.0 + (1.0 - (min(k, 20) - 2) / 18) * 0.001 if k <= 20 else 0.0)),
+    ("constant", lambda k: 0.001 * (k + 1) / 3 if k < 2 else 0.001),
+])
+def test_linear_and_constant_shapes(tmp_path, decay, expect):
+    run = train(tmp_path, f"warmup: 2, decay: {decay}, steps: 20")
+    assert [v["lr"] for v in logged(run)] == [expect(k) for k in range(30)]
+
+
+def test_min_ratio_scales_each_groups_rate(tmp_path):
+    run = train(tmp_path, "decay: cosine, steps: 10, min_ratio: 0.5")
+    lrs = [v["lr"] for v in logged(run)]
+    assert lrs[0] == 0.001 and lrs[-1] == 0.001 * 0.5
+
+
+def test_resume_goes_on_at_the_rate_of_the_global_step(tmp_path):
+    schedule = "warmup: 5, decay: cosine, steps: 25, min_ratio: 0.1"
+    run = train(tmp_path, schedule)
+    whole = ckpt_values(run, 3)
+    lrs = [v["lr"] for v in logged(run)]
+    assert jobrun("resume", "--run-dir", run, "--epoch", "1").code == 0
+    assert [v["lr"] for v in logged(run)] == lrs
+    assert ckpt_values(run, 3) == whole  # the model and the optimizer, bit for bit
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ("warmup: 5, decay: cosine, steps: 5", "steps (where the cosine decay ends) must be a whole number above warmup (5)"),
+    ("target: torch.optim.lr_scheduler.StepLR, step_size: 2, warmup: 3", "warmup belong(s) to the schedule without a target"),
+    ("steps: 10, step_size: 2", "step_size need(s) a `target`"),
+    ("steps: 10, min_lr: -1", "min_lr must be a number >= 0"),
+])
+def test_bad_schedules_are_one_message(tmp_path, schedule, message):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.format(schedule=schedule, max_steps=3))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code != 0 and message in r.err and "plan.yaml:10:" in r.err and "Traceback" not in r.text
+
+
+def test_a_decay_that_does_not_exist_is_caught_by_analyze(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.format(schedule="decay: cosin, steps: 10", max_steps=3))
+    r = jobrun("analyze", plan)
+    assert r.code == 1 and "cosine" in r.out + r.err
+
+
+def test_ops_lists_the_schedule_and_print_shows_it(tmp_path):
+    out = jobrun("ops", "scheduler").out
+    for word in ("warmup", "decay", "min_ratio", "global step"):
+        assert word in out
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.format(schedule="warmup: 5, steps: 25", max_steps=3))
+    assert "sched = scheduler(opt, warmup=5, steps=25)" in jobrun("print", plan).out
