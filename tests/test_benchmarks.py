@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart", "fsdp")
+SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart", "fsdp", "ddp")
 # What a smoke run reports: every figure of every section (the sizes are the smoke ones).
 EXPECTED_ROWS = {
     "runner": ["MLP example steps/s", "tiny MLP steps/s"],
@@ -36,6 +36,7 @@ EXPECTED_ROWS = {
     "restart": ["restart: death of a rank to the first new step"],
     "fsdp": ["parallel: fsdp steps/s (2 ranks)", "parallel: fsdp, amp: bf16 steps/s (2 ranks)",
              "jobrun train --replicas 2, parallel: fsdp steps/s"],
+    "ddp": ["parallel: ddp steps/s (2 ranks, 20 MB of gradients)"],
 }
 
 
@@ -72,6 +73,9 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
         ours, hand = row["extra"]["jobrun_epoch_seconds"], row["extra"]["hand_epoch_seconds"]
         assert len(ours) == len(hand) > 0, row
         assert row["extra"]["same_losses"], row  # the hand loop computes what the job computes
+    (ddp,) = data["sections"]["ddp"]["rows"]
+    assert len(ddp["extra"]["jobrun_epoch_seconds"]) == len(ddp["extra"]["hand_epoch_seconds"]) > 0
+    assert ddp["extra"]["same_losses"]  # jobrun's DDP and the hand DDP loop compute the same numbers
     startup = data["sections"]["startup"]["rows"]
     assert [row["extra"]["imports_torch"] for row in startup] == [False, False]
     # the table is printed too, one line a figure
