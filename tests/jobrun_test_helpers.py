@@ -174,3 +174,18 @@ def host_reads() -> int:
     """The reads counted since the last call."""
     n, _reads[0] = _reads[0], 0
     return n
+
+
+def WithUnusedHead():  # noqa: N802 - a `build` target, named like the class it makes
+    """A model whose second head no forward uses (DDP needs every parameter's gradient)."""
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    return Model()
