@@ -69,7 +69,7 @@ def write_plan(plan: dict[str, Any], directory: Path, name: str = "plan.yaml") -
 
 def run_plan(
     plan_path: Path, run_dir: Path | None = None, between: Callable[[int], None] | None = None,
-    rank: int = 0, world_size: int = 1, profile: bool = False,
+    rank: int = 0, world_size: int = 1, device: str = "cpu", profile: bool = False,
 ) -> list[Epoch]:
     """Run the job; the times of each epoch, in order. ``between(epoch)`` runs after each
     epoch, outside its times (to interleave a baseline with the epochs).
@@ -93,7 +93,7 @@ def run_plan(
         if rank == 0:
             RunDir(rdir).write_info({
                 "job": plan.job, "plan_dir": str(plan_path.parent), "status": "running",
-                "started": time.time(), "replicas": world_size, "device": "cpu",
+                "started": time.time(), "replicas": world_size, "device": device,
             })
         if world_size > 1:
             import torch.distributed
@@ -101,7 +101,7 @@ def run_plan(
             torch.distributed.barrier()  # run.json is there for every rank
         seed_everything(plan.seed)
         display = _Capture(between)
-        cfg = JobConfig(plan=plan, run_dir=rdir, plan_dir=plan_path.parent, device="cpu", rank=rank,
+        cfg = JobConfig(plan=plan, run_dir=rdir, plan_dir=plan_path.parent, device=device, rank=rank,
                         world_size=world_size, profile=profile)
         code = JobRunner(cfg, display=display).run()  # type: ignore[arg-type]
         if code != 0:

@@ -1,13 +1,15 @@
 """jobrun's benchmarks: one command, a table on stdout, the figures as JSON.
 
     python benchmarks/run.py [--quick | --smoke] [--json out.json] [--only SECTION ...]
+    python benchmarks/run.py --device cuda [--quick]      # the GPU section, on a CUDA GPU
 
 Sections: runner (jobrun vs a hand-written torch loop), loader (a torch Dataset read with
 two DataLoader workers vs a hand loop over a DataLoader), dispatch (one core op in a plan
 loop), plans (compile/analyze/print of 10^3..10^5 ops), checkpoint (save/load vs raw
 I/O and torch.save/load, the async stall), memory (RSS over epochs, peak of a save),
 startup (`jobrun --help`, `jobrun print`), restart (a rank's death to the restarted
-ranks' first step, against a fresh start), gpt (plans/gpt.yaml's steps/s against its
+ranks' first step, against a fresh start), fsdp and ddp (2 ranks against hand-written
+FSDP2 and DistributedDataParallel loops), gpt (plans/gpt.yaml's steps/s against its
 hand-written nanoGPT loop). Every figure is a ratio against a baseline
 measured in the same run; each has a goal and says PASS or MISS. The full run takes a
 few minutes; --quick (smaller state, fewer repetitions) is meant for CI; --smoke only
@@ -30,9 +32,11 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
 
 from benchmarks import (  # noqa: E402
     bench_checkpoint,
+    bench_ddp,
     bench_dispatch,
     bench_fsdp,
     bench_gpt,
+    bench_gpu,
     bench_loader,
     bench_memory,
     bench_plans,
@@ -52,8 +56,11 @@ SECTIONS = {
     "startup": bench_startup,
     "restart": bench_restart,
     "fsdp": bench_fsdp,
+    "ddp": bench_ddp,
     "gpt": bench_gpt,
 }
+# On a CUDA GPU (--device cuda): measured only there.
+GPU_SECTIONS = {"gpu": bench_gpu}
 # One torch thread everywhere (child processes too, through OMP_NUM_THREADS): on a small
 # shared machine, a second OpenMP thread that the kernel does not schedule makes the
 # other spin at every parallel region, and epochs took 20x longer at random.
@@ -92,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="CI size: a few minutes at most")
     size.add_argument("--smoke", action="store_true", help="a few seconds: checks that it runs")
     ap.add_argument("--json", metavar="PATH", help="write the figures here as JSON")
-    ap.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="SECTION",
-                    help=f"run only these sections ({', '.join(SECTIONS)})")
+    ap.add_argument("--only", nargs="+", choices=[*SECTIONS, *GPU_SECTIONS], metavar="SECTION",
+                    help=f"run only these sections ({', '.join([*SECTIONS, *GPU_SECTIONS])})")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the GPU sections (a GPT-shaped model in bf16 against a hand loop)")
     args = ap.parse_args(argv)
     mode = Mode("smoke" if args.smoke else "quick" if args.quick else "full")
 
@@ -109,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     failed = False
     torch.set_num_threads(THREADS)
-    for name in args.only or list(SECTIONS):
-        module = SECTIONS[name]
+    every = {**SECTIONS, **GPU_SECTIONS}
+    for name in args.only or list(GPU_SECTIONS if args.device == "cuda" else SECTIONS):
+        module = every[name]
         t0 = time.perf_counter()
         print(f"[{name}] ...", flush=True)
         try:

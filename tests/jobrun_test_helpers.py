@@ -186,3 +186,18 @@ def own_step(model, opt) -> None:
 def the_step(step: int) -> int:
     """The global step, as a `call` gets it (a parameter named `step`)."""
     return step
+
+
+def WithUnusedHead():  # noqa: N802 - a `build` target, named like the class it makes
+    """A model whose second head no forward uses (DDP needs every parameter's gradient)."""
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    return Model()

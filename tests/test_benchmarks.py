@@ -15,7 +15,7 @@ from runner_util import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("runner", "loader", "dispatch", "plans", "checkpoint", "memory", "startup", "restart", "fsdp",
-            "gpt")
+            "ddp", "gpt")
 # What a smoke run reports: every figure of every section (the sizes are the smoke ones).
 EXPECTED_ROWS = {
     "runner": ["MLP example steps/s", "tiny MLP steps/s", "MLP example, every logger steps/s",
@@ -39,6 +39,7 @@ EXPECTED_ROWS = {
     "restart": ["restart: death of a rank to the first new step"],
     "fsdp": ["parallel: fsdp steps/s (2 ranks)", "parallel: fsdp, amp: bf16 steps/s (2 ranks)",
              "jobrun train --replicas 2, parallel: fsdp steps/s"],
+    "ddp": ["parallel: ddp steps/s (2 ranks, 20 MB of gradients)"],
     "gpt": ["plans/gpt.yaml steps/s"],
 }
 
@@ -78,6 +79,9 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
         assert row["extra"]["same_losses"], row  # the hand loop computes what the job computes
     gpt = data["sections"]["gpt"]["rows"][0]["extra"]  # the plan and nanoGPT's loop agree
     assert gpt["same_losses"] and len(gpt["plan_epoch_seconds"]) == len(gpt["hand_epoch_seconds"]) > 0
+    (ddp,) = data["sections"]["ddp"]["rows"]
+    assert len(ddp["extra"]["jobrun_epoch_seconds"]) == len(ddp["extra"]["hand_epoch_seconds"]) > 0
+    assert ddp["extra"]["same_losses"]  # jobrun's DDP and the hand DDP loop compute the same numbers
     startup = data["sections"]["startup"]["rows"]
     assert [row["extra"]["imports_torch"] for row in startup] == [False, False]
     # the table is printed too, one line a figure

@@ -207,3 +207,33 @@ def test_batches_move_to_the_device_by_one_function_keeping_their_structure():
     moved = ToDevice("cpu")((t, {"ids": t.long()}, [t, "name"], 3))
     assert torch.equal(moved[0], t) and moved[1]["ids"].dtype == torch.long
     assert moved[2][1] == "name" and moved[3] == 3 and isinstance(moved[2], list)
+
+
+UNUSED = """
+job: unused
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 32, features: 4, classes: 2}
+      - reader: {in: [x, y], out: data, batch_size: 8}
+      - build: {out: model, target: "jobrun_test_helpers:WithUnusedHead"}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: 3
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+"""
+
+
+@pytest.mark.slow
+def test_a_parameter_without_a_gradient_under_ddp_is_one_clear_error(tmp_path):
+    (tmp_path / "plan.yaml").write_text(UNUSED)
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2")
+    assert r.code == 1, r.text
+    assert "parameters of the model got no gradient" in r.err and "Traceback" not in r.err
+    one = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "one")
+    assert one.code == 0, one.text  # one process: the unused head keeps grad None, as in torch

@@ -108,6 +108,7 @@ class Carrier:
         self.weighted = False
         self.pending: torch.Tensor | None = None
         self.carried: torch.Tensor | None = None
+        self.finished = True  # the last bucket's hook ran (DDP reduces buckets in order)
 
     @staticmethod
     def hook(self, bucket):  # type: ignore[no-untyped-def]
@@ -115,6 +116,8 @@ class Carrier:
         # postponed (string) annotations never equal.
         buf = bucket.buffer()
         extra = self.pending
+        if bucket.is_last():
+            self.finished = True
         if not self.weighted:
             buf.div_(self.world)
         elif extra is not None and buf.dtype in (torch.float32, torch.float64):

@@ -140,7 +140,7 @@ def train_step(
             totals = getattr(model, "_jobrun_totals", None)
             reduced = LossSum(ctx, _zero(value, device), local, totals)
         if carrier is not None and i == last:  # DDP's hook sums this backward, with the loss
-            carrier.pending, carrier.weighted = _zero(value, device), True
+            carrier.pending, carrier.weighted, carrier.finished = _zero(value, device), True, False
             try:
                 (part if scaler is None else scaler.scale(part)).backward()
             finally:
@@ -160,6 +160,8 @@ def train_step(
             hint="check `done` from `read` before training on its fields",
         )
     if carrier is not None:
+        if not carrier.finished:  # a bucket never became ready: a parameter got no gradient
+            raise _unused_parameters()
         mean = _carried_loss(ctx, carrier, value)
         sparse = sparse_params(model)
         if sparse:  # left out of DDP's dense buckets: their rows are gathered here
@@ -189,6 +191,17 @@ def train_step(
     elif mean.__class__ is float:  # fsdp and models DDP does not hold reduced on the host
         mean = torch.tensor(mean, dtype=_FLOAT32)
     return mean if mean.dtype is _FLOAT32 else mean.float()
+
+
+def _unused_parameters() -> RunError:
+    """DDP reduces its buckets in order: the last one's hook never ran when some parameter
+    of the model got no gradient in the backward (every rank runs the same model)."""
+    return RunError(
+        "train.step: some parameters of the model got no gradient in this step; with "
+        "replicas every parameter must (DDP all-reduces each one in every backward)",
+        hint="use every parameter in the forward, or set requires_grad=False on those that "
+             "are not trained (see docs/data-parallel.md)",
+    )
 
 
 def _carried_loss(ctx: OpContext, carrier: Any, value: torch.Tensor) -> torch.Tensor:
