@@ -326,14 +326,21 @@ def test_new_copies_only_what_the_example_uses(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("override,hint", [
     ("max_epoch=3", "did you mean 'max_epochs' or 'epoch'?"),
-    ("vars.lrr=3", "did you mean 'vars.lr'?"),
     ("checkpoint.kep=2", "did you mean 'checkpoint.keep'?"),
 ])
 def test_override_hints_do_not_offer_to_add_a_misspelt_key(here, override, hint):
+    """A key the plan format fixes is misspelt, never new: no `+KEY` in its hint."""
     r = jobrun("analyze", "plan.yaml", override)
     assert r.code == 2 and f"hint: {hint}" in r.err and "+" not in r.err.split("hint:")[1]
     added = jobrun("analyze", "plan.yaml", "vars.warmup=3")
     assert added.code == 2 and "write +vars.warmup=3" in added.err
+
+
+def test_a_var_beside_a_near_miss_may_still_be_new(here):
+    """vars are the user's own keys: the near miss comes first, adding it second."""
+    r = jobrun("analyze", "plan.yaml", "vars.lrr=3")
+    hint = r.err.split("hint:")[1]
+    assert r.code == 2 and hint.index("did you mean 'vars.lr'?") < hint.index("write +vars.lrr=3")
 
 
 def test_a_refused_train_leaves_signals_raising_not_exiting(here):

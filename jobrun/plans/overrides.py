@@ -305,9 +305,10 @@ class _Override:
         hint = close or (
             f"{parent or 'the plan'} has: {', '.join(choices)}" if choices else f"{parent} is empty"
         )
-        # `+` only where a new key can mean something: not for a near miss (max_epoch),
-        # nor in a mapping whose keys the plan format fixes.
-        adds = not close and at.kind not in _KNOWN and at.kind != "step"
+        # `+` only where a new key can mean something: never in a mapping whose keys the
+        # plan format fixes (max_epoch), nor for a near miss of an op's argument; a var
+        # (a free mapping) may be new even beside a near miss (vars.lrr beside vars.lr).
+        adds = at.kind not in _KNOWN and at.kind != "step" and (not close or at.kind == "value")
         raise self.fail(
             f"{self.path(at.depth + 1)} does not exist in the plan", at.pos,
             _then(hint, f"to add a new key, write +{'.'.join(self.parts)}={self.raw}" if adds else ""),
