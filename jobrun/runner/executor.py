@@ -528,7 +528,7 @@ class _Generator(Visitor):
             for name in _step_losses(s.body):
                 self.means[name] = (code.fresh("sum"), code.fresh("count"))
                 code.line(f"{self.means[name][1]} = 0")
-            outer, self.clock = self.clock, (code.fresh("clock") if self._uses_clock(s.body) else None)
+            outer_clock, self.clock = self.clock, (code.fresh("clock") if self._uses_clock(s.body) else None)
             entry, now = code.fresh("entry"), code.fresh("now")
             if self.max_steps is not None:
                 code.line(f"{entry} = C.get({STEP_COUNTER!r}, 0)")
@@ -551,7 +551,7 @@ class _Generator(Visitor):
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
-            self.clock = outer
+            self.clock = outer_clock
             means, self.means = self.means, outer
             self._store_means(means)
 
