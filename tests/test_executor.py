@@ -11,12 +11,8 @@ import pytest
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 from jobrun.plans.compile import compile_text
-from jobrun.runner.executor import (
-    CompiledTask,
-    NodeRuntime,
-    OpFailed,
-    _private_workspace,
-)
+from jobrun.runner.codegen_task import OpFailed
+from jobrun.runner.executor import CompiledTask, NodeRuntime, _private_workspace
 
 
 def run(text: str) -> tuple[dict, dict]:

@@ -1,7 +1,7 @@
 """A writer of Python source whose every line knows the plan step it comes from.
 
-The executor (:mod:`jobrun.runner.executor`) writes a task's steps through it: `block`
-indents (as ``ast._Unparser.block`` does), `step` tags the lines written inside with a
+The code generator (:mod:`jobrun.runner.codegen_task`) writes a task's steps through it:
+`block` indents (as ``ast._Unparser.block`` does), `step` tags the lines written inside with a
 ``# file:line what`` comment and a handler for their failures, `function` opens a
 generated function whose ``except`` hands a failure to the handler of the line it came
 from (the first traceback entry of that function holds the line). `compile` executes the

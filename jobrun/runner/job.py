@@ -8,7 +8,8 @@
         stop when a stop_when output is truthy, early_stop says so or epoch == max_epochs
     upload the last checkpoints; run download; run exit
 
-Every rank of a data-parallel job runs this same loop on its own device.
+Every rank of a data-parallel job runs this same loop on its own device. The saves and
+the restore are the runner's base class, in :mod:`jobrun.runner.checkpoints`.
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jobrun import signals, store
-from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError
+from jobrun.errors import Interrupted, JobrunError, RunError
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import clock, fingerprint, profile, restore, rng, trackers
-from jobrun.runner.display import Display, human_size
-from jobrun.runner.executor import CompiledTask, NodeRuntime, run_concurrently
+from jobrun.runner import clock, fingerprint, profile, trackers
+from jobrun.runner.checkpoints import Checkpoints, held_blobs, short
+from jobrun.runner.concurrency import run_concurrently
+from jobrun.runner.display import Display
+from jobrun.runner.executor import CompiledTask, NodeRuntime
 from jobrun.runner.monitor import Watch
 from jobrun.runner.records import Metrics, TensorBoard
 from jobrun.runner.rundir import RunDir
-from jobrun.runner.saves import Writer, prune_together
+from jobrun.runner.saves import Writer
 from jobrun.runner.throughput import EpochRates, Feed
-from jobrun.store import UnsupportedValue
 
 
 @dataclass
@@ -64,7 +66,7 @@ class EpochResult:
     rates: dict[str, Any] = field(default_factory=dict)  # samples/s, data wait, peak memory
 
 
-class JobRunner:
+class JobRunner(Checkpoints):
     def __init__(self, cfg: JobConfig, display: Display | None = None):
         self.cfg = cfg
         self.plan = cfg.plan
@@ -92,7 +94,7 @@ class JobRunner:
         self.ckpt_dir = self.run_dir.checkpoints
         self.watch = Watch(self.plan)  # early_stop and checkpoint.best
         # What checkpoints hold: per node, the blobs steps after init write or change.
-        self.held = _held_blobs(self.plan) if self.ckpt_dir is not None else {}
+        self.held = held_blobs(self.plan) if self.ckpt_dir is not None else {}
         self.init_fingerprints: dict[str, dict[str, Any]] = {}  # per node: what they do not hold
         self.init_rng: dict[str, dict[str, Any]] = {}  # per node: the random state init left
         self.fsdp_amp = precision.fsdp_amp(self.plan)  # the dtype fsdp gathers parameters in
@@ -248,7 +250,7 @@ class JobRunner:
         if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
             self.metrics.write({"epoch": epoch, "step": self.step, "event": "epoch",
                                 "seconds": round(result.seconds, 6), **result.rates,
-                                "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in outputs.items()}})
+                                "outputs": {t: {k: short(v) for k, v in o.items()} for t, o in outputs.items()}})
             if self.trackers is not None:
                 self.trackers.epoch(epoch, outputs, result.rates)
         if early is not None:
@@ -368,148 +370,6 @@ class JobRunner:
         run_concurrently([runner(t) for t in tasks], f"group {name}")
         return {t.task.name: results[t.task.name] for t in tasks}
 
-    # -- checkpoints ----------------------------------------------------------------
-    def _save(self, epoch: int, stop: bool, outputs: dict | None = None) -> str:
-        """Save every node's checkpoint of `epoch`; returns the epoch line's note.
-
-        Synchronous by default. With `async: true` the training thread only copies the
-        state to host memory; a background thread writes the files with the same
-        `store.write` (still atomic and checksummed), and the next save, the end of the
-        job or a signal waits for it.
-        """
-        if self.ckpt_dir is None:
-            return ""
-        meta = {"epoch": epoch, "step": self.step, "stop": stop, "job": self.plan.job,
-                "world_size": self.cfg.world_size,
-                "outputs": {t: {k: _short(v) for k, v in o.items()} for t, o in (outputs or {}).items()},
-                **self.watch.meta(outputs, epoch)}
-        background = bool(self.plan.checkpoint and self.plan.checkpoint.background)
-        self._saving = True
-        try:
-            self._wait_for_writer()
-            t0 = time.perf_counter()
-            try:
-                prepared = {name: self._prepare(node, meta, copy=background)
-                            for name, node in self.nodes.items()}
-                if not background:
-                    total_bytes, seconds = self._write_all(epoch, prepared)
-                    return f"ckpt {human_size(total_bytes)} in {seconds * 1000:.0f} ms"
-            except (CheckpointError, OSError) as e:
-                self._failed_save = epoch
-                self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
-                return "ckpt FAILED"
-            blocked = time.perf_counter() - t0
-            self._writer = Writer(epoch, lambda: self._write_all(epoch, prepared))
-            size = sum(p.tensor_bytes for p in prepared.values())
-            return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
-        finally:
-            self._saving = False
-            if self._pending_signal is not None:
-                self._wait_for_writer()
-                raise Interrupted(self._pending_signal)
-
-    def _fingerprint_init(self) -> None:
-        """Describe what init built that checkpoints do not hold, and the random state it
-        left (see runner/fingerprint.py)."""
-        if self.ckpt_dir is None:
-            return
-        for name, node in self.nodes.items():
-            held = self.held.get(name, frozenset())
-            unsaved = {k: v for k, v in node.globals.items() if k not in held}
-            self.init_rng[name] = rng.capture(node.ctx)
-            self.init_fingerprints[name] = fingerprint.of_init(unsaved, rng.KEY, self.init_rng[name])
-
-    def _check_init(self, node: str, meta: dict[str, Any], epoch: int) -> None:
-        """Resume: init must have built what it built when the run started."""
-        saved = meta.get("init") if isinstance(meta, dict) else None
-        changed = fingerprint.changes(saved, self.init_fingerprints.get(node, {}), rng.KEY)
-        if not changed:
-            return
-        what = f"init built other things than when the run started (node {node!r}): " + "; ".join(changed)
-        if self.cfg.force:
-            self._warn(f"{what}; resuming anyway (--force): the result differs from an uninterrupted run")
-            return
-        raise CheckpointError(
-            f"cannot resume from checkpoint epoch {epoch}: {what}",
-            hint="checkpoints do not hold what init builds and no step changes: restore the data "
-            "and code init reads, or go on with them as they are: `jobrun resume --force`",
-        )
-
-    def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
-        held = self.held.get(node.name, frozenset())
-        blobs = {k: v for k, v in node.globals.items() if k in held and k not in self.unsaved}
-        blobs[rng.KEY] = fingerprint.rng_to_save(rng.capture(node.ctx), self.init_rng.get(node.name))
-        meta = {**meta, "init": self.init_fingerprints.get(node.name, {})}
-
-        def unsupported(e: UnsupportedValue) -> None:
-            if e.blob == rng.KEY:
-                raise e
-            self.unsaved.add(e.blob)
-            self.display.warn(f"blob {e.blob!r} on node {node.name!r} cannot be checkpointed "
-                              f"({e.message}); resume rebuilds it with init")
-
-        # Asynchronous saves copy into the previous save's host buffers (its write has
-        # finished): touching fresh memory costs more than the copy itself.
-        reuse = self._buffers.get(node.name) if copy else None
-        prepared = store.prepare(blobs, meta, copy=copy, reuse=reuse, on_unsupported=unsupported)
-        if copy:
-            self._buffers[node.name] = prepared
-        return prepared
-
-    def _write_all(self, epoch: int, prepared: dict[str, Any]) -> tuple[int, float]:
-        total_bytes, total_s = 0, 0.0
-        for name, p in prepared.items():
-            t0 = time.perf_counter()
-            result = store.write(p, self.ckpt_dir, name, epoch, rank=self.rank,
-                                 world_size=self.cfg.world_size)
-            seconds = time.perf_counter() - t0
-            total_bytes += result.bytes
-            total_s += seconds
-            if self.main_rank:
-                self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
-                                    "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
-        self._last_saved = epoch
-        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
-        if keep and self.cfg.world_size == 1:  # replicas prune together: _prune_together
-            protect = self.watch.protected(self.ckpt_dir, list(self.nodes))
-            store.prune(self.ckpt_dir, keep, list(self.nodes), protect=protect)
-        return total_bytes, total_s
-
-    def _prune_together(self) -> None:
-        """Replicas: prune after a save, where every rank passes (see saves.prune_together;
-        one process prunes right after its write instead, in the writer thread with async
-        saves, where collectives cannot run)."""
-        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
-        if not keep or self.ckpt_dir is None or self.cfg.world_size == 1:
-            return
-        ckpt_dir, nodes = self.ckpt_dir, list(self.nodes)
-        prune_together(ckpt_dir, keep, nodes, self.rank, self.cfg.world_size,
-                       lambda complete: self.watch.protected(ckpt_dir, nodes, complete), self._warn)
-
-    def _wait_for_writer(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is None:
-            return
-        error = writer.wait()
-        if error is not None:
-            self._failed_save = writer.epoch
-            self._warn(f"checkpoint of epoch {writer.epoch} was NOT saved: {error}")
-
-    def _restore(self, epoch: int) -> dict[str, Any]:
-        if self.ckpt_dir is None:
-            raise CheckpointError("this plan has no `checkpoint` block, so there is nothing to resume")
-        c = self.cfg
-        loaded, meta = restore.read(
-            self.ckpt_dir, self.nodes, epoch, rank=self.rank, world_size=c.world_size,
-            saved_world=c.resume_world, hashes=not (c.resume_verified and epoch == c.resume_epoch),
-            check_init=self._check_init)
-        for name, (blobs, seconds) in loaded.items():
-            restore.into(self.nodes[name], blobs, epoch)
-            if self.main_rank:
-                self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
-                                    "rank": self.rank, "seconds": round(seconds, 6)})
-        return meta
-
     def _warn(self, message: str) -> None:
         self.save_failures.append(message)
         if self.main_rank:
@@ -549,26 +409,6 @@ class JobRunner:
             signals.disarm()
             for s, h in old.items():
                 signal.signal(s, h)
-
-
-# -- helpers ---------------------------------------------------------------------------
-
-
-def _held_blobs(plan: ir.Plan) -> dict[str, frozenset[str]]:
-    from jobrun.plans.state import checkpointed
-
-    return {node: frozenset(names) for node, names in checkpointed(plan).items()}
-
-
-def _short(value: Any) -> Any:
-    from jobrun.ops.core import plain
-
-    v = plain(value)
-    if isinstance(v, float):
-        return float(f"{v:.6g}")
-    if isinstance(v, list) and len(v) > 8:
-        return f"<list len={len(v)}>"
-    return v
 
 
 __all__ = ["JobConfig", "JobRunner", "Interrupted", "RunError"]
