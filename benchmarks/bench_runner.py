@@ -262,7 +262,7 @@ def measure_loggers(mode: Mode, sizes: list[int], batch: int) -> Row:
                 job = run_plan(path, run_dir=run_dir)
                 got[name] = [e.cpu for e in job[1:]]  # the first epoch is a warm-up
                 cpu[name] += got[name]
-                got[f"{name} losses"] = [r["values"]["loss"] for r in metrics(run_dir) if "values" in r]
+                got[f"{name} losses"] = [r["values"]["loss_last"] for r in metrics(run_dir) if "values" in r]
             ratios.append(median(got["plain"]) / median(got["loggers"]))
             same_losses &= got["plain losses"] == got["loggers losses"]  # loggers change nothing
     sps = {k: steps / median(v) for k, v in cpu.items()}
