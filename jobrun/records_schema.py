@@ -355,6 +355,7 @@ class MetricsRecord:
     event: str | None
     values: dict[str, Any]
     outputs: dict[str, dict[str, Any]]
+    step: int | None = None  # a log record's step (`jobrun plot --x step`)
 
 
 def metrics_line(line: str, where: str) -> MetricsRecord | None:
@@ -374,7 +375,7 @@ def metrics_line(line: str, where: str) -> MetricsRecord | None:
     except Invalid as e:
         raise Invalid(f"{where}: field {e.where}", e.what) from None
     return MetricsRecord(r.get("epoch"), r.get("group"), r.get("event"), r.get("values") or {},
-                         r.get("outputs") or {})
+                         r.get("outputs") or {}, r.get("step"))
 
 
 # ------------------------------------------------------------------- checkpoint manifests

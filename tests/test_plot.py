@@ -93,7 +93,7 @@ def test_plot_of_one_metric_of_several_runs_against_steps(two_runs, tmp_path, mo
              for name, run in zip("ab", two_runs)}
     assert drawn == {"x": ("step", steps)} and len(steps["a"]) == 6 and len(steps["b"]) == 4
     bad = jobrun("plot", *two_runs, "--x", "time")
-    assert bad.code == 2 and "'time' is not one of 'epoch', 'step'" in bad.err
+    assert bad.code == 2 and "'time' is not one of 'auto', 'step', 'epoch'" in bad.err
 
 
 @pytest.fixture

@@ -60,11 +60,16 @@ def series(run: RunDir, x: str = "auto") -> Series:
                 if _number(value):
                     per_epoch[(name, epoch)].append(float(value))
                     steps[(name, epoch)].append(step if step is not None else -1)
-    # An epoch task's output that the epoch did not also log is a point at the epoch's end.
+    # An epoch task's output that the epoch did not also log is a point at the epoch's end:
+    # its record's step, or (a run written before epoch records had one) the epoch's last
+    # logged step.
+    logged_last: dict[int, int] = {}
+    for (_, epoch), at in steps.items():
+        logged_last[epoch] = max([logged_last.get(epoch, -1), *at])
     for key, value in outputs.items():
         if key not in per_epoch:
             per_epoch[key] = [value]
-            steps[key] = [ended.get(key[1], -1)]
+            steps[key] = [ended.get(key[1], logged_last.get(key[1], -1))]
     out = Series()
     by_step = x == "step" or (x == "auto" and any(s > 0 for s in ended.values())
                               and all(s >= 0 for v in steps.values() for s in v))
