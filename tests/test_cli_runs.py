@@ -144,6 +144,28 @@ def test_run_dir_keeps_its_meaning(here):
     assert not (here / "runs").exists()
 
 
+def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_train_that_restarts_it(here):
+    # It said "train again with `jobrun train`": no plan, no overrides, no run directory.
+    (here / "plan.yaml").write_text(PLAN.replace(
+        "      - const: {out: total, value: 0}",
+        "      - const: {out: total, value: 0}\n      - data.load: {out: extra, path: later.npy}"))
+    failed = jobrun("train", "plan.yaml", "max_epochs=3", "--run-dir", "runs/early")
+    assert failed.code == 1 and "later.npy" in failed.err
+    r = jobrun("resume", "runs/early")
+    assert r.code == 1 and "no complete checkpoint" in r.err
+    command = re.search(r"start it again with `([^`]+)`", r.err)
+    assert command, r.err
+    words = command.group(1).split()
+    assert words[:2] == ["jobrun", "train"] and Path(words[2]) == here / "plan.yaml"
+    assert words[3:] == ["max_epochs=3", "--run-dir", "runs/early"]
+    import numpy as np
+
+    np.save(here / "later.npy", np.zeros(2, dtype=np.float32))
+    again = jobrun(*words[1:])
+    assert again.code == 0, again.text
+    assert "epoch 3/3" in again.out and json.loads((here / "runs/early/run.json").read_text())["status"] == "finished"
+
+
 def test_ckpt_verify_finds_a_damaged_file(here):
     assert jobrun("train", "plan.yaml").code == 0
     assert jobrun("ckpt", "verify").code == 0

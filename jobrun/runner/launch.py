@@ -31,7 +31,7 @@ from jobrun.plans.keys import NODE_NAME
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
-from jobrun.runner.pick import pick_epoch, replicas_text
+from jobrun.runner.pick import NoCheckpoint, pick_epoch, replicas_text
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.runs import new_run_path
 from jobrun.runner.workers import Launch, device_for, start
@@ -92,7 +92,11 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, n, select=False)
-        epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None)
+        try:
+            epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None)
+        except NoCheckpoint as e:
+            e.hint = _train_again(run, info) or e.hint
+            raise
         restarts = restarts_of(info, plan, max_restarts)
         record_resume(run, epoch, sets, changes, stored, n, saved, restarts)
         # A plan changed on purpose may make init build other things: warned, not refused.
@@ -240,6 +244,17 @@ def record_resume(run: RunDir, epoch: int, sets: tuple[str, ...], changes: list[
                                     {"from_epoch": epoch, "from": saved, "to": replicas}]
     run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
                     error_at=None, replicas=replicas, max_restarts=restarts, **facts)
+
+
+def _train_again(run: RunDir, info: RunInfo) -> str | None:
+    """The command that starts a run that stopped before its first checkpoint again, in
+    its own directory (a run without checkpoints may be trained over)."""
+    if not info.source:
+        return None
+    import shlex
+
+    args = ["jobrun", "train", info.source, *(info.sets or []), "--run-dir", str(run.path)]
+    return f"it stopped before its first checkpoint: start it again with `{shlex.join(args)}`"
 
 
 # Keys a resume may change and still give the result of an uninterrupted run with them.

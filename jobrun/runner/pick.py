@@ -65,8 +65,13 @@ def _refuse_world(epoch: int, saved: int, replicas: int) -> CheckpointError:
              f"to go on with {replicas} (docs/multi-host.md says what a change of replicas preserves)")
 
 
+class NoCheckpoint(CheckpointError):
+    """No complete checkpoint at all (the run stopped before its first): resume names the
+    `jobrun train` that starts it again, which it knows from run.json."""
+
+
 def _no_checkpoint(ckpt_dir: Path) -> CheckpointError:
-    return CheckpointError(f"no complete checkpoint in {ckpt_dir}", hint="train again with `jobrun train`")
+    return NoCheckpoint(f"no complete checkpoint in {ckpt_dir}", hint="train again with `jobrun train`")
 
 
 def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | None,
