@@ -85,6 +85,8 @@ def test_an_occupied_run_dir_is_refused_before_torch(here):
     code, err, imported = _train_without_torch(here, "plan.yaml", "--run-dir", "mine")
     assert code == 2 and not imported
     assert "already holds checkpoints" in err and "jobrun resume mine" in err
+    # The hint once offered `jobrun train --overwrite`, a command without the plan (exit 2).
+    assert "`jobrun train --overwrite`" not in err and "add --overwrite to this `jobrun train`" in err
 
 
 def test_resume_refuses_a_bad_override_or_run_before_torch(here):

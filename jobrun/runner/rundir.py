@@ -278,8 +278,8 @@ class RunDir:
         directory without checkpoints (``overwrite``: with them; :meth:`clear` removes
         them). ``checkpoint_dir``: where the new plan writes its checkpoints, which must
         hold none either (it may lie outside the run directory)."""
-        hint_resume = (f"continue it with `jobrun resume {self.path}`, replace it with "
-                       "`jobrun train --overwrite`, or choose another --run-dir")
+        hint_resume = (f"continue it with `jobrun resume {self.path}`, replace it: add --overwrite "
+                       "to this `jobrun train`, or choose another --run-dir")
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"--run-dir {self.path} is not a directory", hint="choose another --run-dir")
         if self.path.is_dir():
