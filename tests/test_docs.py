@@ -338,3 +338,11 @@ def test_the_readme_plan_analyzes_clean_but_for_what_it_says_it_leaves_out() -> 
         left = [d.format() for d in diags
                 if not (d.code == "undefined-blob" and any(f"'{n}'" in d.message for n in ("vx", "vy")))]
         assert not left, "\n".join(left)
+
+
+def test_the_readmes_example_table_names_every_bundled_example() -> None:
+    """`jobrun new --list` offers every plans/*.yaml; the README's table named only five of
+    the seven (not plans/gpt.yaml, the nanoGPT-shaped one)."""
+    text = README.read_text(encoding="utf-8")
+    missing = [p.name for p in sorted((ROOT / "plans").glob("*.yaml")) if f"| `plans/{p.name}` |" not in text]
+    assert not missing, f"the README's example table leaves out {missing}"
