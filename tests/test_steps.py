@@ -67,6 +67,27 @@ def test_max_steps_ends_the_epoch_mid_loop_then_saves_downloads_and_exits(tmp_pa
     assert r.code == 0 and "epoch 4" not in r.text
 
 
+def test_resume_with_a_larger_max_steps_goes_on_without_a_warning_to_the_same_model(tmp_path):
+    # It warned "the plan changed beyond max_epochs: the result is no longer the one an
+    # uninterrupted run would give", though the steps go on exactly.
+    do = """\
+      - loop: 4
+        do:
+          - train.step: {in: [model, opt, x, y], out: loss, loss: mse}"""
+    plan = write(tmp_path, "max_steps: 6", do)
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("resume", "--run-dir", run, "max_steps=10")
+    assert r.code == 0, r.text
+    assert "resuming with max_steps: 6 -> 10" in r.err and "warning" not in r.err
+    assert "an epoch the old max_steps cut short is not finished" in r.err
+    assert [r["step"] for r in metrics(run) if r.get("event") == "epoch"] == [4, 6, 10]
+    assert jobrun("train", plan, "--run-dir", straight, "max_steps=10").code == 0
+    shown = [jobrun("ckpt", "show", d, "--blob", "model", "--blob", "opt", "--values", "--json").out
+             for d in (run, straight)]
+    assert shown[0] == shown[1] and '"model"' in shown[0]
+
+
 def test_a_loop_that_takes_no_step_runs_to_its_end_after_max_steps(tmp_path):
     do = """\
       - loop: 4

@@ -258,7 +258,7 @@ def _train_again(run: RunDir, info: RunInfo) -> str | None:
 
 
 # Keys a resume may change and still give the result of an uninterrupted run with them.
-_EXTENDING = ("max_epochs",)
+_EXTENDING = ("max_epochs", "max_steps")
 
 
 def beyond_extending(changes: list[str]) -> bool:
@@ -268,8 +268,14 @@ def beyond_extending(changes: list[str]) -> bool:
 def _warn_changes(changes: list[str]) -> None:
     for change in changes:
         print(f"resuming with {change}", file=sys.stderr)
+    if any(c.startswith("max_steps:") for c in changes):
+        # The steps go on from the checkpoint's exactly; an epoch that the old max_steps
+        # ended mid-loop is not taken up again (its later steps run in the next epoch).
+        print("note: the steps go on exactly from the checkpoint's global step; an epoch the old "
+              "max_steps cut short is not finished (its later steps run in the next epoch)",
+              file=sys.stderr)
     if beyond_extending(changes):
-        print("warning: the plan changed beyond max_epochs: the result is no longer the one an "
+        print("warning: the plan changed beyond max_epochs and max_steps: the result is no longer the one an "
               "uninterrupted run would give (the changes are recorded in run.json); objects init "
               "builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) keep "
               "their saved state", file=sys.stderr)
