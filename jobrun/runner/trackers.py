@@ -154,7 +154,7 @@ def for_run(plan: Any, resume_epoch: int | None, run_dir: Any, warn: Callable[[s
     """The trackers of a run's plan (rank 0): its vars and overrides are the parameters."""
     params = {f"vars.{k}": _param(v) for k, v in plan.vars.items()}
     try:
-        sets = run_dir.info().get("sets") or []
+        sets = run_dir.info().sets or []
     except Exception:  # noqa: BLE001 - a run.json that cannot be read: no overrides to send
         sets = []
     params["overrides"] = " ".join(map(str, sets))
