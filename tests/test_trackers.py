@@ -116,6 +116,21 @@ def test_csv_resume_drops_the_epochs_after_the_checkpoint(plan_file, tmp_path):
     assert loss == _logged_steps(run_dir) and [e for e, _, _ in loss] == [1, 1, 2, 2]
 
 
+def test_csv_rows_are_written_as_values_come_not_after_the_flush_period(tmp_path):
+    # They waited up to FLUSH_S (5 s) in the trackers' thread: a kill -9 lost them, and a
+    # resume from a later checkpoint left metrics.csv without the epochs before it.
+    from jobrun.runner.trackers import Trackers
+
+    trackers = Trackers(("csv",), tmp_path, "job", None, {}, warn=lambda text: None)
+    trackers.log("train", 3, {"loss": 0.5})
+    trackers.epoch(1, {"train": {"acc": 0.75}}, {})
+    rows = [(r["epoch"], r["step"], r["name"], r["value"]) for r in _csv(tmp_path)]
+    assert rows == [("1", "3", "train/loss", "0.5"), ("1", "3", "epoch/train/acc", "0.75"),
+                    ("1", "3", "epoch", "1.0")]
+    trackers.finish("finished", {})
+    assert len(_csv(tmp_path)) == 3
+
+
 # -- MLflow ---------------------------------------------------------------------------------
 
 

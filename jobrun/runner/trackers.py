@@ -74,6 +74,12 @@ class Trackers:
             self.active.append(tracker)
             self.ids[name] = tracker.id
         _write_ids(run_dir, self.ids)
+        # A local file is written as values come (a few microseconds), not after the
+        # thread's FLUSH_S: a kill -9 then loses no row that metrics.jsonl holds, and a
+        # resume keeps the rows up to its checkpoint (batched, they were lost).
+        self.local = [t for t in self.active if getattr(t, "local", False)]
+        self.active = [t for t in self.active if t not in self.local]
+        self.local_lock = threading.Lock()  # tasks of one group log from their own threads
         self.queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="trackers", daemon=True)
         self.thread.start()
@@ -85,14 +91,21 @@ class Trackers:
         numbers = {f"{task}/{k}": float(v) for k, v in values.items() if _number(v)}
         self.step = max(self.step, step)
         if numbers:
-            self._put("metrics", numbers, step, None)
+            self._metrics(numbers, step, None)
 
     def epoch(self, epoch: int, outputs: dict[str, dict[str, Any]], rates: dict[str, Any]) -> None:
         numbers = {f"epoch/{t}/{k}": float(v) for t, o in outputs.items() for k, v in o.items()
                    if _number(v)}
         numbers.update({f"system/{k}": float(v) for k, v in rates.items() if _number(v)})
         numbers["epoch"] = float(epoch)
-        self._put("metrics", numbers, self.step or epoch, epoch)
+        self._metrics(numbers, self.step or epoch, epoch)
+
+    def _metrics(self, numbers: dict[str, float], step: int, epoch: int | None) -> None:
+        if self.local:
+            with self.local_lock:
+                self._each("metrics", ([(numbers, step, epoch)],), self.local)
+        if self.active:
+            self._put("metrics", numbers, step, epoch)
 
     def finish(self, status: str, nodes: dict[str, Any]) -> None:
         """Send the models the nodes hold (a finished run), end every tracker run, and wait
@@ -109,6 +122,7 @@ class Trackers:
         if self.thread.is_alive():
             self.warn(f"the trackers did not finish within {JOIN_S:.0f} s; what they had not "
                       "stored yet is lost")
+        self._each("close", (status,), self.local)
 
     # -- the thread -----------------------------------------------------------------------
     def _put(self, what: str, *args: Any) -> None:
@@ -140,12 +154,13 @@ class Trackers:
             if what == "artifact":
                 args[0].cleanup()
 
-    def _each(self, what: str, args: tuple[Any, ...]) -> None:
-        for tracker in list(self.active):
+    def _each(self, what: str, args: tuple[Any, ...], trackers: list[Any] | None = None) -> None:
+        trackers = self.active if trackers is None else trackers
+        for tracker in list(trackers):
             try:
                 getattr(tracker, what)(*args)
             except Exception as e:  # noqa: BLE001 - a tracker never stops training
-                self.active.remove(tracker)
+                trackers.remove(tracker)
                 self.warn(f"{tracker.name} stopped receiving this run's values: "
                           f"{type(e).__name__}: {e}")
 
@@ -208,6 +223,7 @@ class CsvTracker:
     epochs after its checkpoint, as metrics.jsonl's)."""
 
     name = "csv"
+    local = True  # written by the training thread as values come (Trackers.local)
     HEADER = ("epoch", "step", "name", "value")
 
     def __init__(self, run_dir: Path, job: str, run_id: str | None, resume_epoch: int | None):
