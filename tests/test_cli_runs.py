@@ -73,9 +73,12 @@ def test_train_refuses_a_misspelt_op_before_importing_torch(here):
 def test_an_override_of_the_wrong_type_is_refused_before_torch(here):
     code, err, imported = _train_without_torch(here, "plan.yaml", "vars.lr=abc")
     assert code == 2 and not imported
-    assert "plan.yaml:9:" in err and "argument `lr` of `optimizer` is 'abc'; expected a number" in err
+    # refused at the var the override changes (a number in the plan), as a misspelt key is
+    assert "plan.yaml:3:" in err and "vars.lr is a number in the plan (0.1), not the string 'abc'" in err
     assert not (here / "runs").exists()
     r = jobrun("analyze", "plan.yaml", "vars.lr=abc")
+    assert r.code == 2 and "plan.yaml:3:" in r.err and "not the string 'abc'" in r.err
+    r = jobrun("analyze", "plan.yaml", "++vars.lr=abc")  # set anyway: the optimizer's argument
     assert r.code == 1 and "plan.yaml:9:" in r.out and "expected a number" in r.out
     assert jobrun("analyze", "plan.yaml", "vars.lr=0.5").code == 0
 
@@ -92,7 +95,7 @@ def test_an_occupied_run_dir_is_refused_before_torch(here):
 def test_resume_refuses_a_bad_override_or_run_before_torch(here):
     assert jobrun("train", "plan.yaml").code == 0
     code, err, imported = _train_without_torch(here, "runs/counter/1", "vars.lr=abc", command="resume")
-    assert code == 2 and not imported and "expected a number" in err
+    assert code == 2 and not imported and "vars.lr is a number in the plan" in err
     code, err, imported = _train_without_torch(here, "runs/counter/9", command="resume")
     assert code == 2 and not imported and "there is no run in runs/counter/9" in err
 

@@ -92,9 +92,24 @@ def error_of(*items: str, text: str = PLAN) -> PlanError:
      ("'3'", "3"), ("[1, 2]", [1, 2]), ("-4", -4), ("1e-3", 0.001), (".inf", float("inf"))],
 )
 def test_set_values_are_yaml_values(raw: str, value: object) -> None:
-    got = sets(f"vars.lr={raw}")["vars"]["lr"]
+    got = sets(f"++vars.lr={raw}")["vars"]["lr"]  # ++: any kind (a number var takes numbers)
     assert got == value and isinstance(got, type(value))
     assert isinstance(value, list) or type(got) is type(value)  # 1 is not True
+
+
+@pytest.mark.parametrize("raw", ["fast", "true", "[1, 2]", "'0.5'"])
+def test_a_number_var_refuses_another_kind_at_the_override(raw: str) -> None:
+    # `vars.hidden=wide` passed, made a run directory and failed in the model's constructor
+    # (TypeError: empty(): argument 'size' ... found element of type str).
+    e = error_of(f"vars.lr={raw}")
+    assert e.pos == P(4, 7) and "vars.lr is a number in the plan (0.1)" in e.message
+    assert f"--set vars.lr={raw}" in e.message
+    assert e.hint == f"give a number, e.g. vars.lr=0.1; ++vars.lr={raw} sets it anyway"
+
+
+@pytest.mark.parametrize(("raw", "value"), [("3", 3), ("1e-3", 0.001), ("null", None)])
+def test_a_number_var_takes_numbers_and_null(raw: str, value: object) -> None:
+    assert sets(f"vars.lr={raw}")["vars"]["lr"] == value
 
 
 def test_set_dotted_paths_and_list_indices() -> None:

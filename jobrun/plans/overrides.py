@@ -63,6 +63,10 @@ _KNOWN = {
 }
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def apply_sets(tree: PMap, sets: list[str] | tuple[str, ...]) -> None:
     """Apply `KEY=VALUE` overrides in order (see the module doc); PlanError on a bad one."""
     for item in sets:
@@ -274,10 +278,24 @@ class _Override:
                 _own_pos(node, at.pos) if not isinstance(node, PMap) else node.at(part),
                 f"drop the + to change it: {path}={self.raw}",
             )
+        if at.trail == ["vars"] and part in node and not self.force:
+            self.same_kind(node, part, at)
         if part not in node:
             self.may_add(at, part)
         node[part] = self.value
         self.placed(node, part)
+
+    def same_kind(self, node: dict, part: str, at: _At) -> None:
+        """A var that is a number in the plan takes a number: `vars.hidden=wide` reached
+        user code (a model's constructor) and failed there, after a run directory was
+        made and torch imported. `++` sets another kind on purpose."""
+        old, new = node[part], self.value
+        if _is_number(old) and not (_is_number(new) or new is None):  # null: "off"
+            raise self.fail(
+                f"vars.{part} is a number in the plan ({old!r}), not {kind_of(new)}",
+                node.at(part) if isinstance(node, PMap) else at.pos,
+                f"give a number, e.g. vars.{part}={old!r}; ++vars.{part}={self.raw} sets it anyway",
+            )
 
     def set_item(self, at: _At, idx: int) -> None:
         if self.plus:
