@@ -193,7 +193,8 @@ def _describe(name: str, value: Any, values: bool, indent: str) -> list[str]:
 def _value_text(value: Any, values: bool) -> str:
     if _is_tensor(value):
         text = f"tensor {value.dtype} {list(value.shape)}"
-        return text + f": {_cut(json.dumps(_jsonable(value)))}" if values else text
+        # A 0-d tensor is one number (train.step's loss): shown as a number would be.
+        return text + f": {_cut(json.dumps(_jsonable(value)))}" if values or value.ndim == 0 else text
     return _cut(json.dumps(_jsonable(value)))
 
 
