@@ -61,7 +61,7 @@ epoch:
           - if: end
             then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
           - train.step: {{in: [model, opt, xb, yb], out: loss}}
-    outputs: [loss]
+    outputs: [loss_last]                 # the last step's, as the hand loop reads it
 """
 
 
@@ -137,7 +137,7 @@ def _rank_main(argv: list[str]) -> None:
 
     ours = [e.seconds for e in run_plan(plan, root / "run", between, rank=rank, world_size=world)]
     if rank == 0:
-        losses = [e["outputs"]["train"]["loss"] for e in metrics(root / "run") if e.get("event") == "epoch"]
+        losses = [e["outputs"]["train"]["loss_last"] for e in metrics(root / "run") if e.get("event") == "epoch"]
         print(json.dumps({"jobrun": ours, "hand": [t for t, _ in hand], "jobrun_loss": losses,
                           "hand_loss": [loss for _, loss in hand]}), flush=True)
     group.finish()

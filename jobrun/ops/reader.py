@@ -391,7 +391,8 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
             f"read expects a reader, got a {type(reader).__name__}",
             hint="create one with `reader: {in: [x, y], out: r}`",
         )
-    feed = ctx.progress.get("feed") if ctx.progress is not None else None
+    progress = ctx.progress if ctx is not None else None  # no context: a reader used on its own
+    feed = progress.get("feed") if progress is not None else None
     if feed is None:
         with reader.lock:  # each of several instances reading it gets batches of its own
             batch = reader.read()
