@@ -148,7 +148,11 @@ def train_step(
         else:
             (part if scaler is None else scaler.scale(part)).backward()
     value = _zero(value, device)
-    params = _trained_params(opt) if clip_grad_norm is not None or (replicas and carrier is None) else None
+    # The optimizer's parameters: reduced over replicas without DDP, and clipped when the
+    # model is no Module (a Module is clipped in model.parameters() order, below).
+    module = isinstance(model, nn.Module)
+    wanted = (replicas and carrier is None) or (clip_grad_norm is not None and not module)
+    params = _trained_params(opt) if wanted else None
     total = local if count is None else None
     if known is not None:
         total = known
@@ -172,7 +176,7 @@ def train_step(
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
         # model.parameters()'s order, as a hand loop clips (the norm sums in that order)
-        clipped = model.parameters() if isinstance(model, nn.Module) else params
+        clipped = model.parameters() if module else params
         torch.nn.utils.clip_grad_norm_(clipped, float(clip_grad_norm))
     if scaler is None:
         opt.step()
