@@ -49,9 +49,7 @@ epoch:
     do:
       - loop: {STEPS}
         do:
-          - read: {{in: data, out: [xb, yb, end]}}
-          - if: end
-            then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
+          - read: {{in: data, out: [xb, yb]}}
           - train.step: {{in: [model, opt, xb, yb], out: loss, amp: bf16}}
     outputs: [loss]
 """

@@ -384,8 +384,9 @@ def reader_op(
 
 
 def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
-    """`read`: r -> fields..., done; `done` may be left out (a reader that never ends, of
-    random windows say, or a loop that stops otherwise), then the fields alone."""
+    """`read`: r -> fields..., done. With `done` left out of `out`, a pass's end is not the
+    plan's concern: the read that meets it starts the next pass at once (a `passes: 0`
+    reader then never ends), and only after the last pass are the fields null."""
     if not isinstance(reader, Reader):
         raise RunError(
             f"read expects a reader, got a {type(reader).__name__}",
@@ -393,15 +394,15 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
         )
     progress = ctx.progress if ctx is not None else None  # no context: a reader used on its own
     feed = progress.get("feed") if progress is not None else None
-    if feed is None:
-        with reader.lock:  # each of several instances reading it gets batches of its own
+    t0 = time.perf_counter() if feed is not None else 0.0
+    with reader.lock:  # each of several instances reading it gets batches of its own
+        batch = reader.read()
+        rolls = len(_out_names) == reader.field_count  # a Dataset's is known after a read
+        if batch[-1] and rolls and not reader.finished:
             batch = reader.read()
-    else:
-        t0 = time.perf_counter()
-        with reader.lock:
-            batch = reader.read()
+    if feed is not None:
         feed.add(batch, time.perf_counter() - t0)
-    return batch[:-1] if len(_out_names) == reader.field_count else batch
+    return batch[:-1] if rolls else batch
 
 
 read_op.wants_out_names = True  # type: ignore[attr-defined]
