@@ -185,6 +185,58 @@ def test_random_windows_draw_from_the_nodes_generator_when_read_runs():
     assert torch.equal(r.read()[0], expected())  # drawn again: the prepared one was stale
 
 
+# -- in a job: checkpoints taken while batches are prepared ----------------------------
+
+JOB = """
+job: ahead
+seed: 2
+max_epochs: 3
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 20, features: 3, classes: 2}
+      - build: {in: [x, y], out: ds, target: torch.utils.data.TensorDataset}
+      - reader: {in: [x, y], out: t, batch_size: 4, shuffle: true, passes: 0}
+      - reader: {in: ds, out: d, batch_size: 4, shuffle: true, passes: 0, num_workers: 1}
+      - fill: {out: acc, shape: [4, 3], value: 0.0}
+epoch:
+  - task: train
+    do:
+      # 3 reads of a pass of 5 batches: every epoch ends with the next batch prepared
+      - loop: 3
+        do:
+          - read: {in: t, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: t, out: [xb, yb, end]}}]
+          - read: {in: d, out: [xd, yd, dend]}
+          - if: dend
+            then: [{read: {in: d, out: [xd, yd, dend]}}]
+          - mul: {in: [acc, 1.5], out: acc}  # the order of the batches shows in the sum
+          - add: {in: [acc, xb], out: acc}
+          - add: {in: [acc, xd], out: acc}
+"""
+
+
+def test_a_job_resumed_from_checkpoints_taken_while_batches_are_prepared_is_bit_exact(tmp_path):
+    import shutil
+
+    from runner_util import ckpt_values, jobrun
+
+    (tmp_path / "plan.yaml").write_text(JOB)
+    ref = tmp_path / "ref"
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", ref)
+    assert r.code == 0, r.text
+    want = ckpt_values(ref, 3)
+    assert want["acc"] != ckpt_values(ref, 2)["acc"]
+    for epoch in (1, 2):
+        run = tmp_path / f"from{epoch}"
+        shutil.copytree(ref, run)
+        r = jobrun("resume", "--run-dir", run, "--epoch", str(epoch))
+        assert r.code == 0, r.text
+        assert ckpt_values(run, 3) == want, f"resumed from epoch {epoch}"
+
+
 # -- on a CUDA GPU (skipped without one; benchmarks/gpu.sh runs them) -------------------
 
 def _cuda(test):
