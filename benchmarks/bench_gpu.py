@@ -24,36 +24,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Mode, Row, reader_order
+from benchmarks.common import Mode, Row, loop_plan, reader_order
 
 GOAL = 0.98
 STEPS = 50
 N, T, VOCAB = 2048, 128, 1024  # sequences, tokens a sequence, vocabulary
 BATCH = 32
 
-PLAN = f"""
-job: gpu-bench
-seed: 0
-max_epochs: EPOCHS
-device: cuda
-init:
-  - task: setup
-    do:
-      - call: {{fn: "benchmarks.bench_gpu:tokens", out: [x, y]}}
-      - reader: {{in: [x, y], out: data, batch_size: {BATCH}, shuffle: true, passes: 0}}
-      - build: {{out: model, target: "benchmarks.bench_gpu:TinyGPT"}}
-      - optimizer: {{in: model, out: opt, target: torch.optim.AdamW, lr: 0.0003}}
-epoch:
-  - task: train
-    do:
-      - loop: {STEPS}
-        do:
-          - read: {{in: data, out: [xb, yb, end]}}
-          - if: end
-            then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
-          - train.step: {{in: [model, opt, xb, yb], out: loss, amp: bf16}}
-    outputs: [loss]
-"""
+PLAN = loop_plan("gpu-bench", [
+    'call: {fn: "benchmarks.bench_gpu:tokens", out: [x, y]}',
+    f"reader: {{in: [x, y], out: data, batch_size: {BATCH}, shuffle: true, passes: 0}}",
+    'build: {out: model, target: "benchmarks.bench_gpu:TinyGPT"}',
+    "optimizer: {in: model, out: opt, target: torch.optim.AdamW, lr: 0.0003}",
+], STEPS, head="device: cuda\n", step=", amp: bf16", outputs="[loss]")
 
 
 def tokens() -> tuple[Any, Any]:
