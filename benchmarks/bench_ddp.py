@@ -26,9 +26,16 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from benchmarks.common import Mode, Row, mlp_plan, paired_epochs, rank_both, rank_exit, reader_order
+from benchmarks.common import (
+    Mode,
+    ReaderBatches,
+    Row,
+    mlp_plan,
+    paired_epochs,
+    rank_both,
+    rank_exit,
+)
 
 GOAL = 0.97
 STEPS = 16
@@ -61,19 +68,14 @@ class HandDDP:
         self.x, self.y = data_synthetic(ctx, task="classification", n=N, features=SIZES[0], classes=SIZES[-1])
         self.model = DistributedDataParallel(model_mlp(ctx, sizes=SIZES))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
-        self.steps = 0
-        self.order: Any = None
+        self.batches = ReaderBatches(N, BATCH, self.rank, self.world)
 
     def epoch(self) -> tuple[float, float]:
         model, opt = self.model, self.opt
         cross_entropy = self.torch.nn.functional.cross_entropy
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            lo = self.steps * BATCH % N
-            if lo == 0:  # a pass's order, as the shuffled reader makes it
-                self.order = reader_order(N, self.steps * BATCH // N)
-            self.steps += 1
-            idx = self.order[lo:lo + BATCH].chunk(self.world)[self.rank]
+            idx = self.batches.next()
             xb, yb = self.x[idx], self.y[idx]
             opt.zero_grad(set_to_none=True)
             loss = cross_entropy(model(xb), yb)

@@ -39,18 +39,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from benchmarks.common import (
     ROOT,
     Mode,
+    ReaderBatches,
     Row,
     mlp_plan,
     paired_epochs,
     python_env,
     rank_both,
     rank_exit,
-    reader_order,
     torchrun,
 )
 
@@ -108,19 +107,14 @@ class HandFSDP:
                 m.set_force_sum_reduction_for_comms(True)
         self.model, self.dtype = model, dtype
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        self.steps = 0
-        self.order: Any = None
+        self.batches = ReaderBatches(N, BATCH, self.rank, self.world)
 
     def epoch(self) -> tuple[float, float]:
         torch, model, opt, dtype = self.torch, self.model, self.opt, self.dtype
         cross_entropy = self.nn.functional.cross_entropy
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            lo = self.steps * BATCH % N
-            if lo == 0:  # a pass's order, as the shuffled reader makes it
-                self.order = reader_order(N, self.steps * BATCH // N)
-            self.steps += 1
-            idx = self.order[lo:lo + BATCH].chunk(self.world)[self.rank]
+            idx = self.batches.next()
             xb, yb = self.x[idx], self.y[idx]
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):

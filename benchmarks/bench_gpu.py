@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Mode, Row, loop_plan, reader_order
+from benchmarks.common import Mode, ReaderBatches, Row, loop_plan
 
 GOAL = 0.98
 STEPS = 50
@@ -92,19 +92,14 @@ class HandLoop:
         ctx = OpContext(node="local", seed=0, device="cuda")
         self.model = build(ctx, target="benchmarks.bench_gpu:TinyGPT")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.0003)
-        self.steps = 0
-        self.order: Any = None
+        self.batches = ReaderBatches(N, BATCH)
 
     def epoch(self) -> tuple[float, float]:
         torch, model, opt = self.torch, self.model, self.opt
         cross_entropy = torch.nn.functional.cross_entropy
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            lo = self.steps * BATCH % N
-            if lo == 0:
-                self.order = reader_order(N, self.steps * BATCH // N)
-            self.steps += 1
-            idx = self.order[lo:lo + BATCH]
+            idx = self.batches.next()
             xb = self.x[idx].pin_memory().cuda(non_blocking=True)
             yb = self.y[idx].pin_memory().cuda(non_blocking=True)
             opt.zero_grad(set_to_none=True)

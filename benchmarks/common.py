@@ -149,6 +149,25 @@ def reader_order(n: int, pass_index: int) -> Any:
     return torch.randperm(n, generator=gen)
 
 
+class ReaderBatches:
+    """The batches of jobrun's shuffled reader (`passes: 0`) over ``n`` records, ``batch``
+    records each, pass after pass, as record indices in its order (:func:`reader_order`):
+    ``next()`` gives the next batch's, or this rank's part of it (its chunk of ``world``)."""
+
+    def __init__(self, n: int, batch: int, rank: int = 0, world: int = 1) -> None:
+        self.n, self.batch, self.rank, self.world = n, batch, rank, world
+        self.steps = 0
+        self.order: Any = None
+
+    def next(self) -> Any:
+        lo = self.steps * self.batch % self.n
+        if lo == 0:  # a pass's order, as the shuffled reader makes it
+            self.order = reader_order(self.n, self.steps * self.batch // self.n)
+        self.steps += 1
+        idx = self.order[lo:lo + self.batch]
+        return idx.chunk(self.world)[self.rank] if self.world > 1 else idx
+
+
 def python_env() -> dict[str, str]:
     """The environment for child processes: the checkout importable, output unbuffered."""
     env = dict(os.environ)
