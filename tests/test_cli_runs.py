@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 import pytest
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun.cli import main
@@ -265,29 +266,9 @@ def test_every_hint_names_options_its_command_has():
 
 # -- the epoch's mean loss -------------------------------------------------------------------
 
-MEAN_PLAN = """\
-job: mean
-seed: 0
-max_epochs: 2
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 16, passes: 0}
-      - model.mlp: {out: model, sizes: [4, 8, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.5}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-          - log: {in: [loss_last], msg: step}
-      - log: {in: [loss, loss_last], msg: epoch}
-    outputs: [loss]
-"""
+MEAN_PLAN = mlp_plan("mean", "seed: 0\nmax_epochs: 2", n=96, batch=16, lr=0.5,
+                     step=["log: {in: [loss_last], msg: step}"], epoch=["log: {in: [loss, loss_last], msg: epoch}"],
+                     outputs="[loss]")
 
 
 def test_the_epoch_shows_the_mean_loss_of_its_steps(tmp_path, monkeypatch):

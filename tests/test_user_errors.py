@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun.errors import RunError
@@ -116,29 +117,8 @@ def boom(x):
     return x
 """
 
-TORCHRUN_PLAN = """\
-job: tr
-seed: 0
-max_epochs: 2
-checkpoint: {dir: ckpt}
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
-      - model.mlp: {out: model, sizes: [4, 8, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-      - const: {out: n, value: 0}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - call: {fn: "user_rank1:boom", in: [n], out: m}
-"""
+TORCHRUN_PLAN = mlp_plan("tr", "seed: 0\nmax_epochs: 2\ncheckpoint: {dir: ckpt}",
+                         init=["const: {out: n, value: 0}"], epoch=['call: {fn: "user_rank1:boom", in: [n], out: m}'])
 
 
 @pytest.mark.slow
