@@ -93,6 +93,115 @@ def test_a_system_exit_raised_by_user_code_records_failed(tmp_path):
     assert info["status"] == "failed"
 
 
+TORCH_CODE = """\
+import torch
+import torch.nn.functional as F
+
+
+def step(model, opt, xb, yb):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+class Mismatched(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 3)
+        self.second = torch.nn.Linear(8, 2)  # 8: should be 3
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.second(h)
+"""
+
+TORCH_PLAN = """\
+job: torchy
+seed: 0
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - data.synthetic: {{out: [x, y], task: classification, n: 32, features: 4, classes: 2}}
+      - reader: {{in: [x, y], out: data, batch_size: 16}}
+      - {model}
+      - optimizer: {{in: model, out: opt, lr: 0.1}}
+epoch:
+  - task: train
+    do:
+      - loop: 3
+        do:
+          - read: {{in: data, out: [xb, yb, end]}}
+          - {step}
+"""
+
+
+def _train_torch(tmp_path, module: str, model: str, step: str):
+    (tmp_path / f"{module}.py").write_text(TORCH_CODE)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TORCH_PLAN.format(model=model.replace("MOD", module), step=step.replace("MOD", module)))
+    return jobrun("train", plan, "--run-dir", tmp_path / "run")
+
+
+def test_a_call_given_the_null_batch_of_a_finished_read_names_the_input_and_the_fix(tmp_path):
+    # Two batches a pass, three reads and no stop_if: the third read's fields are null.
+    r = _train_torch(tmp_path, "user_nullbatch", "model.mlp: {out: model, sizes: [4, 8, 2]}",
+                     'call: {fn: "MOD:step", in: [model, opt, xb, yb], out: loss}')
+    assert r.code == 1
+    lines = r.err.splitlines()
+    assert lines[0] == (f"{tmp_path / 'plan.yaml'}:17:13: error: op `call` in task 'train' on node "
+                        "'local': user_nullbatch:step failed (TypeError): inputs 'xb', 'yb' are null (None)")
+    hint = lines[-1].strip()
+    assert hint.startswith("hint: a `read` past the end of a pass gives null fields") and "stop_if: end" in hint
+    assert f'File "{tmp_path / "user_nullbatch.py"}", line 7, in step' in r.err  # the user's frames stay
+
+
+def test_a_call_that_fails_with_no_null_input_gets_no_null_hint(tmp_path):
+    r = _train_torch(tmp_path, "user_nonull", "model.mlp: {out: model, sizes: [4, 8, 2]}",
+                     'call: {fn: "MOD:step", in: [model, opt, xb, opt], out: loss}')
+    assert r.code == 1 and "(None)" not in r.err and "stop_if" not in r.err
+    assert "failed: TypeError:" in r.err.splitlines()[0]
+
+
+def test_the_batch_ops_give_a_null_batch_the_same_fix():
+    from jobrun.ops.data import as_tensor
+
+    with pytest.raises(RunError) as e:
+        as_tensor(None, "cpu", "train.step input x")
+    assert e.value.message == "train.step input x is null (None)"
+    assert "`stop_if: end` right after the read" in e.value.hint
+
+
+def test_a_shape_error_in_a_models_forward_shows_the_users_frames_and_torchs_raising_line(tmp_path):
+    r = _train_torch(tmp_path, "user_shapes", 'build: {out: model, target: "MOD:Mismatched"}',
+                     "train.step: {in: [model, opt, xb, yb], out: loss}")
+    assert r.code == 1
+    assert "mat1 and mat2 shapes cannot be multiplied (16x3 and 8x2) (in user_shapes.Mismatched.forward)" in r.err
+    frames = [line.strip() for line in r.err.splitlines() if line.strip().startswith("File ")]
+    assert frames[0] == f'File "{tmp_path / "user_shapes.py"}", line 21, in forward'
+    # Then only the frame that raised, torch's Linear.forward (F.linear), not Module.__call__'s glue.
+    assert len(frames) == 2 and frames[1].endswith("in forward") and "torch/nn/modules/linear.py" in frames[1]
+    assert "_call_impl" not in r.err and "module.py" not in r.err
+
+
+def test_autograd_frames_are_left_out_of_a_backward_that_fails():
+    import torch
+
+    x = torch.ones(2, requires_grad=True)
+    loss = (x * 2).sum()
+    loss.backward()
+    try:
+        loss.backward()  # the graph is freed: autograd's engine raises
+    except RuntimeError as e:
+        found = usertrace.of(e)
+    assert found is not None
+    frames = [line.strip() for line in found.text.splitlines() if line.strip().startswith("File ")]
+    assert len(frames) == 1 and frames[0].endswith("in test_autograd_frames_are_left_out_of_a_backward_that_fails")
+    assert "Trying to backward through the graph a second time" in found.text
+
+
 def test_an_error_of_jobrun_alone_has_no_user_trace():
     try:
         raise RunError("plain")
