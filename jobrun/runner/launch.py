@@ -216,7 +216,8 @@ def already_finished(run: RunDir, epoch: int | None, changes: list[str]) -> bool
     info = run.info()
     if epoch is None and info.status == "finished" and not changes:
         print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}; "
-              "nothing to do (use --epoch E to train again from E)")
+              f"nothing to do (train on with `jobrun resume {run.path} max_epochs=N`, or again from "
+              "epoch E with --epoch E)")
         return True
     return False
 
