@@ -165,6 +165,22 @@ def test_a_call_that_fails_with_no_null_input_gets_no_null_hint(tmp_path):
     assert "failed: TypeError:" in r.err.splitlines()[0]
 
 
+def test_a_blob_made_only_in_a_loop_that_made_none_says_why(tmp_path):
+    # The reader's one pass (passes: 1, the default) is spent in epoch 1: epoch 2's loop
+    # stops at its first read, so no train.step defines `loss` for the log after it.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TORCH_PLAN.format(model="model.mlp: {out: model, sizes: [4, 8, 2]}", step="stop_if: end")
+                    .replace("max_epochs: 1", "max_epochs: 2").replace("loop: 3", "loop: null")
+                    + "          - train.step: {in: [model, opt, xb, yb], out: loss}\n"
+                    + "      - log: {in: [loss]}\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 1
+    assert "plan.yaml:19:9: error: op `log` in task 'train' on node 'local': blob 'loss' is not defined" in r.err
+    assert "hint: 'loss' is made only inside a loop, where no step made it this time" in r.err
+    assert "`passes: 0` reads on in every epoch" in r.err
+    assert "epoch 1/2" in r.out  # epoch 1 trained
+
+
 def test_the_batch_ops_give_a_null_batch_the_same_fix():
     from jobrun.ops.data import as_tensor
 
