@@ -43,14 +43,17 @@ def _inside(filename: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
-# torch's frames that only pass a call on: Module.__call__'s and autograd's engine.
+# Frames that only pass a call on: torch's Module.__call__ and autograd's engine, and
+# importlib's import_module (a module that is not found raises there).
 _GLUE_FUNCTIONS = frozenset({"_call_impl", "_wrapped_call_impl", "_engine_run_backward"})
 _GLUE_DIRS = tuple(f"{os.sep}torch{os.sep}{d}{os.sep}" for d in ("autograd", "_dynamo", "_functorch"))
+_IMPORTLIB = f"{os.sep}importlib{os.sep}__init__.py"
 
 
 def _glue(tb: TracebackType) -> bool:
     code = tb.tb_frame.f_code
-    return code.co_name in _GLUE_FUNCTIONS or any(d in code.co_filename for d in _GLUE_DIRS)
+    return (code.co_name in _GLUE_FUNCTIONS or any(d in code.co_filename for d in _GLUE_DIRS)
+            or code.co_filename.endswith(_IMPORTLIB))
 
 
 def of(error: BaseException) -> UserTrace | None:
@@ -78,7 +81,9 @@ def of(error: BaseException) -> UserTrace | None:
         last = len(entries) - 1
         entries = [t for k, t in enumerate(entries) if mine[k] or (k == last and not _glue(t))]
     else:
-        entries = [t for t in entries if not _glue(t)] or entries
+        entries = [t for t in entries if not _glue(t)]
+        if not entries:  # importlib's frames of a module not found: the message says it all
+            return None
     summary = traceback.StackSummary.extract((t.tb_frame, t.tb_lineno) for t in entries)
     text = "".join(summary.format()) + "".join(traceback.format_exception_only(type(seen), seen))
     frame = entries[0].tb_frame
