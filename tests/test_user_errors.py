@@ -210,6 +210,15 @@ def test_a_shape_error_in_a_models_forward_shows_the_users_frames_and_torchs_rai
     assert "_call_impl" not in r.err and "module.py" not in r.err
 
 
+def test_a_torch_model_built_by_the_plan_shows_only_torchs_raising_frame(tmp_path):
+    model = ("build: {out: model, target: torch.nn.Sequential, args: [{target: torch.nn.Linear, args: [4, 3]}, "
+             "{target: torch.nn.Linear, args: [8, 2]}]}")
+    r = _train_torch(tmp_path, "user_unused", model, "train.step: {in: [model, opt, xb, yb], out: loss}")
+    assert r.code == 1 and "mat1 and mat2 shapes cannot be multiplied (16x3 and 8x2)" in r.err
+    frames = [line.strip() for line in r.err.splitlines() if line.strip().startswith("File ")]
+    assert len(frames) == 1 and "torch/nn/modules/linear.py" in frames[0]  # not container.py, module.py
+
+
 def test_autograd_frames_are_left_out_of_a_backward_that_fails():
     import torch
 

@@ -8,7 +8,8 @@ package on PYTHONPATH. Shown are the user's frames and, when the error was raise
 a library, the frame that raised it (torch's `F.linear(...)` line of a shape error); the
 library frames in between (torch's module call glue, autograd's engine) are left out.
 When no frame is the user's (the user's code is an installed package, or the error came
-from torch called directly by an op), every frame outside jobrun is shown but that glue.
+from torch called directly by an op), the frames outside jobrun and torch are shown, and
+torch's frame that raised.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _inside(filename: str, roots: tuple[str, ...]) -> bool:
 _GLUE_FUNCTIONS = frozenset({"_call_impl", "_wrapped_call_impl", "_engine_run_backward"})
 _GLUE_DIRS = tuple(f"{os.sep}torch{os.sep}{d}{os.sep}" for d in ("autograd", "_dynamo", "_functorch"))
 _IMPORTLIB = f"{os.sep}importlib{os.sep}__init__.py"
+_TORCH = f"{os.sep}torch{os.sep}"
 
 
 def _glue(tb: TracebackType) -> bool:
@@ -80,8 +82,10 @@ def of(error: BaseException) -> UserTrace | None:
     if any(mine):  # the user's frames, and the library frame that raised
         last = len(entries) - 1
         entries = [t for k, t in enumerate(entries) if mine[k] or (k == last and not _glue(t))]
-    else:
-        entries = [t for t in entries if not _glue(t)]
+    else:  # an installed package's frames are shown; torch's only where it raised
+        last = len(entries) - 1
+        entries = [t for k, t in enumerate(entries)
+                   if not _glue(t) and (k == last or _TORCH not in t.tb_frame.f_code.co_filename)]
         if not entries:  # importlib's frames of a module not found: the message says it all
             return None
     summary = traceback.StackSummary.extract((t.tb_frame, t.tb_lineno) for t in entries)
