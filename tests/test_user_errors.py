@@ -347,3 +347,17 @@ def test_with_replicas_run_json_keeps_the_failed_ranks_own_message(tmp_path):
     assert info["status"] == "failed"
     assert info["error"].startswith(f"[rank 1] {tmp_path / 'plan.yaml'}:21:9: error: op `call`")
     assert info["error"].endswith("failed: ValueError: rank 1 data is bad (in user_rank1.boom)")
+
+
+def test_a_failure_in_a_dataloader_worker_names_its_type_once():
+    from types import SimpleNamespace
+
+    from jobrun.ops.loader import _failure
+
+    reader = SimpleNamespace(options=SimpleNamespace(name="Pts"))
+    caught = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most "
+                          "recent call last):\n  File \"collate.py\", line 9, in f\nRuntimeError: stack "
+                          "expects each tensor to be equal size")
+    assert _failure(reader, caught).message == (  # type: ignore[arg-type]
+        "the reader over Pts failed: RuntimeError: stack expects each tensor to be equal size")
+    assert _failure(reader, ValueError("bad")).message == "the reader over Pts failed: ValueError: bad"  # type: ignore[arg-type]
