@@ -227,8 +227,9 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_trai
     (here / "plan.yaml").write_text(PLAN.replace(
         "      - const: {out: total, value: 0}",
         "      - const: {out: total, value: 0}\n      - data.load: {out: extra, path: later.npy}"))
+    (here / "later.npy").write_bytes(b"not yet")  # init fails on it: before any checkpoint
     failed = jobrun("train", "plan.yaml", "max_epochs=3", "--run-dir", "runs/early")
-    assert failed.code == 1 and "later.npy" in failed.err
+    assert failed.code == 1 and "cannot read 'later.npy'" in failed.err
     r = jobrun("resume", "runs/early")
     assert r.code == 1 and "no complete checkpoint" in r.err
     command = re.search(r"start it again with `([^`]+)`", r.err)
