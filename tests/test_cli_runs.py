@@ -272,6 +272,8 @@ def test_export_takes_the_latest_epoch_by_default(here):
 def test_no_runs_hint_names_real_commands(here):
     r = jobrun("ckpt", "list")
     assert r.code == 2 and "no runs under runs/" in r.err and "--run-dir" not in r.err
+    assert "(e.g. `jobrun ckpt list path/to/run`)" in r.err  # the command run, not `jobrun resume`
+    assert "(e.g. `jobrun plot path/to/run`)" in jobrun("plot").err
 
 
 def test_analyze_and_print_take_json(here):
