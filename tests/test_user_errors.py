@@ -152,7 +152,7 @@ def test_a_call_given_the_null_batch_of_a_finished_read_names_the_input_and_the_
     assert r.code == 1
     lines = r.err.splitlines()
     assert lines[0] == (f"{tmp_path / 'plan.yaml'}:17:13: error: op `call` in task 'train' on node "
-                        "'local': user_nullbatch:step failed (TypeError): inputs 'xb', 'yb' are null (None)")
+                        "'local': user_nullbatch:step failed (TypeError) with null (None) inputs 'xb', 'yb'")
     hint = lines[-1].strip()
     assert hint.startswith("hint: a `read` past the end of a pass gives null fields") and "stop_if: end" in hint
     assert f'File "{tmp_path / "user_nullbatch.py"}", line 7, in step' in r.err  # the user's frames stay

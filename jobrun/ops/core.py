@@ -325,8 +325,8 @@ def null_inputs(failure: str, nulls: list[int], names: tuple[str, ...]) -> RunEr
     """The error of a step that failed on null inputs (positions ``nulls`` of ``names``):
     the usual cause is a `read` past the end of its pass, whose fields are null."""
     shown = [repr(names[k]) if k < len(names) else f"#{k + 1}" for k in nulls]
-    which = f"input {shown[0]} is" if len(shown) == 1 else f"inputs {', '.join(shown)} are"
-    return RunError(f"{failure}: {which} null (None)", hint=NULL_HINT)
+    which = f"input {shown[0]}" if len(shown) == 1 else f"inputs {', '.join(shown)}"
+    return RunError(f"{failure} with null (None) {which}", hint=NULL_HINT)
 
 
 NULL_HINT = ("a `read` past the end of a pass gives null fields (and a true `end`): put "
