@@ -80,6 +80,7 @@ def test_resume_finished_run_does_nothing(reference, tmp_path):
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0
     assert "already finished at epoch 6" in r.out
+    assert f"train on with `jobrun resume {run} max_epochs=N`" in r.out  # the way to go on, as README says
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == before
 
 
