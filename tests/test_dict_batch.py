@@ -129,6 +129,9 @@ def test_three_inputs_whose_batch_is_not_a_mapping_is_one_clear_error():
         _one(None)  # a `read` at the end of its pass
     with pytest.raises(RunError, match="holds no tensor"):
         _one({"note": "x"})
+    model = DictLM()  # four inputs, y null: the error of a finished read, not of a dict batch
+    with pytest.raises(RunError, match="train.step input y is null"):
+        train.train_step(OpContext(), model, torch.optim.SGD(model.parameters(), lr=0.1), x, None)
 
 
 def test_a_key_the_forward_does_not_take_names_the_key_and_the_parameters():
@@ -270,3 +273,95 @@ def test_bad_keys_are_one_clear_error():
             reader_op(OpContext(), x, y, batch_size=4, keys=keys)
     with pytest.raises(RunError, match="a DatasetReader reads a Dataset, whose items give their own keys"):
         reader_op(OpContext(), torch.utils.data.StackDataset(input_ids=x), batch_size=4, keys=["input_ids"])
+
+
+# ------------------------------------------------------------------------- replicas
+
+REPLICAS_PLAN = """\
+job: dict-ddp
+seed: 3
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - call: {fn: "jobrun_test_helpers:count_host_reads"}
+      - call: {fn: "dict_batch_data:pairs", out: pairs, n: 45}
+      - reader: {in: pairs, out: data, batch_size: 8, shuffle: true, passes: 0}
+      - call: {fn: "dict_batch_data:tokens", out: x, n: 45}
+      - reader: {in: [x, x], out: keyed, keys: [input_ids, labels], batch_size: 8, passes: 0}
+      - build: {out: model, target: "test_dict_batch:DictLM"}
+      - optimizer: {in: model, out: opt, lr: 0.1, momentum: 0.9}
+epoch:
+  - task: train
+    do:
+      # 6 steps over 45 records in batches of 8: the last batch (5) splits 3 + 2
+      - loop: 6
+        do:
+          - read: {in: data, out: [batch, end]}
+          - if: end
+            then: [{read: {in: data, out: [batch, end]}}]
+          - train.step: {in: [model, opt, batch], out: loss, loss: model}
+      # a Dataset reader reads its indices on the host (DataLoader); from here on only steps
+      - call: {fn: "jobrun_test_helpers:host_reads", out: between}
+      - loop: 6
+        do:
+          - read: {in: keyed, out: [kb, kend]}
+          - if: kend
+            then: [{read: {in: keyed, out: [kb, kend]}}]
+          - train.step: {in: [model, opt, kb], out: kloss, loss: model, accumulate: 2, clip_grad_norm: 1.0}
+      - call: {fn: "jobrun_test_helpers:host_reads", out: reads}
+      - log: {in: [loss, kloss, reads, between]}
+"""
+
+
+@pytest.mark.slow
+def test_two_replicas_train_dict_batches_as_one_process_reading_nothing_to_the_host(tmp_path):
+    """Each rank's part of a short global batch (3 + 2 of 5) is weighted by its share,
+    told by the reader's tag on the dict's tensors: the losses and parameters equal one
+    process's, and a steady-state epoch reads no tensor value to the host."""
+    from runner_util import ckpt_values, close, jobrun_proc
+
+    _plan(tmp_path)  # writes dict_batch_data.py
+    with open(tmp_path / "dict_batch_data.py", "a") as f:
+        f.write("\n\ndef tokens(n):\n    return pairs(n).datasets['input_ids']\n")
+    (tmp_path / "plan.yaml").write_text(REPLICAS_PLAN)
+    for n in ("1", "2"):
+        r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / f"r{n}",
+                        "--replicas", n, cwd=tmp_path)
+        assert r.code == 0, r.text
+    one, two = logged(tmp_path / "r1"), logged(tmp_path / "r2")
+    for key in ("loss", "kloss"):
+        assert all(close(a[key], b[key], 1e-5) for a, b in zip(one, two)), key
+    assert [r["reads"] for r in one] == [r["reads"] for r in two] == [0, 0]
+    assert two[1]["between"] > 0  # the counter counts
+    w1, w2 = ckpt_values(tmp_path / "r1", 2)["model"]["state"], ckpt_values(tmp_path / "r2", 2)["model"]["state"]
+    assert w1.keys() == w2.keys() and all(close(w1[k], w2[k], 1e-5) for k in w1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("amp", [None, "bf16", "fp16"])
+def test_on_a_gpu_dict_batches_move_and_train_as_x_and_y_without_a_sync(amp):
+    """A keyed reader and a Dataset of dicts move every tensor of the batch to the GPU;
+    train.step on them equals the (x, y) form and (but for fp16's GradScaler) never waits
+    for the device."""
+    x, y = _data(24)
+    ctx = OpContext(device="cuda")
+    keyed = reader_op(ctx, x, y, batch_size=8, keys=["input_ids", "labels"])
+    dataset = reader_op(ctx, torch.utils.data.StackDataset(input_ids=x, labels=y), batch_size=8)
+    plain = reader_op(ctx, x, y, batch_size=8)
+    models = [DictLM().cuda() for _ in range(3)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    for _ in range(3):
+        batches = [(keyed.read()[0],), (dataset.read()[0],), plain.read()[:2]]
+        assert all(t.is_cuda for b in batches[:2] for t in b[0].values())
+        torch.cuda.set_sync_debug_mode("default" if amp == "fp16" else "error")  # GradScaler.step reads
+        try:
+            losses = [train.train_step(ctx, m, o, *b, loss="model", amp=amp, clip_grad_norm=1.0)
+                      for m, o, b in zip(models, opts, batches)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(losses[0], losses[2]) and torch.equal(losses[1], losses[2])
+    for a, b in zip(models[0].parameters(), models[2].parameters()):
+        assert torch.equal(a, b)

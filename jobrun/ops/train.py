@@ -42,12 +42,16 @@ _FLOAT32 = torch.float32
 _FLOAT16 = torch.float16
 
 
+# y of a train.step with 3 inputs, `in: [model, opt, batch]`: x is one dict batch
+_ONE_BATCH: Any = object()
+
+
 def train_step(
     ctx: OpContext,
     model: Any,
     opt: Any,
     x: Any,
-    y: Any = None,
+    y: Any = _ONE_BATCH,
     *,
     loss: str = "cross_entropy",
     clip_grad_norm: float | None = None,
@@ -90,7 +94,7 @@ def train_step(
         x.__class__ is _Tensor and y.__class__ is _Tensor
         and x.is_cpu and y.is_cpu and device == "cpu"
     ):  # fmt: skip
-        if y is None or isinstance(x, Mapping):  # a dict batch: y counts its records
+        if y is _ONE_BATCH or isinstance(x, Mapping):  # a dict batch: y counts its records
             x, y = _dict_batch(x, y, device, loss_fn)
         else:
             x = as_tensor(x, device, "train.step input x")
@@ -289,8 +293,8 @@ def _dict_batch(x: Any, y: Any, device: str, loss_fn: Any) -> tuple[dict[str, An
         raise RunError(
             f"train.step with 3 inputs trains on one dict batch, model(**batch); its third "
             f"input is a {type(x).__name__}, not a mapping",
-            hint="read a reader over a Dataset whose items are dicts ({input_ids: ..., labels: "
-            "...}), or give the targets too: in: [model, opt, xb, yb]",
+            hint="read a reader with keys (keys: [input_ids, labels]) or over a Dataset whose "
+            "items are dicts, or give the targets too: in: [model, opt, xb, yb]",
         )
     if loss_fn is not model_loss:
         raise RunError(
@@ -298,7 +302,7 @@ def _dict_batch(x: Any, y: Any, device: str, loss_fn: Any) -> tuple[dict[str, An
             "model(**batch) and computes its loss (a loss function takes (output, target))",
             hint="add `loss: model`, or read a reader over (x, y) fields",
         )
-    if y is not None:
+    if y is not _ONE_BATCH:
         raise RunError(
             f"train.step: x is a dict batch (the model's keyword arguments) and y a "
             f"{type(y).__name__} besides; a dict batch holds its targets (`labels`)",
