@@ -266,6 +266,16 @@ def test_a_reader_with_keys_gives_one_dict_per_batch_as_a_dataset_of_dicts_does(
     assert torch.equal(part["input_ids"], x[2:4]) and global_records(part["labels"]) == 4
 
 
+def test_evaluate_on_dict_batches_equals_x_and_y_and_needs_loss_model():
+    x, y = _data(10)
+    ctx = OpContext()
+    keyed = reader_op(ctx, x, y, batch_size=4, keys=["input_ids", "labels"])
+    got = train.evaluate(ctx, DictLM(), keyed, loss="model")
+    assert got == train.evaluate(ctx, DictLM(), reader_op(ctx, x, y, batch_size=4), loss="model")
+    with pytest.raises(RunError, match="a reader with keys gives dict batches.*need `loss: model`"):
+        train.evaluate(ctx, DictLM(), keyed)
+
+
 def test_bad_keys_are_one_clear_error():
     x, y = _data(10)
     for keys in (["input_ids"], ["a", "a"], "input_ids"):

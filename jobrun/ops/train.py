@@ -377,6 +377,9 @@ def evaluate(
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
     if reader.field_count == 1 and loss != MODEL:  # a Dataset reader learns its count late
+        if getattr(reader, "keys", None):
+            raise RunError("evaluate: a reader with keys gives dict batches, model(**batch), "
+                           "which need `loss: model`", hint="add `loss: model`, or drop the reader's keys")
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     if batches is not None:
         require_int("evaluate", "batches", batches, 1)
