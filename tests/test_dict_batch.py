@@ -375,3 +375,36 @@ def test_on_a_gpu_dict_batches_move_and_train_as_x_and_y_without_a_sync(amp):
         assert torch.equal(losses[0], losses[2]) and torch.equal(losses[1], losses[2])
     for a, b in zip(models[0].parameters(), models[2].parameters()):
         assert torch.equal(a, b)
+
+
+def test_resume_of_dict_batches_is_bit_exact(importable):
+    """The readers of dict batches (a Dataset of dicts, a reader with keys) keep their
+    positions and shuffled orders in checkpoints, as every reader does."""
+    import shutil
+
+    from runner_util import ckpt_values
+
+    plan = _plan(importable)
+    plan.write_text(plan.read_text().replace("max_epochs: 2", "max_epochs: 3\ncheckpoint: {dir: ckpt}")
+                    .replace("batch_size: 8, passes: 0}", "batch_size: 8, shuffle: true, passes: 0}\n"
+                             "      - call: {fn: \"dict_batch_data:tokens\", out: x, n: 20}\n"
+                             "      - reader: {in: [x, x], out: keyed, keys: [input_ids, labels], "
+                             "batch_size: 6, shuffle: true, passes: 0}")
+                    .replace("      - log: {in: [loss]}",
+                             "          - read: {in: keyed, out: [kb, kend]}\n"
+                             "          - if: kend\n"
+                             "            then: [{read: {in: keyed, out: [kb, kend]}}]\n"
+                             "          - train.step: {in: [model, opt, kb], out: kloss, loss: model}\n"
+                             "      - log: {in: [loss, kloss]}"))
+    with open(importable / "dict_batch_data.py", "a") as f:
+        f.write("\n\ndef tokens(n):\n    return pairs(n).datasets['input_ids']\n")
+    run = importable / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    want = ckpt_values(run, 3)
+    again = importable / "again"
+    shutil.copytree(run, again)
+    r = jobrun("resume", "--run-dir", again, "--epoch", "1")
+    assert r.code == 0 and "resumed from checkpoint epoch 1" in r.out, r.text
+    assert ckpt_values(again, 3) == want
+    assert [row["kloss"] for row in logged(again)] == [row["kloss"] for row in logged(run)]
