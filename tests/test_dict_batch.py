@@ -197,7 +197,9 @@ def _plan(tmp_path: Path, batch: str = "batch", loss: str = "loss: model") -> Pa
         "def pairs(n):\n"
         "    g = torch.Generator().manual_seed(1)\n"
         "    x = torch.randint(0, 11, (n, 6), generator=g)\n"
-        "    return torch.utils.data.StackDataset(input_ids=x, labels=torch.roll(x, -1, dims=1))\n")
+        "    return torch.utils.data.StackDataset(input_ids=x, labels=torch.roll(x, -1, dims=1))\n\n\n"
+        "def tokens(n):\n"
+        "    return pairs(n).datasets['input_ids']\n")
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("BATCH", batch).replace("LOSS", loss))
     return plan
@@ -332,9 +334,7 @@ def test_two_replicas_train_dict_batches_as_one_process_reading_nothing_to_the_h
     process's, and a steady-state epoch reads no tensor value to the host."""
     from runner_util import ckpt_values, close, jobrun_proc
 
-    _plan(tmp_path)  # writes dict_batch_data.py
-    with open(tmp_path / "dict_batch_data.py", "a") as f:
-        f.write("\n\ndef tokens(n):\n    return pairs(n).datasets['input_ids']\n")
+    _plan(tmp_path)  # writes dict_batch_data.py (pairs, tokens)
     (tmp_path / "plan.yaml").write_text(REPLICAS_PLAN)
     for n in ("1", "2"):
         r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / f"r{n}",
@@ -396,8 +396,6 @@ def test_resume_of_dict_batches_is_bit_exact(importable):
                              "            then: [{read: {in: keyed, out: [kb, kend]}}]\n"
                              "          - train.step: {in: [model, opt, kb], out: kloss, loss: model}\n"
                              "      - log: {in: [loss, kloss]}"))
-    with open(importable / "dict_batch_data.py", "a") as f:
-        f.write("\n\ndef tokens(n):\n    return pairs(n).datasets['input_ids']\n")
     run = importable / "run"
     r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 0, r.text
@@ -408,3 +406,18 @@ def test_resume_of_dict_batches_is_bit_exact(importable):
     assert r.code == 0 and "resumed from checkpoint epoch 1" in r.out, r.text
     assert ckpt_values(again, 3) == want
     assert [row["kloss"] for row in logged(again)] == [row["kloss"] for row in logged(run)]
+
+
+def test_a_reader_over_one_mapping_of_fields_gives_dict_batches_of_its_keys():
+    x, y = _data(10)
+    ctx = OpContext()
+    mapping = reader_op(ctx, {"input_ids": x, "labels": y}, batch_size=4)
+    keyed = reader_op(ctx, x, y, batch_size=4, keys=["input_ids", "labels"])
+    for _ in range(4):
+        a, b = mapping.read(), keyed.read()
+        assert a[1] == b[1] and (a[0] is None) == (b[0] is None)
+        if a[0] is not None:
+            assert list(a[0]) == ["input_ids", "labels"]
+            assert all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+    with pytest.raises(RunError, match="reader inputs have different lengths"):
+        reader_op(ctx, {"input_ids": x, "labels": y[:5]}, batch_size=4)

@@ -355,8 +355,10 @@ def reader_op(
 
     The shuffle seed depends on (seed, node, creation order). `loading` holds the
     DataLoader's arguments (num_workers, pin_memory, ...), which need a Dataset. `keys`:
-    its batches as one dict (:mod:`jobrun.ops.keyed`).
+    its batches as one dict (:mod:`jobrun.ops.keyed`), as are those of one mapping of fields.
     """
+    if keys is None and len(fields) == 1 and isinstance(fields[0], dict) and window is None:
+        keys, fields = list(fields[0]), tuple(fields[0].values())  # {key: field}: keyed fields
     if keys is not None:
         from jobrun.ops.keyed import keyed
 

@@ -69,8 +69,8 @@ CORE_SPECS: tuple[OpSpec, ...] = (
            example="- not: {in: done, out: going}", **_PURE),
     OpSpec(
         "reader",
-        "Batches over the first dimension of its inputs, or over one torch Dataset (through a "
-        "DataLoader); its position is checkpointed.",
+        "Batches over the first dimension of its inputs (one mapping of them: dict batches), or "
+        "over one torch Dataset (through a DataLoader); its position is checkpointed.",
         "jobrun.ops.reader:reader_op", inputs=("fields",), outputs=("r",), max_inputs=None,
         args=(
             arg("batch_size", "int", 1, "global batch size; 1 = one record, unbatched"),
