@@ -77,3 +77,20 @@ def test_a_compiled_model_on_the_gpu_trains_and_keeps_its_keys():
         last = train.train_step(ctx, model, opt, x.cuda(), y.cuda()).item()
     assert last < first
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_train_on_the_gpu_from_the_command_line(tmp_path):
+    """`jobrun train --device cuda` in one process (it once failed in torch.cuda.set_device
+    on the plain `cuda`), checkpointing tensors that lived on the GPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plan = Path(__file__).resolve().parent.parent / "plans" / "mlp.yaml"
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--device", "cuda",
+                           "--run-dir", str(run), "max_epochs=2"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and "cuda" in json.dumps(info)

@@ -58,6 +58,22 @@ def test_passes_zero_reads_forever_with_done_once_per_pass():
     assert _drain(ctx, r, 30) == [[0, 1], [2], "done"] * 10
 
 
+def test_without_done_in_out_a_read_goes_on_into_the_next_pass():
+    """`read: {out: [x]}` (no `done`): the read that meets a pass's end starts the next
+    pass, so a `passes: 0` reader never gives null fields; after the last pass it does."""
+    ctx = OpContext()
+    forever = reader_op(ctx, torch.arange(3), batch_size=2, passes=0)
+    got = [read_op(ctx, forever, ("x",))[0].tolist() for _ in range(7)]
+    assert got == [[0, 1], [2], [0, 1], [2], [0, 1], [2], [0, 1]]
+    twice = reader_op(ctx, torch.arange(3), batch_size=2, passes=2)
+    got = [read_op(ctx, twice, ("x",))[0] for _ in range(6)]
+    assert [g.tolist() for g in got[:4]] == [[0, 1], [2], [0, 1], [2]] and got[4:] == [None, None]
+    # the position moves as reads with `done` move it: the same state after the same batches
+    ref = reader_op(ctx, torch.arange(3), batch_size=2, passes=0)
+    _drain(ctx, ref, 3 * 3 + 1)  # three passes with their `done`, and one batch
+    assert (ref.pass_index, ref.position) == (forever.pass_index, forever.position) == (3, 2)
+
+
 def test_batch_size_one_gives_unbatched_records_of_every_field_type():
     ctx = OpContext()
     x = torch.arange(6).reshape(3, 2)

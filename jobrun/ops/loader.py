@@ -24,6 +24,14 @@ each worker's `random`, numpy and torch seeded from it); they ignore SIGINT, whi
 job handles. With `num_workers: 0` the transforms draw from the job's own random
 streams, which checkpoints hold.
 
+Look-ahead (see :mod:`jobrun.ops.reader`). With workers, `read` takes the next batch from
+the DataLoader when it hands one out and starts its copy to the device, so the batch is on
+its way while the step runs; what a worker draws is a function of the batch's seeds, not
+of the moment it is taken. Without workers (`num_workers: 0`) the dataset's
+``__getitem__`` runs in the job's process and may draw from the job's random streams, in
+an order that the steps between two reads share: it runs when `read` runs, as before, and
+nothing is prepared ahead.
+
 An IterableDataset is read by :mod:`jobrun.ops.stream`.
 """
 
@@ -45,7 +53,6 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
 from jobrun.ops.reader import Reader, _as_int, _check_int, _mix, mark_records
-from jobrun.ops.transfer import ToDevice
 
 LOADING_DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
@@ -189,8 +196,8 @@ class _Batches:
         tag = "eval" if self.full else r.pass_index
         for s in range(start, end, size):
             lo, hi = r.rank_part(s, min(s + size, end))
-            if lo == hi:  # an empty part of a short batch: one record, cut to none by `read`
-                hi = lo + 1
+            if lo == hi:  # an empty part of a short batch: one record of the batch (the
+                lo, hi = s, s + 1  # next one may be past the data), cut to none by `read`
             ids = range(lo, hi) if order is None else order[lo:hi].tolist()
             yield _Indices(list(ids), _mix(r.seed, tag, s, r.rank))
 
@@ -262,8 +269,7 @@ class DatasetReader(Reader):
         self._loader = options.loader(_Fetch(dataset), batch_sampler=_Batches(self, full=False))
         self._eval_loader: DataLoader | None = None
         self._iterator: Iterator[Any] | None = None
-        self._move = self.device.type != "cpu"
-        self._to_device = ToDevice(self.device)
+        self._look_ahead = options.num_workers > 0  # see the module docstring
         if options.num_workers:
             open_readers.add(self)
 
@@ -274,18 +280,26 @@ class DatasetReader(Reader):
             if not self.field_count:  # e.g. drop_last with fewer records than a batch
                 self.field_count = len(as_fields(self._probe()))
             return self._end_of_pass()
+        ahead = self._prepared(start)
+        fields = self._land(self._next(start) if ahead is None else ahead)
+        stop = min(start + self.batch_size, end)
+        self.position = stop
+        if self._look_ahead and stop < end:
+            self._prepare(stop, self._next, stop)
+        if self.world_size > 1 and self.batch_size > 1:
+            mark_records(fields, stop - start)
+        return (*fields, False)
+
+    def _next(self, start: int) -> Any:
+        """The pass's batch at `start` (the next one of the iterator), sent to the device."""
         if self._iterator is None:
             # Worker seeds are a function of (seed, pass), wherever reading resumes.
             self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
             self._iterator = iter(self._loader)
         batch = fetch(self, self._iterator)
-        stop = min(start + self.batch_size, end)
-        self.position = stop
-        lo, hi = self.rank_part(start, stop)
+        lo, hi = self.rank_part(start, min(start + self.batch_size, self._pass_end))
         fields = self._fields(batch, empty=lo == hi)
-        if self.world_size > 1 and self.batch_size > 1:
-            mark_records(fields, stop - start)
-        return (*fields, False)
+        return self._to_device.send(fields) if self._move else fields
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         if self._eval_loader is None:
@@ -295,14 +309,13 @@ class DatasetReader(Reader):
         for start in range(0, self.pass_end, self.batch_size):
             batch = fetch(self, iterator)
             lo, hi = self.rank_part(start, min(start + self.batch_size, self.pass_end))
-            yield self._fields(batch, empty=lo == hi)
+            fields = self._fields(batch, empty=lo == hi)
+            yield self._to_device(fields) if self._move else fields
 
     def _fields(self, batch: Any, empty: bool) -> tuple[Any, ...]:
         fields = as_fields(batch)
         if empty:
             fields = tuple(part(f, 0, 0) for f in fields)
-        if self._move:
-            fields = self._to_device(fields)
         if self.field_count != len(fields):
             if self.field_count:
                 raise RunError(

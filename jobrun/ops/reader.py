@@ -14,6 +14,19 @@ by the training ops are unchanged by such replication).
 
 The reader's state is a few integers (pass, position, shuffle seed), so checkpoints are
 tiny and a shuffled pass is recomputed from its seed on load, identical on every rank.
+
+Look-ahead. When `read` hands out a batch, the reader prepares the next one of the same
+pass: gathers it on the host and starts its copy to the device
+(:meth:`jobrun.ops.transfer.ToDevice.send`: on CUDA from pinned memory on a side stream,
+so it travels while the step runs; elsewhere the copy is done at once). The next `read`
+hands that batch out. The prepared batch is not part of the state: the position still
+names the next batch to hand out, a checkpoint taken between reads is the one taken
+without look-ahead, and loading a state drops the prepared batch. The look-ahead stops at
+the end of a pass (the `done` read and the first batch of the next pass are read when
+`read` runs) and wherever preparing a batch could draw from the job's random streams (a
+Dataset or stream read without workers, see :mod:`jobrun.ops.loader`). Random windows
+draw their starts when `read` runs, as before (:mod:`jobrun.ops.windows`). A failure
+while preparing a batch is raised by the `read` that would have handed it out.
 """
 
 from __future__ import annotations
@@ -80,6 +93,15 @@ def mark_records(fields: tuple[Any, ...], records: int) -> tuple[Any, ...]:
     return fields
 
 
+class Failed:
+    """A look-ahead that raised: the `read` that would hand the batch out raises it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 def global_records(t: Any) -> int | None:
     """The records of the global batch a tensor is a rank's part of (see
     :func:`mark_records`); None for a tensor a reader did not split."""
@@ -125,6 +147,12 @@ class Reader:
         self._order: torch.Tensor | None = None  # the current pass's permutation
         self._order_pass = -1
         self._pass_end = self._records_per_pass()  # the geometry is fixed from here on
+        self._to_device = ToDevice(self.device)
+        self._move = self.device.type != "cpu"  # batches are sent to the device
+        # Look-ahead (module docstring): the batch prepared by the last read, what
+        # `ToDevice.send` returned or a `Failed`, and the position it starts at.
+        self._ahead: Any = None
+        self._ahead_at = -1
 
     # -- geometry -----------------------------------------------------------------
 
@@ -175,6 +203,26 @@ class Reader:
         the reading position alone (used by `evaluate`)."""
         raise NotImplementedError
 
+    def _prepared(self, start: int) -> Any:
+        """The batch the last read prepared if it starts at `start`, else None; taken."""
+        ahead, self._ahead = self._ahead, None
+        return ahead if self._ahead_at == start else None
+
+    def _prepare(self, at: int, prepare: Any, *args: Any) -> None:
+        """Prepare the batch at position `at` (look-ahead): `prepare(*args)` now, its
+        failure raised when the batch is handed out (by `_land`)."""
+        try:
+            self._ahead = prepare(*args)
+        except Exception as e:
+            self._ahead = Failed(e)
+        self._ahead_at = at
+
+    def _land(self, ahead: Any) -> tuple[Any, ...]:
+        """A prepared batch's fields, usable by the computing stream."""
+        if type(ahead) is Failed:
+            raise ahead.error
+        return self._to_device.land(ahead) if self._move else ahead
+
     def _end_of_pass(self) -> tuple[Any, ...]:
         if not self.finished:
             self.pass_index += 1
@@ -212,6 +260,7 @@ class Reader:
         self.position = values["position"]
         self.seed = values["seed"]
         self._order_pass = -1  # recompute the permutation lazily
+        self._ahead = None  # prepared for the position left
 
     def __repr__(self) -> str:
         return (
@@ -243,7 +292,6 @@ class TensorReader(Reader):
         self.field_count = len(self.fields)
         # Batches already on the target device skip the move (a dispatch per field per read).
         self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
-        self._to_device = ToDevice(self.device)
         self._plain = self._plain_fields()
 
     def _plain_fields(self) -> bool:
@@ -272,6 +320,8 @@ class TensorReader(Reader):
 
         Every training step runs this: a shuffled plain reader (see `_plain_fields`) of
         two fields calls no other Python function (`finished` and `_pass_order` inlined).
+        It hands out the batch the last read prepared and prepares the next one of the
+        pass (look-ahead, see the module docstring).
         """
         start, end = self.position, self._pass_end
         if start >= end or (self.passes and self.pass_index >= self.passes):
@@ -280,23 +330,37 @@ class TensorReader(Reader):
         if stop > end:
             stop = end
         self.position = stop
-        if self._plain and self.shuffle:
+        if self._plain and self.shuffle:  # on the CPU: nothing to send, nothing can fail
             order = self._order if self._order_pass == self.pass_index else self._pass_order()
-            idx = order[start:stop]  # type: ignore[index]
             fields = self.fields
-            if len(fields) == 2:
-                return fields[0].index_select(0, idx), fields[1].index_select(0, idx), False
-            return (*self._select(idx), False)
-        fields = self._take(start, stop, self._pass_order() if self.shuffle else None)
+            batch = self._ahead
+            if batch is None or self._ahead_at != start:
+                idx = order[start:stop]  # type: ignore[index]
+                batch = (fields[0].index_select(0, idx), fields[1].index_select(0, idx), False) \
+                    if len(fields) == 2 else (*self._select(idx), False)
+            if stop < end:
+                idx = order[stop:stop + self.batch_size]  # type: ignore[index]
+                self._ahead = (fields[0].index_select(0, idx), fields[1].index_select(0, idx), False) \
+                    if len(fields) == 2 else (*self._select(idx), False)
+                self._ahead_at = stop
+            else:
+                self._ahead = None
+            return batch
+        order = self._pass_order() if self.shuffle else None
+        ahead = self._prepared(start)
+        fields = self._land(self._take(start, stop, order) if ahead is None else ahead)
+        if stop < end:
+            self._prepare(stop, self._take, stop, min(stop + self.batch_size, end), order)
         if self.world_size > 1 and self.batch_size > 1:
             mark_records(fields, stop - start)
         return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         for start in range(0, self.pass_end, self.batch_size):
-            yield self._take(start, min(start + self.batch_size, self.pass_end), None)
+            yield self._land(self._take(start, min(start + self.batch_size, self.pass_end), None))
 
-    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> tuple[Any, ...]:
+    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> Any:
+        """The batch [start, stop) of a pass (this rank's part), sent to the device."""
         if self._plain and order is None:  # `read` has its own path for shuffled ones
             return tuple([f[start:stop] for f in self.fields])
         if self.batch_size == 1:
@@ -311,7 +375,7 @@ class TensorReader(Reader):
                 idx = order[lo:hi]
                 fields = tuple(self._gather(f, idx) for f in self.fields)
         # gathered where the fields are, then moved as one batch (see jobrun.ops.transfer)
-        return self._to_device(fields) if self._move else fields
+        return self._to_device.send(fields) if self._move else fields
 
     def _select(self, idx: torch.Tensor) -> tuple[Any, ...]:
         """The records `idx` of every field (plain readers only: CPU tensors)."""
@@ -396,8 +460,9 @@ def reader_op(
 
 
 def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
-    """`read`: r -> fields..., done; `done` may be left out (a reader that never ends, of
-    random windows say, or a loop that stops otherwise), then the fields alone."""
+    """`read`: r -> fields..., done. With `done` left out of `out`, a pass's end is not the
+    plan's concern: the read that meets it starts the next pass at once (a `passes: 0`
+    reader then never ends), and only after the last pass are the fields null."""
     if not isinstance(reader, Reader):
         raise RunError(
             f"read expects a reader, got a {type(reader).__name__}",
@@ -405,15 +470,15 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
         )
     progress = ctx.progress if ctx is not None else None  # no context: a reader used on its own
     feed = progress.get("feed") if progress is not None else None
-    if feed is None:
-        with reader.lock:  # each of several instances reading it gets batches of its own
+    t0 = time.perf_counter() if feed is not None else 0.0
+    with reader.lock:  # each of several instances reading it gets batches of its own
+        batch = reader.read()
+        rolls = len(_out_names) == reader.field_count  # a Dataset's is known after a read
+        if batch[-1] and rolls and not reader.finished:
             batch = reader.read()
-    else:
-        t0 = time.perf_counter()
-        with reader.lock:
-            batch = reader.read()
+    if feed is not None:
         feed.add(batch, time.perf_counter() - t0)
-    return batch[:-1] if len(_out_names) == reader.field_count else batch
+    return batch[:-1] if rolls else batch
 
 
 read_op.wants_out_names = True  # type: ignore[attr-defined]

@@ -97,7 +97,7 @@ CORE_SPECS: tuple[OpSpec, ...] = (
         **_PURE,  # `read` changes the reader's position, never its data
     ),
     OpSpec(
-        "read", "Next record/batch and `done` (true once at the end of each pass, fields null).",
+        "read", "Next record/batch and `done` (true once at the end of each pass, fields null; without `done` in out, the next pass goes on).",
         "jobrun.ops.reader:read_op", inputs=("r",), outputs=("fields", "done"), min_outputs=1,
         max_outputs=None, example="- read: {in: data, out: [xb, yb, done]}",
         mutates=("r",), keeps=(),

@@ -11,6 +11,11 @@ pass). That is exact when the stream depends only on the dataset, the worker it 
 and the seeds torch gives that worker; not when it draws from the main process's random
 state (`num_workers: 0`) or carries random state from pass to pass
 (`persistent_workers: true`).
+
+With workers, `read` takes the next batch from the stream when it hands one out and starts
+its copy to the device (look-ahead, see :mod:`jobrun.ops.reader`); the end of the stream
+found that way is the next `read`'s `done`. Without workers the stream runs in the job's
+process and may draw from its random streams: it is read when `read` runs, as before.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from jobrun.ops.loader import (
     records,
     shutdown,
 )
-from jobrun.ops.reader import Reader, _as_int, _mix, _rank_bounds, mark_records
-from jobrun.ops.transfer import ToDevice
+from jobrun.ops.reader import Failed, Reader, _as_int, _mix, _rank_bounds, mark_records
+
+_END = object()  # a look-ahead that found the end of the stream
 
 
 class IterableReader(Reader):
@@ -39,7 +45,7 @@ class IterableReader(Reader):
         super().__init__(0, **geometry)
         self.dataset = dataset
         self.options = options
-        self._to_device = ToDevice(self.device)
+        self._look_ahead = options.num_workers > 0  # see the module docstring
         self.field_count = 0
         self._iterator: Iterator[Any] | None = None
         batch = None if self.batch_size == 1 else self.batch_size
@@ -54,15 +60,33 @@ class IterableReader(Reader):
     def read(self) -> tuple[Any, ...]:
         if self.finished:
             return self._done()
+        ahead = self._prepared(self.position)
+        if ahead is None:
+            ahead = self._next()
+        if ahead is _END:
+            self._stop()
+            return self._done()
+        if type(ahead) is Failed:
+            raise ahead.error
+        fields, n = self._land(ahead[0]), ahead[1]
+        if n:
+            mark_records(fields, n)
+        self.position += 1
+        if self._look_ahead:
+            self._prepare(self.position, self._next)
+        return (*fields, False)
+
+    def _next(self) -> Any:
+        """The stream's next batch sent to the device, with the records of the global
+        batch it is this rank's part of (0: not split); or `_END`."""
         if self._iterator is None:
             self._iterator = self._start()
         try:
             batch = fetch(self, self._iterator)
         except StopIteration:
-            self._stop()
-            return self._done()
-        self.position += 1
-        return (*self._fields(batch), False)
+            return _END
+        fields, n = self._part(batch)
+        return (self._to_device.send(fields) if self._move else fields), n
 
     def _done(self) -> tuple[Any, ...]:
         if not self.field_count:
@@ -93,22 +117,22 @@ class IterableReader(Reader):
                 batch = fetch(self, iterator)
             except StopIteration:
                 return
-            yield self._fields(batch)
+            fields, n = self._part(batch)
+            if self._move:
+                fields = self._to_device(fields)
+            yield mark_records(fields, n) if n else fields
 
-    def _fields(self, batch: Any) -> tuple[Any, ...]:
+    def _part(self, batch: Any) -> tuple[tuple[Any, ...], int]:
+        """This rank's part of a batch, and the records of the whole batch (0: not split)."""
         fields = as_fields(batch)
         n = 0
         if self.batch_size > 1 and self.world_size > 1:
             n = records(fields[0])
             lo, hi = _rank_bounds(n, self.rank, self.world_size)
             fields = tuple(part(f, lo, hi) for f in fields)
-        if self.device.type != "cpu":
-            fields = self._to_device(fields)
-        if n:
-            mark_records(fields, n)
         if not self.field_count:
             self.field_count = len(fields)
-        return fields
+        return fields, n
 
     def _stop(self) -> None:
         iterator, self._iterator = self._iterator, None

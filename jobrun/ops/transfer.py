@@ -1,14 +1,23 @@
-"""Batches on their way to the device: what every reader (tensors, Datasets, streams)
-uses to move a batch it read on the host to the run's device.
+"""Batches on their way to the device: what every reader (tensors, Datasets, streams,
+token windows) uses to move a batch it read on the host to the run's device.
 
-On a CUDA device a batch is copied from pinned host memory (pinned here unless the
+A reader prepares batch k+1 when it hands out batch k (see "Look-ahead" in
+:mod:`jobrun.ops.reader`): it gathers the batch on the host and calls :meth:`ToDevice.send`;
+the next `read` hands it out through :meth:`ToDevice.land`.
+
+On a CUDA device `send` copies the batch from pinned host memory (pinned here unless the
 DataLoader's `pin_memory` pinned it already, in its own thread) with ``non_blocking``
-copies issued on a side stream of the reader's; the stream that computes waits for that
-stream, not the host. `train.step` never waits for the device, so the host reads batch
-k+1 while the GPU still runs step k, and the copy overlaps that step's kernels: the
-next batch is on its way while the step runs. Elsewhere (CPU, MPS) the same function
-copies as ``Tensor.to`` does, without a stream; a batch already on the device is left as
-it is.
+copies issued on a side stream of the reader's, and records an event after them; `land`
+makes the stream that computes wait for that event (the device waits, not the host) and
+tells the caching allocator, by ``record_stream``, that this stream uses the batch, so its
+memory is not reused while the step still reads it. This is the prefetcher of NVIDIA's
+apex ImageNet example (a side stream, ``wait_stream``, ``record_stream``); torch's
+DataLoader pins in a thread of its own and leaves the copy to the loop. `train.step` never
+waits for the device, so the copy of batch k+1 runs while the GPU computes step k.
+
+Elsewhere (CPU, MPS) `send` copies as ``Tensor.to`` does, without a stream, and `land`
+gives back what `send` returned: the same code path, the copy done at once. A batch
+already on the device is left as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +25,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+
+class _Sent:
+    """A batch whose copies were issued on the side stream, and the event after them."""
+
+    __slots__ = ("event", "fields")
+
+    def __init__(self, fields: tuple[Any, ...], event: Any) -> None:
+        self.fields = fields
+        self.event = event
 
 
 class ToDevice:
@@ -27,18 +46,31 @@ class ToDevice:
         self._stream: Any = None  # made at the first copy: CUDA is initialised by then
 
     def __call__(self, fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`fields` on the device, ready for the current stream (a batch used at once)."""
+        return self.land(self.send(fields))
+
+    def send(self, fields: tuple[Any, ...]) -> Any:
+        """Start moving `fields`; give what this returns to `land` when the batch is used."""
         if not self.cuda:
             return tuple(_move(f, self.device, False) for f in fields)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
+        # The copies wait for nothing the computing stream does: they read host memory
+        # and write new device memory, allocated for this stream.
         with torch.cuda.stream(self._stream):
             out = tuple(_move(f, self.device, True) for f in fields)
-        current.wait_stream(self._stream)  # the device waits for the copies; the host does not
-        for t in _tensors(out):
+        return _Sent(out, self._stream.record_event())
+
+    def land(self, sent: Any) -> tuple[Any, ...]:
+        """The fields `send` started moving, usable by the current stream."""
+        if not self.cuda:
+            return sent
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(sent.event)  # the device waits for the copies; the host does not
+        for t in _tensors(sent.fields):
             if t.is_cuda:
                 t.record_stream(current)  # its memory is not reused before the step used it
-        return out
+        return sent.fields
 
 
 def _move(value: Any, device: torch.device, staged: bool) -> Any:

@@ -18,6 +18,13 @@ every reader has:
 
 The stream itself (a memory-mapped token file, say) is read, never copied: a batch
 gathers its windows' tokens alone.
+
+Look-ahead (see :mod:`jobrun.ops.reader`): when `read` hands out a batch it prepares the
+next one (gathered, its copy to the device started). In order, that is the next batch of
+the pass. Random windows: the node's generator still draws a batch's starts when `read`
+runs (a checkpoint between reads holds its state after the batch handed out, as before);
+the next batch is prepared from a copy of the generator, and handed out when the starts
+that `read` draws are the same (they are unless something else drew from the generator).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 
 from jobrun.errors import RunError
-from jobrun.ops.reader import Reader
+from jobrun.ops.reader import Reader, mark_records
 
 SAMPLES = ("order", "random")
 
@@ -50,6 +57,8 @@ class WindowReader(Reader):
         self.window = window
         self.random = sample == "random"
         self.generator = generator
+        self._peek = torch.Generator()  # draws the next batch's starts ahead (look-ahead)
+        self._ahead_starts: torch.Tensor | None = None
         self._span = torch.arange(window + 1)
         # Random starts: every start with a whole window after it; in order: the windows
         # that do not overlap (records of the Reader's passes).
@@ -59,15 +68,37 @@ class WindowReader(Reader):
     def read(self) -> tuple[Any, ...]:
         """The next batch as (x, y, done); see the `read` op."""
         if self.random:
-            starts = torch.randint(self.length, (self.batch_size,), generator=self.generator)
-            lo, hi = self.rank_part(0, self.batch_size)
-            return (*self._windows(starts[lo:hi]), False)
+            return (*self._random(), False)
         start, end = self.position, self.pass_end
         if start >= end or self.finished:
             return self._end_of_pass()
         stop = min(start + self.batch_size, end)
         self.position = stop
-        return (*self._take(start, stop, self._pass_order() if self.shuffle else None), False)
+        order = self._pass_order() if self.shuffle else None
+        ahead = self._prepared(start)
+        fields = self._land(self._take(start, stop, order) if ahead is None else ahead)
+        if stop < end:
+            self._prepare(stop, self._take, stop, min(stop + self.batch_size, end), order)
+        if self.world_size > 1 and self.batch_size > 1:  # train.step weights by the share
+            mark_records(fields, stop - start)
+        return (*fields, False)
+
+    def _random(self) -> tuple[Any, ...]:
+        """A batch of random windows: this rank's part of B starts drawn now."""
+        lo, hi = self.rank_part(0, self.batch_size)
+        starts = torch.randint(self.length, (self.batch_size,), generator=self.generator)[lo:hi]
+        ahead, prepared = self._ahead, self._ahead_starts
+        if ahead is None or prepared is None or not torch.equal(prepared, starts):
+            ahead = self._send(starts)
+        fields = self._land(ahead)
+        peek = self._peek
+        peek.set_state(self.generator.get_state())
+        nxt = torch.randint(self.length, (self.batch_size,), generator=peek)[lo:hi]
+        self._prepare(0, self._send, nxt)
+        self._ahead_starts = nxt
+        if self.world_size > 1 and self.batch_size > 1:
+            mark_records(fields, self.batch_size)
+        return fields
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         if self.random:
@@ -75,23 +106,25 @@ class WindowReader(Reader):
                            hint="evaluate over a number of its batches, or read windows in order "
                            "(sample: order)")
         for start in range(0, self.pass_end, self.batch_size):
-            yield self._take(start, min(start + self.batch_size, self.pass_end), None)
+            yield self._land(self._take(start, min(start + self.batch_size, self.pass_end), None))
 
-    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> tuple[Any, ...]:
-        """The windows [start, stop) of a pass (this rank's part), in order or permuted."""
+    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> Any:
+        """The windows [start, stop) of a pass (this rank's part), in order or permuted,
+        sent to the device."""
         lo, hi = self.rank_part(start, stop)
         index = torch.arange(lo, hi) if order is None else order[lo:hi]
         x, y = self._windows(index * self.window)
         if self.batch_size == 1:  # one record, unbatched
-            return x[0], y[0]
-        return x, y
+            x, y = x[0], y[0]
+        return self._to_device.send((x, y)) if self._move else (x, y)
+
+    def _send(self, starts: torch.Tensor) -> Any:
+        fields = self._windows(starts)
+        return self._to_device.send(fields) if self._move else fields
 
     def _windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.tokens[starts[:, None] + self._span].to(torch.int64)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        if self.device.type != "cpu":
-            x, y = x.to(self.device), y.to(self.device)
-        return x, y
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def __repr__(self) -> str:
         return (f"WindowReader(tokens={self.tokens.numel()}, window={self.window}, "

@@ -457,7 +457,7 @@ def device_for(wanted: str, world: int, select: bool = True) -> str:
                 raise UsageError(f"rank {local} of this host has no GPU of its own: it has {count}",
                                  hint=f"run at most {count} replicas per host with device cuda")
             wanted = f"cuda:{local}"
-        if select:
+        if select and ":" in wanted:  # plain `cuda` in one process: torch's current GPU
             torch.cuda.set_device(torch.device(wanted))
     return wanted
 
