@@ -421,3 +421,17 @@ def test_a_reader_over_one_mapping_of_fields_gives_dict_batches_of_its_keys():
             assert all(torch.equal(a[0][k], b[0][k]) for k in a[0])
     with pytest.raises(RunError, match="reader inputs have different lengths"):
         reader_op(ctx, {"input_ids": x, "labels": y[:5]}, batch_size=4)
+
+
+def test_read_with_one_output_gives_the_dict_batch_itself_and_runs_on_past_a_pass():
+    """`read: {in: data, out: batch}` (no `done`): the batch alone, not a 1-tuple, and the
+    read that meets a pass's end starts the next pass (train.step got a tuple)."""
+    from jobrun.ops.reader import read_op
+
+    x, y = _data(8)
+    keyed = reader_op(OpContext(), x, y, batch_size=4, keys=["input_ids", "labels"], passes=0)
+    got = [read_op(None, keyed, ("batch",)) for _ in range(3)]  # 2 batches a pass
+    assert all(isinstance(b, dict) for b in got)
+    assert torch.equal(got[2]["input_ids"], x[:4]) and keyed.pass_index == 1
+    single = reader_op(OpContext(), x, batch_size=4, passes=0)
+    assert torch.equal(read_op(None, single, ("xb",)), x[:4])

@@ -478,7 +478,9 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
             batch = reader.read()
     if feed is not None:
         feed.add(batch, time.perf_counter() - t0)
-    return batch[:-1] if rolls else batch
+    if rolls:  # one output is its value alone (a dict batch, a reader of one field)
+        return batch[0] if reader.field_count == 1 else batch[:-1]
+    return batch
 
 
 read_op.wants_out_names = True  # type: ignore[attr-defined]
