@@ -33,16 +33,25 @@ rank does one side or both (see :func:`_rank_main`).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from benchmarks.common import ROOT, Mode, Row, python_env, reader_order
+from benchmarks.common import (
+    ROOT,
+    Mode,
+    ReaderBatches,
+    Row,
+    mlp_plan,
+    paired_epochs,
+    python_env,
+    rank_both,
+    rank_exit,
+    torchrun,
+)
 
 GOAL = 0.95
 STEPS = 40
@@ -50,29 +59,8 @@ SIZES = [256, 512, 512, 512, 10]
 N = 5120  # records
 BATCH = 128  # the global batch
 
-PLAN = f"""
-job: fsdp-bench
-seed: 0
-max_epochs: EPOCHS
-parallel: fsdp
-init:
-  - task: setup
-    do:
-      - data.synthetic: {{out: [x, y], task: classification, n: {N}, features: {SIZES[0]}, classes: {SIZES[-1]}}}
-      - reader: {{in: [x, y], out: data, batch_size: {BATCH}, shuffle: true, passes: 0}}
-      - model.mlp: {{out: model, sizes: {SIZES}}}
-      - optimizer: {{in: model, out: opt, lr: 0.01, momentum: 0.9}}
-epoch:
-  - task: train
-    do:
-      - loop: {STEPS}
-        do:
-          - read: {{in: data, out: [xb, yb, end]}}
-          - if: end
-            then: [{{read: {{in: data, out: [xb, yb, end]}}}}]
-          - train.step: {{in: [model, opt, xb, yb], out: loss, amp: AMP}}
-    outputs: [loss_last]  # the hand loop reports the epoch's last loss
-"""
+# Its epoch outputs the last step's loss (loss_last): the hand loop reports the epoch's last loss.
+PLAN = mlp_plan("fsdp-bench", n=N, batch=BATCH, sizes=SIZES, steps=STEPS, head="parallel: fsdp\n", step=", amp: AMP")
 
 
 def plan_text(epochs: int, amp: str) -> str:
@@ -119,19 +107,14 @@ class HandFSDP:
                 m.set_force_sum_reduction_for_comms(True)
         self.model, self.dtype = model, dtype
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        self.steps = 0
-        self.order: Any = None
+        self.batches = ReaderBatches(N, BATCH, self.rank, self.world)
 
     def epoch(self) -> tuple[float, float]:
         torch, model, opt, dtype = self.torch, self.model, self.opt, self.dtype
         cross_entropy = self.nn.functional.cross_entropy
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            lo = self.steps * BATCH % N
-            if lo == 0:  # a pass's order, as the shuffled reader makes it
-                self.order = reader_order(N, self.steps * BATCH // N)
-            self.steps += 1
-            idx = self.order[lo:lo + BATCH].chunk(self.world)[self.rank]
+            idx = self.batches.next()
             xb, yb = self.x[idx], self.y[idx]
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
@@ -147,60 +130,21 @@ class HandFSDP:
 
 def _rank_main(argv: list[str]) -> None:
     """One rank. ``both ROOT EPOCHS AMP``: the job through jobrun's runner, one hand
-    epoch after each of its epochs; ``hand EPOCHS AMP``: the hand loop alone. Rank 0
-    prints the epoch times as JSON."""
+    epoch after each of its epochs (see common.rank_both); ``hand EPOCHS AMP``: the hand
+    loop alone. Rank 0 prints the epoch times as JSON."""
     import torch
     import torch.distributed as dist
 
-    from jobrun.runner import group
-
     torch.set_num_threads(1)
     if argv[0] == "both":
-        from benchmarks.inproc import metrics, run_plan
-
         root, epochs, amp = Path(argv[1]), int(argv[2]), argv[3]
-        group.start("cpu")  # as a `jobrun train --replicas 2` rank joins its group
-        rank, world = dist.get_rank(), dist.get_world_size()
-        plan = root / "plan.yaml"
-        if rank == 0:
-            plan.write_text(plan_text(epochs, amp))
-        dist.barrier()
-        hand: list[tuple[float, float]] = []
-        loop: list[HandFSDP] = []
-
-        def between(epoch: int) -> None:
-            if not loop:  # built outside jobrun's epochs (it draws no random numbers)
-                loop.append(HandFSDP(amp))
-            hand.append(loop[0].epoch())
-
-        ours = [e.seconds for e in run_plan(plan, root / "run", between, rank=rank, world_size=world)]
-        losses = [e["outputs"]["train"]["loss_last"] for e in metrics(root / "run") if e.get("event") == "epoch"] \
-            if rank == 0 else []
-        out = {"jobrun": ours, "hand": [t for t, _ in hand], "jobrun_loss": losses,
-               "hand_loss": [loss for _, loss in hand]}
+        out = rank_both(root, plan_text(epochs, amp), lambda: HandFSDP(amp))
     else:
         epochs, amp = int(argv[1]), argv[2]
         dist.init_process_group("gloo")
         loop_ = HandFSDP(amp)
         out = {"hand": [loop_.epoch()[0] for _ in range(epochs)]}
-    if dist.get_rank() == 0:
-        print(json.dumps(out), flush=True)
-    group.finish()  # as jobrun's workers leave: together (see group.finish)
-    # And without the interpreter's teardown, as jobrun's spawned workers leave when they
-    # stop early (workers._leave): in about one full smoke run in eight a rank aborted in
-    # it ("terminate called without an active exception", SIGABRT) after everything was
-    # done; never in 55 runs of these ranks on their own.
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _torchrun(*args: str) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "benchmarks.bench_fsdp", *args], cwd=ROOT, env=python_env(),
-                       capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError(f"the fsdp ranks ({' '.join(args[:1])}) failed ({p.returncode}): {p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    rank_exit(out)
 
 
 def _jobrun(root: Path, epochs: int, amp: str) -> list[float]:
@@ -222,36 +166,12 @@ def run(mode: Mode) -> list[Row]:
 
 
 def _row(mode: Mode, amp: str) -> Row:
-    reps, epochs = mode.pick(3, 2, 1), mode.pick(12, 6, 2)
-    ours: list[float] = []
-    hand: list[float] = []
-    same_losses = True
-    with tempfile.TemporaryDirectory(prefix="jobrun-bench-fsdp-") as tmp:
-        for r in range(reps):
-            root = Path(tmp) / f"both{r}"
-            root.mkdir()
-            got = _torchrun("both", str(root), str(epochs), amp)
-            ours += got["jobrun"][1:]  # the first epoch of each side warms up
-            hand += got["hand"][1:]
-            # The same numbers on both sides (each epoch's last loss; jobrun rounds its
-            # outputs to 6 digits): otherwise the two are not the same work.
-            same_losses &= len(got["jobrun_loss"]) == len(got["hand_loss"]) == epochs and all(
-                abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(got["jobrun_loss"], got["hand_loss"]))
-    # Epochs drift together (within a run by +-8%): each jobrun epoch is compared with
-    # the hand epoch right after it, and the figure is the median of those ratios.
-    ratio = statistics.median(h / o for o, h in zip(ours, hand))
+    paired = paired_epochs("benchmarks.bench_fsdp", mode.pick(3, 2, 1), mode.pick(12, 6, 2), amp)
     bf16 = amp == "bf16"
-    return Row(
-        section="fsdp", name="parallel: fsdp, amp: bf16 steps/s (2 ranks)" if bf16 else
-        "parallel: fsdp steps/s (2 ranks)", value=STEPS / statistics.median(ours), unit="steps/s",
-        baseline=STEPS / statistics.median(hand), baseline_name="hand-written FSDP2 loop" + (
-            " (bf16 MixedPrecisionPolicy + autocast)" if bf16 else ""), ratio=ratio,
-        goal=f"jobrun/hand >= {GOAL}", ok=ratio >= GOAL,
-        note=f"{STEPS} steps an epoch, epochs alternating in the same 2 processes, {reps} runs of {epochs} "
-             "epochs a side, first dropped; ratio: median over pairs of adjacent epochs",
-        extra={"jobrun_epoch_seconds": ours, "hand_epoch_seconds": hand, "same_losses": same_losses,
-               "ratio_of_medians": statistics.median(hand) / statistics.median(ours)},
-    )
+    return paired.row("fsdp", "parallel: fsdp, amp: bf16 steps/s (2 ranks)" if bf16 else
+                      "parallel: fsdp steps/s (2 ranks)", STEPS, "hand-written FSDP2 loop" + (
+                          " (bf16 MixedPrecisionPolicy + autocast)" if bf16 else ""), GOAL,
+                      ok=paired.ratio >= GOAL)
 
 
 def _processes_row(mode: Mode) -> Row:
@@ -265,7 +185,7 @@ def _processes_row(mode: Mode) -> Row:
             root = Path(tmp) / f"job{r}"
             root.mkdir()
             ours += _jobrun(root, epochs, "null")[1:]
-            hand += _torchrun("hand", str(epochs), "null")["hand"][1:]
+            hand += torchrun("benchmarks.bench_fsdp", "hand", str(epochs), "null")["hand"][1:]
     t_ours, t_hand = statistics.median(ours), statistics.median(hand)
     return Row(
         section="fsdp", name="jobrun train --replicas 2, parallel: fsdp steps/s", value=STEPS / t_ours,

@@ -14,7 +14,7 @@ adjacent epochs. Host syncs: the calls that read a tensor's value to the host
 (`Tensor.item`, `tolist`, `__float__`, `__bool__`, ...) of a GPU tensor during jobrun's
 epochs, per step.
 
-Not measured on this machine (no GPU); `benchmarks/gpu.sh` runs it where there is one.
+Measured on an H200 (benchmarks/README.md, section 12); `benchmarks/gpu.sh` runs it.
 """
 
 from __future__ import annotations
@@ -25,34 +25,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Mode, Row, reader_order
+from benchmarks.common import Mode, ReaderBatches, Row, loop_plan
 
 GOAL = 0.98
 STEPS = 100
 N, T, VOCAB = 2048, 128, 1024  # sequences, tokens a sequence, vocabulary
 BATCH = 32
 
-PLAN = f"""
-job: gpu-bench
-seed: 0
-max_epochs: EPOCHS
-device: cuda
-init:
-  - task: setup
-    do:
-      - call: {{fn: "benchmarks.bench_gpu:tokens", out: [x, y]}}
-      - reader: {{in: [x, y], out: data, batch_size: {BATCH}, shuffle: true, passes: 0}}
-      - build: {{out: model, target: "benchmarks.bench_gpu:TinyGPT"}}
-      - optimizer: {{in: model, out: opt, target: torch.optim.AdamW, lr: 0.0003}}
-epoch:
-  - task: train
-    do:
-      - loop: {STEPS}
-        do:
-          - read: {{in: data, out: [xb, yb]}}
-          - train.step: {{in: [model, opt, xb, yb], out: loss, amp: bf16}}
-    outputs: [loss]
-"""
+PLAN = loop_plan("gpu-bench", [
+    'call: {fn: "benchmarks.bench_gpu:tokens", out: [x, y]}',
+    f"reader: {{in: [x, y], out: data, batch_size: {BATCH}, shuffle: true, passes: 0}}",
+    'build: {out: model, target: "benchmarks.bench_gpu:TinyGPT"}',
+    "optimizer: {in: model, out: opt, target: torch.optim.AdamW, lr: 0.0003}",
+], STEPS, head="device: cuda\n", step=", amp: bf16", outputs="[loss]")
 
 
 def tokens() -> tuple[Any, Any]:
@@ -108,19 +93,14 @@ class HandLoop:
         ctx = OpContext(node="local", seed=0, device="cuda")
         self.model = build(ctx, target="benchmarks.bench_gpu:TinyGPT")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.0003)
-        self.steps = 0
-        self.order: Any = None
+        self.batches = ReaderBatches(N, BATCH)
 
     def epoch(self) -> tuple[float, float]:
         torch, model, opt = self.torch, self.model, self.opt
         cross_entropy = torch.nn.functional.cross_entropy
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            lo = self.steps * BATCH % N
-            if lo == 0:
-                self.order = reader_order(N, self.steps * BATCH // N)
-            self.steps += 1
-            idx = self.order[lo:lo + BATCH]
+            idx = self.batches.next()
             xb = self.x[idx].pin_memory().cuda(non_blocking=True)
             yb = self.y[idx].pin_memory().cuda(non_blocking=True)
             opt.zero_grad(set_to_none=True)

@@ -1,4 +1,5 @@
-"""Shared helpers: timing, medians, the result rows, facts about the machine.
+"""Shared helpers: timing, medians, the result rows, facts about the machine, the plans
+and the two torchrun ranks of the ddp and fsdp sections.
 
 Every figure is a ratio against a baseline measured in the same run, with baseline and
 subject alternating (the machine is shared and noisy): ``alternate`` runs them in turns
@@ -8,16 +9,18 @@ and the figures are medians over the repetitions.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,6 +149,25 @@ def reader_order(n: int, pass_index: int) -> Any:
     return torch.randperm(n, generator=gen)
 
 
+class ReaderBatches:
+    """The batches of jobrun's shuffled reader (`passes: 0`) over ``n`` records, ``batch``
+    records each, pass after pass, as record indices in its order (:func:`reader_order`):
+    ``next()`` gives the next batch's, or this rank's part of it (its chunk of ``world``)."""
+
+    def __init__(self, n: int, batch: int, rank: int = 0, world: int = 1) -> None:
+        self.n, self.batch, self.rank, self.world = n, batch, rank, world
+        self.steps = 0
+        self.order: Any = None
+
+    def next(self) -> Any:
+        lo = self.steps * self.batch % self.n
+        if lo == 0:  # a pass's order, as the shuffled reader makes it
+            self.order = reader_order(self.n, self.steps * self.batch // self.n)
+        self.steps += 1
+        idx = self.order[lo:lo + self.batch]
+        return idx.chunk(self.world)[self.rank] if self.world > 1 else idx
+
+
 def python_env() -> dict[str, str]:
     """The environment for child processes: the checkout importable, output unbuffered."""
     env = dict(os.environ)
@@ -161,3 +183,156 @@ def run_python(code: str, *args: str, timeout: float = 600) -> subprocess.Comple
         [sys.executable, "-c", code, *args], capture_output=True, text=True,
         timeout=timeout, env=python_env(), cwd=ROOT,
     )
+
+
+def loop_plan(job: str, init: list[str], steps: int, *, head: str = "", step: str = "",
+              outputs: str = "[loss_last]") -> str:
+    """A benchmark's plan: `init` ops (one YAML flow mapping each) in a setup task, then
+    an epoch of `steps` training steps, each a `read` of `data` (without `done`: it goes on
+    into the next pass) and a `train.step` (with `step`'s extra arguments). ``head``: top-level
+    lines after max_epochs; max_epochs is the placeholder EPOCHS."""
+    ops = "".join(f"\n      - {op}" for op in init)
+    return f"""
+job: {job}
+seed: 0
+max_epochs: EPOCHS
+{head}init:
+  - task: setup
+    do:{ops}
+epoch:
+  - task: train
+    do:
+      - loop: {steps}
+        do:
+          - read: {{in: data, out: [xb, yb]}}
+          - train.step: {{in: [model, opt, xb, yb], out: loss{step}}}
+    outputs: {outputs}
+"""
+
+
+def mlp_plan(job: str, *, n: int, batch: int, sizes: list[int], steps: int, head: str = "",
+             step: str = "") -> str:
+    """`loop_plan` of an MLP on data.synthetic's classification records, read shuffled,
+    with SGD (the ddp and fsdp sections); the epoch outputs its last step's loss."""
+    return loop_plan(job, [
+        f"data.synthetic: {{out: [x, y], task: classification, n: {n}, features: {sizes[0]}, classes: {sizes[-1]}}}",
+        f"reader: {{in: [x, y], out: data, batch_size: {batch}, shuffle: true, passes: 0}}",
+        f"model.mlp: {{out: model, sizes: {sizes}}}",
+        "optimizer: {in: model, out: opt, lr: 0.01, momentum: 0.9}",
+    ], steps, head=head, step=step)
+
+
+# Two ranks under torchrun (the ddp and fsdp sections). A rank runs the job through
+# jobrun's runner and, after each of its epochs, one epoch of a hand-written loop that
+# computes the same numbers: the same two processes give both figures, each jobrun epoch
+# next to a hand one, as epochs drift together within a run.
+
+def torchrun(module: str, *args: str) -> dict[str, Any]:
+    """``python -m module ARGS`` as 2 ranks started by torchrun: what rank 0 printed last
+    (a line of JSON)."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", module, *args], cwd=ROOT, env=python_env(),
+                       capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"the ranks of {module} {' '.join(args[:1])} failed ({p.returncode}): "
+                           f"{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def rank_both(root: Path, plan: str, hand: Callable[[], Any]) -> dict[str, Any]:
+    """One rank (under torchrun): joins its group as a `jobrun train --replicas 2` rank
+    does, runs ``plan`` (a plan's text, written by rank 0 into ``root``) through jobrun's
+    runner and one epoch of the hand loop (``hand()`` builds it; its ``epoch()`` returns
+    its seconds and last loss) after each of jobrun's epochs. Returns both sides' epoch
+    seconds and last losses (jobrun's on rank 0 only), for :func:`rank_exit`."""
+    import torch.distributed as dist
+
+    from benchmarks.inproc import metrics, run_plan
+    from jobrun.runner import group
+
+    group.start("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = root / "plan.yaml"
+    if rank == 0:
+        path.write_text(plan)
+    dist.barrier()
+    times: list[tuple[float, float]] = []
+    loop: list[Any] = []
+
+    def between(epoch: int) -> None:
+        if not loop:  # built outside jobrun's epochs (it draws no random numbers)
+            loop.append(hand())
+        times.append(loop[0].epoch())
+
+    ours = [e.seconds for e in run_plan(path, root / "run", between, rank=rank, world_size=world)]
+    losses = [e["outputs"]["train"]["loss_last"] for e in metrics(root / "run") if e.get("event") == "epoch"] \
+        if rank == 0 else []
+    return {"jobrun": ours, "hand": [t for t, _ in times], "jobrun_loss": losses,
+            "hand_loss": [loss for _, loss in times]}
+
+
+def rank_exit(out: dict[str, Any]) -> NoReturn:
+    """Rank 0 prints ``out`` (the line :func:`torchrun` returns); the ranks leave."""
+    import torch.distributed as dist
+
+    from jobrun.runner import group
+
+    if dist.get_rank() == 0:
+        print(json.dumps(out), flush=True)
+    group.finish()  # as jobrun's workers leave: together (see group.finish)
+    # And without the interpreter's teardown, as jobrun's spawned workers leave when they
+    # stop early (workers._leave): in about one full smoke run in eight a rank aborted in
+    # it ("terminate called without an active exception", SIGABRT) after everything was
+    # done; never in 55 runs of these ranks on their own.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@dataclass
+class Paired:
+    """jobrun's and the hand loop's epoch seconds from `reps` torchrun runs of `epochs`
+    epochs a side (the first of each side dropped: it warms up), and whether every run's
+    losses agreed."""
+
+    reps: int
+    epochs: int
+    ours: list[float] = field(default_factory=list)
+    hand: list[float] = field(default_factory=list)
+    same_losses: bool = True
+
+    @property
+    def ratio(self) -> float:
+        # Epochs drift together (within a run by +-8%): each jobrun epoch is compared with
+        # the hand epoch right after it, and the figure is the median of those ratios.
+        return statistics.median(h / o for o, h in zip(self.ours, self.hand))
+
+    def row(self, section: str, name: str, steps: int, baseline_name: str, goal: float, ok: bool) -> Row:
+        """The section's figure: steps/s of jobrun against the hand loop's."""
+        return Row(
+            section=section, name=name, value=steps / statistics.median(self.ours), unit="steps/s",
+            baseline=steps / statistics.median(self.hand), baseline_name=baseline_name, ratio=self.ratio,
+            goal=f"jobrun/hand >= {goal}", ok=ok,
+            note=f"{steps} steps an epoch, epochs alternating in the same 2 processes, {self.reps} runs of "
+                 f"{self.epochs} epochs a side, first dropped; ratio: median over pairs of adjacent epochs",
+            extra={"jobrun_epoch_seconds": self.ours, "hand_epoch_seconds": self.hand,
+                   "same_losses": self.same_losses,
+                   "ratio_of_medians": statistics.median(self.hand) / statistics.median(self.ours)},
+        )
+
+
+def paired_epochs(module: str, reps: int, epochs: int, *args: str) -> Paired:
+    """`reps` runs of ``torchrun(module, "both", ROOT, EPOCHS, *args)``, whose ranks end
+    in :func:`rank_both`'s result."""
+    got = Paired(reps, epochs)
+    with tempfile.TemporaryDirectory(prefix=f"jobrun-bench-{module.rsplit('_', 1)[-1]}-") as tmp:
+        for r in range(reps):
+            root = Path(tmp) / f"both{r}"
+            root.mkdir()
+            out = torchrun(module, "both", str(root), str(epochs), *args)
+            got.ours += out["jobrun"][1:]
+            got.hand += out["hand"][1:]
+            # The same numbers on both sides (each epoch's last loss; jobrun rounds its
+            # outputs to 6 digits): otherwise the two are not the same work.
+            got.same_losses &= len(out["jobrun_loss"]) == len(out["hand_loss"]) == epochs and all(
+                abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(out["jobrun_loss"], out["hand_loss"]))
+    return got

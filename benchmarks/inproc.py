@@ -53,7 +53,7 @@ class _Capture:
             self._cpu0 = time.process_time()
             self._wall0 = time.perf_counter()
 
-    def epoch_line(self, result: Any, max_epochs: int | None) -> None:
+    def epoch_line(self, result: Any, max_epochs: int | None, max_steps: int | None = None) -> None:
         cpu = time.process_time() - self._cpu0
         wall = time.perf_counter() - self._wall0
         self.epochs.append(Epoch(result.seconds, cpu, wall, getattr(result, "ckpt", "") or ""))

@@ -1,10 +1,12 @@
-"""Functions that test plans reach through `call` (tests/ is on sys.path under pytest)."""
+"""Functions that test plans reach through `call`, and the small MLP plan many tests
+train (tests/ is on sys.path under pytest)."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 _lock = threading.Lock()
 
@@ -201,3 +203,43 @@ def WithUnusedHead():  # noqa: N802 - a `build` target, named like the class it 
             return self.body(x)
 
     return Model()
+
+
+# -- the small MLP plan that tests train --------------------------------------------------
+
+def mlp_plan(job: str, top: str, *, n: int = 64, batch: int = 8, hidden: int | str = 8, lr: float | str = 0.1,
+             init: Sequence[str] = (), step: Sequence[str] = (), epoch: Sequence[str] = (),
+             outputs: str = "") -> str:
+    """The text of a plan that trains a small MLP on every batch of each pass: job `job`,
+    the top-level lines `top` (max_epochs, checkpoint, vars...); an init task `setup` that
+    makes `n` classification records (4 features, 2 classes, seed 0), reads them in
+    batches of `batch`, builds an MLP 4-`hidden`-2 and SGD at `lr`, then runs the ops
+    `init`; an epoch task `train` whose loop reads and trains until the pass ends (the ops
+    `step` after each train.step), then the ops `epoch`, and its `outputs` (a YAML list)
+    if any. An op is the YAML of one list item, without its dash: "log: {in: [loss]}".
+    The text is the same from test to test but for these, line for line (tests name
+    its lines in expected messages)."""
+    lines = [
+        f"job: {job}", *top.strip().splitlines(),
+        "init:",
+        "  - task: setup",
+        "    do:",
+        f"      - data.synthetic: {{out: [x, y], task: classification, n: {n}, features: 4, classes: 2, seed: 0}}",
+        f"      - reader: {{in: [x, y], out: data, batch_size: {batch}, passes: 0}}",
+        f"      - model.mlp: {{out: model, sizes: [4, {hidden}, 2]}}",
+        f"      - optimizer: {{in: model, out: opt, lr: {lr}}}",
+        *(f"      - {op}" for op in init),
+        "epoch:",
+        "  - task: train",
+        "    do:",
+        "      - loop: null",
+        "        do:",
+        "          - read: {in: data, out: [xb, yb, end]}",
+        "          - stop_if: end",
+        "          - train.step: {in: [model, opt, xb, yb], out: loss}",
+        *(f"          - {op}" for op in step),
+        *(f"      - {op}" for op in epoch),
+    ]
+    if outputs:
+        lines.append(f"    outputs: {outputs}")
+    return "\n".join(lines) + "\n"

@@ -60,6 +60,7 @@ def test_arithmetic_inside_a_longer_string_and_in_vars():
         ("vars: {a: x}\nv: '${a * 2}'\n", Pos(F, 2, 4), "var 'a' is the string 'x', not a number",
          "hold numbers"),
         ("vars: {a: true}\nv: '${a + 1}'\n", Pos(F, 2, 4), "is a boolean", "numbers"),
+        ("vars: {a: {b: 1}}\nv: '${a + 1}'\n", Pos(F, 2, 4), "var 'a' is a mapping, not a number", "numbers"),
         ("v: '${__import__(\"os\").getcwd()}'\n", Pos(F, 1, 4), "a function call is not allowed", "+ - *"),
         ("v: '${(1).real}'\n", Pos(F, 1, 4), "an attribute is not allowed", "+ - *"),
         ("v: '${1 +}'\n", Pos(F, 1, 4), "cannot read ${1 +} as arithmetic", "+ - *"),

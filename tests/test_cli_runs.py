@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 import pytest
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun.cli import main
@@ -100,6 +101,79 @@ def test_resume_refuses_a_bad_override_or_run_before_torch(here):
     assert code == 2 and not imported and "there is no run in runs/counter/9" in err
 
 
+DATA_PLAN = """\
+job: fromfile
+max_epochs: 1
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - STEP
+      - data.load: {out: [x, y], path: data/train.npz, keys: [x, y]}
+      - reader: {in: [x, y], out: batches, batch_size: 4}
+      - model.mlp: {out: model, sizes: [3, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: batches, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+"""
+
+PREP = """\
+from pathlib import Path
+
+import numpy as np
+
+
+def make(path="data/train.npz"):
+    Path(path).parent.mkdir(exist_ok=True)
+    np.savez(path, x=np.zeros((8, 3), "float32"), y=np.zeros(8, "int64"))
+"""
+
+
+def test_train_refuses_a_missing_data_file_before_torch_and_makes_no_directory(here):
+    (here / "exp").mkdir()
+    (here / "exp" / "plan.yaml").write_text(DATA_PLAN.replace("- STEP", "- const: {out: a, value: 1}"))
+    code, err, imported = _train_without_torch(here, "exp/plan.yaml")
+    assert code == 2 and not imported
+    lines = err.splitlines()
+    assert lines[0] == (f"exp/plan.yaml:8:40: error: data.load: 'data/train.npz' does not exist "
+                        f"({here / 'exp' / 'data' / 'train.npz'})")
+    assert lines[1] == (f"  hint: relative paths are read from the plan file's directory ({here / 'exp'}), "
+                        "not from the current directory")
+    assert not (here / "runs").exists()
+    code, err, imported = _train_without_torch(here, "exp/plan.yaml", "--run-dir", "mine")
+    assert code == 2 and not imported and not (here / "mine").exists()
+    # The file beside the user, not beside the plan: the hint says so.
+    (here / "prep.py").write_text(PREP)
+    subprocess.run([sys.executable, "-c", "import prep; prep.make()"], cwd=here, check=True)
+    code, err, imported = _train_without_torch(here, "exp/plan.yaml")
+    assert code == 2 and not imported
+    assert "data/train.npz is in the current directory: give its path from the plan's directory" in err
+    # Where it belongs, the run goes; and a resume refuses it gone again, before torch.
+    (here / "data").rename(here / "exp" / "data")
+    assert jobrun("train", "exp/plan.yaml").code == 0
+    (here / "exp" / "data" / "train.npz").unlink()
+    code, err, imported = _train_without_torch(here, "runs/fromfile/1", "max_epochs=2", command="resume")
+    assert code == 2 and not imported and "data.load: 'data/train.npz' does not exist" in err
+
+
+@pytest.mark.parametrize("step", [
+    'call: {fn: "prep:make", path: data/train.npz}',  # names the file it makes
+    'call: {fn: "prep:make"}',  # makes it without saying: user code before the read
+])
+def test_a_data_file_an_earlier_step_makes_is_not_refused(here, step):
+    (here / "prep.py").write_text(PREP)
+    (here / "made.yaml").write_text(DATA_PLAN.replace("- STEP", "- " + step))
+    r = jobrun("train", "made.yaml")
+    assert r.code == 0, r.text
+    assert (here / "data" / "train.npz").is_file()
+
+
 # -- a run per experiment --------------------------------------------------------------------
 
 
@@ -154,8 +228,9 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_trai
     (here / "plan.yaml").write_text(PLAN.replace(
         "      - const: {out: total, value: 0}",
         "      - const: {out: total, value: 0}\n      - data.load: {out: extra, path: later.npy}"))
+    (here / "later.npy").write_bytes(b"not yet")  # init fails on it: before any checkpoint
     failed = jobrun("train", "plan.yaml", "max_epochs=3", "--run-dir", "runs/early")
-    assert failed.code == 1 and "later.npy" in failed.err
+    assert failed.code == 1 and "cannot read 'later.npy'" in failed.err
     r = jobrun("resume", "runs/early")
     assert r.code == 1 and "no complete checkpoint" in r.err
     command = re.search(r"start it again with `([^`]+)`", r.err)
@@ -198,6 +273,8 @@ def test_export_takes_the_latest_epoch_by_default(here):
 def test_no_runs_hint_names_real_commands(here):
     r = jobrun("ckpt", "list")
     assert r.code == 2 and "no runs under runs/" in r.err and "--run-dir" not in r.err
+    assert "(e.g. `jobrun ckpt list path/to/run`)" in r.err  # the command run, not `jobrun resume`
+    assert "(e.g. `jobrun plot path/to/run`)" in jobrun("plot").err
 
 
 def test_analyze_and_print_take_json(here):
@@ -265,29 +342,9 @@ def test_every_hint_names_options_its_command_has():
 
 # -- the epoch's mean loss -------------------------------------------------------------------
 
-MEAN_PLAN = """\
-job: mean
-seed: 0
-max_epochs: 2
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 16, passes: 0}
-      - model.mlp: {out: model, sizes: [4, 8, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.5}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-          - log: {in: [loss_last], msg: step}
-      - log: {in: [loss, loss_last], msg: epoch}
-    outputs: [loss]
-"""
+MEAN_PLAN = mlp_plan("mean", "seed: 0\nmax_epochs: 2", n=96, batch=16, lr=0.5,
+                     step=["log: {in: [loss_last], msg: step}"], epoch=["log: {in: [loss, loss_last], msg: epoch}"],
+                     outputs="[loss]")
 
 
 def test_the_epoch_shows_the_mean_loss_of_its_steps(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobrun.runner.display import human_size
+from jobrun.runner.display import human_count, human_size
 
 
 @pytest.mark.parametrize("n,text", [
@@ -13,6 +13,14 @@ from jobrun.runner.display import human_size
 ])
 def test_human_size(n, text):
     assert human_size(n) == text
+
+
+@pytest.mark.parametrize("x,text", [
+    (107340.2, "107k"), (42817, "42.8k"), (1.2e6, "1.2M"), (1234567, "1.23M"), (3.071, "3.07"),
+    (999.4, "999"), (999.7, "1k"), (1000, "1k"), (12.0, "12"), (0.5, "0.5"), (0, "0"), (2.5e9, "2.5G"),
+])
+def test_human_count_reads_as_people_write_rates(x, text):
+    assert human_count(x) == text
 
 
 # -- what a run prints ---------------------------------------------------------------------
@@ -115,3 +123,17 @@ def test_summary_merges_outputs_and_logged_values_and_hides_false_flags(capsys):
                                      seconds=1.5, ckpt="ckpt 1 KB in 2 ms"), 10)
     out = capsys.readouterr().out
     assert out == "epoch 4/10  loss=0.1234 lr=0.1 bored=true  1.50s  ckpt 1 KB in 2 ms\n"
+
+
+def test_under_max_steps_the_epoch_line_shows_the_global_step_and_readable_rates(capsys):
+    d = Display(enabled=True, tty=False)
+    result = SimpleNamespace(epoch=2, outputs={"train": {"loss": 2.5}}, seconds=2.0, ckpt="", step=200,
+                             rates={"samples_per_s": 3350.0, "tokens_per_s": 107213.7, "data_s": 0.1})
+    with d.live("gpt"):
+        d.status("epoch 2")
+        d.epoch_line(result, None, 300)
+        d.epoch_line(result, 5, None)  # no max_steps: the epoch count is the progress
+    assert capsys.readouterr().out.splitlines() == [
+        "epoch 2  step 200/300  loss=2.5  2.00s  107k tokens/s  data 5%",
+        "epoch 2/5  loss=2.5  2.00s  107k tokens/s  data 5%",
+    ]

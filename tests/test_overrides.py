@@ -159,6 +159,7 @@ def test_optional_settings_the_schema_knows_need_no_plus() -> None:
     [
         ("vars.lrr=0.5", "vars.lrr does not exist in the plan", "did you mean 'vars.lr'?", P(4, 3)),
         ("max_epoch=3", "max_epoch does not exist in the plan", "did you mean 'max_epochs'", P(1, 1)),
+        ("lr=0.05", "lr does not exist in the plan", "did you mean 'vars.lr'? (vars.lr=0.05)", P(1, 1)),
         ("vars.rate=0.5", "vars.rate does not exist", "vars has: lr, steps. To add a new key, write +vars.rate=0.5",
          P(4, 3)),
         ("epoch.0.do.1.mul.scale=2", "epoch.0.do.1.mul.scale does not exist", "+epoch.0.do.1.mul.scale=2",

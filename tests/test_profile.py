@@ -5,35 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun.plans.compile import compile_text
 from jobrun.runner.executor import CompiledTask, NodeRuntime
 from jobrun.runner.profile import Profile
 
-PLAN = """
-job: prof
-max_epochs: 3
-checkpoint: {dir: ckpt}
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 96, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 16, passes: 0}
-      - model.mlp: {out: model, sizes: [4, 8, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-      - const: {out: loss, value: 0.0}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - log: {in: [loss]}
-    outputs: [loss]
-"""
+PLAN = mlp_plan("prof", "max_epochs: 3\ncheckpoint: {dir: ckpt}", n=96, batch=16,
+                init=["const: {out: loss, value: 0.0}"], epoch=["log: {in: [loss]}"], outputs="[loss]")
 
 
 def _train(plan_file, tmp_path, *extra: str):

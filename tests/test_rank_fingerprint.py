@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun_proc
 
 from jobrun.runner import fingerprint
@@ -24,28 +25,7 @@ def load():
     return torch.ones(8, 4) if os.environ.get("RANK") == "1" else torch.zeros(8, 4)
 """
 
-PLAN = """\
-job: hosts
-seed: 0
-max_epochs: 1
-checkpoint: {dir: ckpt}
-init:
-  - task: setup
-    do:
-      - STEP
-      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
-      - model.mlp: {out: model, sizes: [4, 8, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-"""
+PLAN = mlp_plan("hosts", "seed: 0\nmax_epochs: 1\ncheckpoint: {dir: ckpt}", init=["STEP"])
 
 
 def test_of_data_describes_data_and_leaves_objects_with_a_state_out():

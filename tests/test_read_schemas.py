@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun import records_schema, store
@@ -31,31 +32,9 @@ FEW = settings(max_examples=40, deadline=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                       HealthCheck.data_too_large])
 
-PLAN = """\
-job: small
-seed: 0
-vars: {hidden: 8}
-max_epochs: 2
-checkpoint: {dir: ckpt, best: {monitor: loss, mode: min}}
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 32, passes: 0}
-      - model.mlp: {out: model, sizes: [4, "${hidden}", 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-      - const: {out: loss, value: 0.0}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - log: {in: [loss]}
-    outputs: [loss]
-"""
+PLAN = mlp_plan("small", "seed: 0\nvars: {hidden: 8}\nmax_epochs: 2\n"
+                "checkpoint: {dir: ckpt, best: {monitor: loss, mode: min}}", batch=32, hidden='"${hidden}"',
+                init=["const: {out: loss, value: 0.0}"], epoch=["log: {in: [loss]}"], outputs="[loss]")
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

@@ -12,34 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun.errors import CheckpointError
 from jobrun.runner import restore
 from jobrun.store import SavedState
 
-PLAN = """\
-job: shapes
-seed: 0
-vars: {hidden: 8}
-max_epochs: 1
-checkpoint: {dir: ckpt}
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 32, passes: 0}
-      - model.mlp: {out: model, sizes: [4, "${hidden}", 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-"""
+PLAN = mlp_plan("shapes", "seed: 0\nvars: {hidden: 8}\nmax_epochs: 1\ncheckpoint: {dir: ckpt}", batch=32,
+                hidden='"${hidden}"')
 
 
 def _node(**blobs):

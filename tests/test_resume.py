@@ -80,6 +80,7 @@ def test_resume_finished_run_does_nothing(reference, tmp_path):
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0
     assert "already finished at epoch 6" in r.out
+    assert f"train on with `jobrun resume {run} max_epochs=N`" in r.out  # the way to go on, as README says
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == before
 
 
@@ -92,10 +93,20 @@ def _start(plan: Path, run_dir: Path) -> subprocess.Popen:
     )
 
 
-def _nothing_to_resume(r) -> bool:
-    """Killed before checkpoint 0, or before the run directory was made: train again."""
-    return r.code != 0 and any(why in r.err for why in (
-        "no complete checkpoint", "there is no run", "not a jobrun run directory"))
+def _killed_then_resumed(plan: Path, run_dir: Path, delay: float):
+    """`jobrun train` killed (SIGKILL) after `delay` seconds, then resumed; trained again
+    instead when it was killed before checkpoint 0 or before the run directory was made.
+    The last command's result."""
+    proc = _start(plan, run_dir)
+    time.sleep(delay)
+    proc.kill()
+    proc.wait()
+    r = jobrun("resume", "--run-dir", run_dir)
+    if r.code != 0 and any(why in r.err for why in (
+            "no complete checkpoint", "there is no run", "not a jobrun run directory")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        r = jobrun("train", plan, "--run-dir", run_dir)
+    return r
 
 
 @pytest.mark.slow
@@ -104,14 +115,7 @@ def test_kill_9_then_resume_is_bit_exact(reference, tmp_path, delay):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
     run = tmp_path / "run"
-    proc = _start(plan, run)
-    time.sleep(delay)
-    proc.kill()
-    proc.wait()
-    r = jobrun("resume", "--run-dir", run)
-    if _nothing_to_resume(r):
-        shutil.rmtree(run, ignore_errors=True)
-        r = jobrun("train", plan, "--run-dir", run)
+    r = _killed_then_resumed(plan, run, delay)
     assert r.code == 0, r.text
     assert _final(run) == _final(reference)
 
@@ -130,14 +134,7 @@ def test_kill_9_during_saves(tmp_path, reference):
     want = ckpt_values(ref, 6)["w"]
     for i, delay in enumerate([1.2, 1.5, 1.8, 2.1]):
         run = tmp_path / f"run{i}"
-        proc = _start(plan, run)
-        time.sleep(delay)
-        proc.kill()
-        proc.wait()
-        r = jobrun("resume", "--run-dir", run)
-        if _nothing_to_resume(r):
-            shutil.rmtree(run, ignore_errors=True)
-            r = jobrun("train", plan, "--run-dir", run)
+        r = _killed_then_resumed(plan, run, delay)
         assert r.code == 0, r.text
         assert ckpt_values(run, 6)["w"] == want
         leftovers = [p for p in (run / "ckpt").rglob("*") if ".tmp" in p.name]

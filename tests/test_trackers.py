@@ -6,36 +6,15 @@ import csv
 import json
 
 import pytest
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun, metrics
 
 from jobrun.plans.compile import compile_text
 
-PLAN = """
-job: tracked
-max_epochs: 3
-vars: {lr: 0.1, hidden: 8}
-checkpoint: {dir: ckpt}
-loggers: [LOGGERS]
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 16, passes: 0}
-      - model.mlp: {out: model, sizes: [4, "${hidden}", 2]}
-      - optimizer: {in: model, out: opt, lr: "${lr}"}
-      - const: {out: loss, value: 0.0}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-          - log: {in: [loss], every: 2}
-      - evaluate: {in: [model, data], out: [val_loss, accuracy]}
-    outputs: [val_loss, accuracy]
-"""
+PLAN = mlp_plan("tracked", "max_epochs: 3\nvars: {lr: 0.1, hidden: 8}\ncheckpoint: {dir: ckpt}\n"
+                "loggers: [LOGGERS]", batch=16, hidden='"${hidden}"', lr='"${lr}"',
+                init=["const: {out: loss, value: 0.0}"], step=["log: {in: [loss], every: 2}"],
+                epoch=["evaluate: {in: [model, data], out: [val_loss, accuracy]}"], outputs="[val_loss, accuracy]")
 
 
 def _train(plan_file, tmp_path, loggers: str, *extra: str):
@@ -62,7 +41,7 @@ def test_loggers_key_is_checked_with_did_you_mean():
     with pytest.raises(PlanError) as e:
         compile_text(PLAN.replace("LOGGERS", "csv, mlflw"))
     assert "unknown logger 'mlflw'" in e.value.message and "mlflow" in (e.value.hint or "")
-    assert e.value.pos.line == 6
+    assert e.value.pos.line == PLAN.splitlines().index("loggers: [LOGGERS]") + 1  # the loggers line
     with pytest.raises(PlanError, match="named twice"):
         compile_text(PLAN.replace("LOGGERS", "csv, csv"))
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from jobrun_test_helpers import mlp_plan
 from runner_util import jobrun
 
 from jobrun.errors import RunError
@@ -93,6 +94,148 @@ def test_a_system_exit_raised_by_user_code_records_failed(tmp_path):
     assert info["status"] == "failed"
 
 
+TORCH_CODE = """\
+import torch
+import torch.nn.functional as F
+
+
+def step(model, opt, xb, yb):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+class Mismatched(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 3)
+        self.second = torch.nn.Linear(8, 2)  # 8: should be 3
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.second(h)
+"""
+
+TORCH_PLAN = """\
+job: torchy
+seed: 0
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - data.synthetic: {{out: [x, y], task: classification, n: 32, features: 4, classes: 2}}
+      - reader: {{in: [x, y], out: data, batch_size: 16}}
+      - {model}
+      - optimizer: {{in: model, out: opt, lr: 0.1}}
+epoch:
+  - task: train
+    do:
+      - loop: 3
+        do:
+          - read: {{in: data, out: [xb, yb, end]}}
+          - {step}
+"""
+
+
+def _train_torch(tmp_path, module: str, model: str, step: str):
+    (tmp_path / f"{module}.py").write_text(TORCH_CODE)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TORCH_PLAN.format(model=model.replace("MOD", module), step=step.replace("MOD", module)))
+    return jobrun("train", plan, "--run-dir", tmp_path / "run")
+
+
+def test_a_call_given_the_null_batch_of_a_finished_read_names_the_input_and_the_fix(tmp_path):
+    # Two batches a pass, three reads and no stop_if: the third read's fields are null.
+    r = _train_torch(tmp_path, "user_nullbatch", "model.mlp: {out: model, sizes: [4, 8, 2]}",
+                     'call: {fn: "MOD:step", in: [model, opt, xb, yb], out: loss}')
+    assert r.code == 1
+    lines = r.err.splitlines()
+    assert lines[0] == (f"{tmp_path / 'plan.yaml'}:17:13: error: op `call` in task 'train' on node "
+                        "'local': user_nullbatch:step failed (TypeError) with null (None) inputs 'xb', 'yb'")
+    hint = lines[-1].strip()
+    assert hint.startswith("hint: a `read` past the end of a pass gives null fields") and "stop_if: end" in hint
+    assert f'File "{tmp_path / "user_nullbatch.py"}", line 7, in step' in r.err  # the user's frames stay
+
+
+def test_a_call_that_fails_with_no_null_input_gets_no_null_hint(tmp_path):
+    r = _train_torch(tmp_path, "user_nonull", "model.mlp: {out: model, sizes: [4, 8, 2]}",
+                     'call: {fn: "MOD:step", in: [model, opt, xb, opt], out: loss}')
+    assert r.code == 1 and "(None)" not in r.err and "stop_if" not in r.err
+    assert "failed: TypeError:" in r.err.splitlines()[0]
+
+
+def test_a_blob_made_only_in_a_loop_that_made_none_says_why(tmp_path):
+    # The reader's one pass (passes: 1, the default) is spent in epoch 1: epoch 2's loop
+    # stops at its first read, so no train.step defines `loss` for the log after it.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TORCH_PLAN.format(model="model.mlp: {out: model, sizes: [4, 8, 2]}", step="stop_if: end")
+                    .replace("max_epochs: 1", "max_epochs: 2").replace("loop: 3", "loop: null")
+                    + "          - train.step: {in: [model, opt, xb, yb], out: loss}\n"
+                    + "      - log: {in: [loss]}\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 1
+    assert "plan.yaml:19:9: error: op `log` in task 'train' on node 'local': blob 'loss' is not defined" in r.err
+    assert "hint: 'loss' is made only inside a loop, where no step made it this time" in r.err
+    assert "`passes: 0` reads on in every epoch" in r.err
+    assert "epoch 1/2" in r.out  # epoch 1 trained
+
+
+def test_a_function_in_a_module_not_found_shows_no_traceback_of_importlib(tmp_path):
+    r, info = _train(tmp_path, "user_present", 'call: {fn: "user_absent_module:f", out: b}')
+    assert r.code == 1
+    assert "fn 'user_absent_module:f' cannot be imported: ModuleNotFoundError" in r.err
+    assert "traceback of your code" not in r.err and "importlib" not in r.err
+    assert info["status"] == "failed"
+
+
+def test_the_batch_ops_give_a_null_batch_the_same_fix():
+    from jobrun.ops.data import as_tensor
+
+    with pytest.raises(RunError) as e:
+        as_tensor(None, "cpu", "train.step input x")
+    assert e.value.message == "train.step input x is null (None)"
+    assert "`stop_if: end` right after the read" in e.value.hint
+
+
+def test_a_shape_error_in_a_models_forward_shows_the_users_frames_and_torchs_raising_line(tmp_path):
+    r = _train_torch(tmp_path, "user_shapes", 'build: {out: model, target: "MOD:Mismatched"}',
+                     "train.step: {in: [model, opt, xb, yb], out: loss}")
+    assert r.code == 1
+    assert "mat1 and mat2 shapes cannot be multiplied (16x3 and 8x2) (in user_shapes.Mismatched.forward)" in r.err
+    frames = [line.strip() for line in r.err.splitlines() if line.strip().startswith("File ")]
+    assert frames[0] == f'File "{tmp_path / "user_shapes.py"}", line 21, in forward'
+    # Then only the frame that raised, torch's Linear.forward (F.linear), not Module.__call__'s glue.
+    assert len(frames) == 2 and frames[1].endswith("in forward") and "torch/nn/modules/linear.py" in frames[1]
+    assert "_call_impl" not in r.err and "module.py" not in r.err
+
+
+def test_a_torch_model_built_by_the_plan_shows_only_torchs_raising_frame(tmp_path):
+    model = ("build: {out: model, target: torch.nn.Sequential, args: [{target: torch.nn.Linear, args: [4, 3]}, "
+             "{target: torch.nn.Linear, args: [8, 2]}]}")
+    r = _train_torch(tmp_path, "user_unused", model, "train.step: {in: [model, opt, xb, yb], out: loss}")
+    assert r.code == 1 and "mat1 and mat2 shapes cannot be multiplied (16x3 and 8x2)" in r.err
+    frames = [line.strip() for line in r.err.splitlines() if line.strip().startswith("File ")]
+    assert len(frames) == 1 and "torch/nn/modules/linear.py" in frames[0]  # not container.py, module.py
+
+
+def test_autograd_frames_are_left_out_of_a_backward_that_fails():
+    import torch
+
+    x = torch.ones(2, requires_grad=True)
+    loss = (x * 2).sum()
+    loss.backward()
+    try:
+        loss.backward()  # the graph is freed: autograd's engine raises
+    except RuntimeError as e:
+        found = usertrace.of(e)
+    assert found is not None
+    frames = [line.strip() for line in found.text.splitlines() if line.strip().startswith("File ")]
+    assert len(frames) == 1 and frames[0].endswith("in test_autograd_frames_are_left_out_of_a_backward_that_fails")
+    assert "Trying to backward through the graph a second time" in found.text
+
+
 def test_an_error_of_jobrun_alone_has_no_user_trace():
     try:
         raise RunError("plain")
@@ -116,29 +259,8 @@ def boom(x):
     return x
 """
 
-TORCHRUN_PLAN = """\
-job: tr
-seed: 0
-max_epochs: 2
-checkpoint: {dir: ckpt}
-init:
-  - task: setup
-    do:
-      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
-      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
-      - model.mlp: {out: model, sizes: [4, 8, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-      - const: {out: n, value: 0}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - call: {fn: "user_rank1:boom", in: [n], out: m}
-"""
+TORCHRUN_PLAN = mlp_plan("tr", "seed: 0\nmax_epochs: 2\ncheckpoint: {dir: ckpt}",
+                         init=["const: {out: n, value: 0}"], epoch=['call: {fn: "user_rank1:boom", in: [n], out: m}'])
 
 
 @pytest.mark.slow
@@ -205,3 +327,17 @@ def test_with_replicas_run_json_keeps_the_failed_ranks_own_message(tmp_path):
     assert info["status"] == "failed"
     assert info["error"].startswith(f"[rank 1] {tmp_path / 'plan.yaml'}:21:9: error: op `call`")
     assert info["error"].endswith("failed: ValueError: rank 1 data is bad (in user_rank1.boom)")
+
+
+def test_a_failure_in_a_dataloader_worker_names_its_type_once():
+    from types import SimpleNamespace
+
+    from jobrun.ops.loader import _failure
+
+    reader = SimpleNamespace(options=SimpleNamespace(name="Pts"))
+    caught = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most "
+                          "recent call last):\n  File \"collate.py\", line 9, in f\nRuntimeError: stack "
+                          "expects each tensor to be equal size")
+    assert _failure(reader, caught).message == (  # type: ignore[arg-type]
+        "the reader over Pts failed: RuntimeError: stack expects each tensor to be equal size")
+    assert _failure(reader, ValueError("bad")).message == "the reader over Pts failed: ValueError: bad"  # type: ignore[arg-type]

@@ -79,13 +79,18 @@ class OpContext:
 
     def resolve_read(self, path: str) -> Path:
         """A path an op reads: relative ones are relative to the plan's directory."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else self.plan_dir / p
+        return under(self.plan_dir, path)
 
     def resolve_write(self, path: str) -> Path:
         """A path an op writes: relative ones are relative to the run directory."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else self.run_dir / p
+        return under(self.run_dir, path)
+
+
+def under(base: Path, path: str) -> Path:
+    """``path`` (``~`` expanded) when absolute, else ``base / path``: how ops resolve the
+    paths they read (against the plan's directory) and write (against the run directory)."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
 
 
 STEP_COUNTER = "step"  # the node's counter of optimizer steps (see OpContext.step)

@@ -295,11 +295,14 @@ CONTEXT_ARGS = ("rank", "world_size", "device", "generator", "step")
 
 
 def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
-         pure: bool = False, _clock: int | None = None, **kwargs: Any) -> Any:
+         pure: bool = False, _clock: int | None = None, _names: tuple[str, ...] = (),
+         **kwargs: Any) -> Any:
     """`call`: fn(*inputs, **other keys, **context it asks for). `mutates` and `pure` are
     for checkpoints, not for `fn`. A parameter of `fn` without a default named rank,
     world_size, device, generator (the node's seeded torch.Generator) or step (the global
-    step), not filled by the inputs nor by the plan, receives the run's value."""
+    step), not filled by the inputs nor by the plan, receives the run's value. When `fn`
+    raises and an input is null, the error names that input first: torch's message about
+    a NoneType says nothing of the `read` that reached its end."""
     from jobrun.ops.imports import resolve
 
     f = resolve(fn, "call", "fn")
@@ -309,10 +312,30 @@ def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
                 kwargs[name] = _clock  # the step its loop's iteration began at, as log's
             else:
                 kwargs[name] = getattr(ctx, name, 0)  # `step`: 0 where no global step is kept
-    return f(*args, **kwargs)
+    try:
+        return f(*args, **kwargs)
+    except Exception as e:
+        nulls = [k for k, a in enumerate(args) if a is None]
+        if not nulls:
+            raise
+        raise null_inputs(f"{fn} failed ({type(e).__name__})", nulls, _names) from e
+
+
+def null_inputs(failure: str, nulls: list[int], names: tuple[str, ...]) -> RunError:
+    """The error of a step that failed on null inputs (positions ``nulls`` of ``names``):
+    the usual cause is a `read` past the end of its pass, whose fields are null."""
+    shown = [repr(names[k]) if k < len(names) else f"#{k + 1}" for k in nulls]
+    which = f"input {shown[0]}" if len(shown) == 1 else f"inputs {', '.join(shown)}"
+    return RunError(f"{failure} with null (None) {which}", hint=NULL_HINT)
+
+
+NULL_HINT = ("a `read` past the end of a pass gives null fields (and a true `end`): put "
+             "`stop_if: end` right after the read, or give the reader `passes: 0`; else "
+             "the step that made the blob returned None")
 
 
 call.wants_clock = True  # type: ignore[attr-defined]
+call.wants_names = True  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=256)

@@ -286,10 +286,9 @@ def as_tensor(value: Any, device: torch.device | str, what: str) -> torch.Tensor
             return value
         return value.to(device)
     if value is None:
-        raise RunError(
-            f"{what} is null",
-            hint="a `read` at the end of a pass gives null fields; check `done` before use",
-        )
+        from jobrun.ops.core import NULL_HINT
+
+        raise RunError(f"{what} is null (None)", hint=NULL_HINT)
     try:
         return torch.as_tensor(np.asarray(value)).to(device)
     except Exception as e:

@@ -426,8 +426,9 @@ def _failure(reader: Reader, e: Exception) -> RunError:
             hint="a worker took longer than `timeout` for one batch: raise it (0 waits forever)",
         )
     first, last = text.strip().splitlines()[0], text.strip().splitlines()[-1] if text.strip() else ""
-    shown = last if first.startswith("Caught ") else first
-    return RunError(f"the reader over {name} failed: {type(e).__name__}: {shown}",
+    # A worker's error: its last line is the worker's own `Type: message`.
+    shown = last if first.startswith("Caught ") else f"{type(e).__name__}: {first}"
+    return RunError(f"the reader over {name} failed: {shown}",
                     hint="check the dataset and the reader's collate_fn")
 
 

@@ -14,6 +14,8 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+from jobrun.plans.scalars import kind_of
+
 MAX_EXPR = 200  # characters: longer is no plan's arithmetic, and bounds the parser's work
 MAX_INT_BITS = 256  # an int result past this is a mistake, not a size or a rate
 
@@ -60,7 +62,7 @@ def _eval(node: ast.AST, lookup: Callable[[str], Any], text: str) -> int | float
         value = lookup(node.id)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ArithError(
-                f"${{{text}}}: var {node.id!r} is {_kind(value)}, not a number",
+                f"${{{text}}}: var {node.id!r} is {kind_of(value)}, not a number",
                 "arithmetic works on vars that hold numbers",
             )
         return value
@@ -90,13 +92,3 @@ def _describe(node: ast.AST) -> str:
     if isinstance(node, ast.Attribute):
         return "an attribute"
     return f"a {type(node).__name__}"
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return f"the string {value!r}" if len(value) < 40 else "a string"
-    return f"a {type(value).__name__}"

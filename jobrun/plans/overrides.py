@@ -320,6 +320,9 @@ class _Override:
         parent = self.path(at.depth)
         choices = [str(k) for k in at.node] + [k for k in known if k not in at.node]
         close = _close(part, choices, f"{parent}." if parent else "")
+        plan_vars = at.node.get("vars") if not parent and isinstance(at.node, dict) else None
+        if not close and isinstance(plan_vars, dict) and part in plan_vars:  # lr=0.05 for vars.lr
+            close = f"did you mean 'vars.{part}'? (vars.{part}={self.raw})"
         hint = close or (
             f"{parent or 'the plan'} has: {', '.join(choices)}" if choices else f"{parent} is empty"
         )

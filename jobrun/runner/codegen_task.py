@@ -44,7 +44,7 @@ from jobrun.ops.context import STEP_COUNTER, OpContext
 from jobrun.ops.core import truthy
 from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
-from jobrun.plans.visit import Visitor, also_written, children
+from jobrun.plans.visit import Visitor, also_written, children, written
 from jobrun.runner import clock
 from jobrun.runner.codegen import Handler, Source
 from jobrun.runner.concurrency import Reports, Thunk, run_concurrently
@@ -82,6 +82,15 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
             error.message = f"{head} (in {found.function}){newline}{rest}"
     return error
 
+
+
+def _loop_written(node: Any) -> set[str]:
+    """The blobs that steps inside the loops of ``node`` (a task) write."""
+    out: set[str] = set()
+    for block in children(node):
+        for step in block:
+            out |= written(step) if isinstance(step, ir.Loop) else _loop_written(step)
+    return out
 
 
 _module_numbers = itertools.count(1)
@@ -269,6 +278,7 @@ class Generator(Visitor):
             where += f" (rank {self.ctx.rank})"
 
         inputs = {i.name for i in s.ins if isinstance(i, ir.BlobRef)}
+        looped = inputs & _loop_written(self.task)
 
         def failed(e: BaseException) -> None:
             if isinstance(e, OpFailed):
@@ -279,9 +289,13 @@ class Generator(Visitor):
                 and tb is not None and tb.tb_next is None
             ):  # fmt: skip
                 # Raised by the generated line itself (not from inside the op): a read.
+                name = e.args[0]
                 raise OpFailed(
-                    f"op `{s.op}` {where}: blob {e.args[0]!r} is not defined",
-                    s.pos, "define it earlier (e.g. in the init group)",
+                    f"op `{s.op}` {where}: blob {name!r} is not defined", s.pos,
+                    f"{name!r} is made only inside a loop, where no step made it this time: e.g. "
+                    "the loop's `read` ended at once, its reader having no pass left (`passes` is 1 "
+                    "by default; `passes: 0` reads on in every epoch); or give it a value before the loop"
+                    if name in looped else "define it earlier (e.g. in the init group)",
                 ) from e
             if isinstance(e, JobrunError):
                 message = e.message.removeprefix(f"{s.op}: ")  # the op is named already

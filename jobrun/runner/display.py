@@ -14,6 +14,7 @@ length in its first epoch; from the second on, the previous epoch's count is the
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -97,8 +98,12 @@ class Display:
         shown = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
         self.line(f"[{group} {task}] {msg + ': ' if msg else ''}{shown}")
 
-    def epoch_line(self, result: Any, max_epochs: int | None) -> None:
+    def epoch_line(self, result: Any, max_epochs: int | None, max_steps: int | None = None) -> None:
+        """`epoch 2/8  loss=0.227 ...  0.06s  ...  ckpt ...`; with `max_steps` the global
+        step follows the epoch (`epoch 2  step 200/300`): it, not the epoch, ends the job."""
         of = f"/{max_epochs}" if max_epochs else ""
+        step = getattr(result, "step", None)
+        steps = f"step {step}/{max_steps}" if max_steps and step is not None else ""
         values = dict(self._values)
         for task in result.outputs.values():
             values.update(task)
@@ -107,7 +112,7 @@ class Display:
         from jobrun.runner.throughput import epoch_text
 
         rates = epoch_text(getattr(result, "rates", {}), result.seconds, human_size)
-        parts = [f"epoch {result.epoch}{of}", outs, f"{result.seconds:.2f}s", rates, result.ckpt]
+        parts = [f"epoch {result.epoch}{of}", steps, outs, f"{result.seconds:.2f}s", rates, result.ckpt]
         self.line("  ".join(p for p in parts if p))
 
     # -- lines ----------------------------------------------------------------------------
@@ -160,7 +165,7 @@ class Display:
         group; '' before any."""
         (records, tokens), (records0, tokens0) = self._records(), self._feed_start
         n, unit = (tokens - tokens0, "tokens") if tokens > tokens0 else (records - records0, "samples")
-        return f"{n / max(now - self._epoch_t0, 1e-9):.3g} {unit}/s" if n > 0 else ""
+        return f"{human_count(n / max(now - self._epoch_t0, 1e-9))} {unit}/s" if n > 0 else ""
 
     def _refresh(self) -> None:
         step = self._step()
@@ -178,7 +183,7 @@ class Display:
             done, total = step
             rate = done / max(now - self._epoch_t0, 1e-9)
             of = f"/{total}" if total else ""
-            self.line(f"  {self._what}: step {done}{of}, {rate:.3g} steps/s, "
+            self.line(f"  {self._what}: step {done}{of}, {human_count(rate)} steps/s, "
                       + (f"{samples}, " if samples else "")
                       + f"{now - self._epoch_t0:.0f}s" + (f", {values}" if values else ""))
 
@@ -222,7 +227,7 @@ def _progress_bar() -> Any:
     class StepsPerSecond(ProgressColumn):
         def render(self, task: Any) -> Text:
             speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{speed:.3g} steps/s", style="progress.data.speed")
+            return Text("" if speed is None else f"{human_count(speed)} steps/s", style="progress.data.speed")
 
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), StepsPerSecond(),
@@ -250,6 +255,18 @@ def _fmt(value: Any) -> str:
     if isinstance(v, list) and len(v) > 4:
         return f"<{len(v)} items>"
     return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def human_count(x: float) -> str:
+    """A rate as people read it, to 3 significant digits: 107340 -> '107k', 42817 -> '42.8k',
+    1.2e6 -> '1.2M', 3.071 -> '3.07' (never e-notation: 1.07e+05 is read twice)."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    x = float(f"{x:.3g}")  # rounded first: 999.7 is '1k', not '1e+03'
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
 
 
 def human_size(n: float) -> str:

@@ -24,6 +24,7 @@ import hashlib
 import os
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -57,12 +58,8 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     here = Path(plan_path).resolve().parent
     with ExitStack() as held:
         rdzv = group.rendezvous_store()
-        if _rank() == 0:
-            lead = _Lead(held)
-            settings = lead.publish(rdzv, lambda: lead.train(plan_path, run_dir, sets, device,
-                                                             overwrite, max_restarts, world))
-        else:
-            lead, settings = None, _follow(rdzv)
+        lead, settings = _settle(held, rdzv, lambda lead: lead.train(plan_path, run_dir, sets, device,
+                                                                     overwrite, max_restarts, world))
         return _go(held, settings, lead, run_dir, rdzv, overwrite, lambda run: here)
 
 
@@ -71,15 +68,21 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...], 
     world = _check_replicas(replicas)
     with ExitStack() as held:
         rdzv = group.rendezvous_store()
-        if _rank() == 0:
-            lead = _Lead(held)
-            settings = lead.publish(rdzv, lambda: lead.resume(run_dir, epoch, sets, replicas,
-                                                              max_restarts, world, force))
-        else:
-            lead, settings = None, _follow(rdzv)
+        lead, settings = _settle(held, rdzv, lambda lead: lead.resume(run_dir, epoch, sets, replicas,
+                                                                      max_restarts, world, force))
         if settings.get("done"):
             return 0
         return _go(held, settings, lead, run_dir, rdzv, False, _stored_plan_dir)
+
+
+def _settle(held: ExitStack, rdzv: Any, settle: Callable[[_Lead], dict[str, Any]]
+            ) -> tuple[_Lead | None, dict[str, Any]]:
+    """The run's settings: rank 0 leads (``settle(lead)`` makes them) and publishes them,
+    the other ranks follow (they fetch them)."""
+    if _rank() == 0:
+        lead = _Lead(held)
+        return lead, lead.publish(rdzv, lambda: settle(lead))
+    return None, _follow(rdzv)
 
 
 def _rank() -> int:

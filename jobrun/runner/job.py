@@ -64,6 +64,7 @@ class EpochResult:
     seconds: float = 0.0
     ckpt: str = ""
     rates: dict[str, Any] = field(default_factory=dict)  # samples/s, data wait, peak memory
+    step: int | None = None  # the global step at the epoch's end
 
 
 class JobRunner(Checkpoints):
@@ -241,14 +242,14 @@ class JobRunner(Checkpoints):
         seconds = time.perf_counter() - t0
         early = self.watch.after_epoch(outputs, epoch)
         stop = self._should_stop(outputs, epoch) or early is not None
-        result = EpochResult(epoch, outputs, seconds, rates=rates.finish(seconds))
+        result = EpochResult(epoch, outputs, seconds, rates=rates.finish(seconds), step=self.step)
         ck = self.plan.checkpoint
         saving = ck is not None and (epoch % ck.every == 0 or stop)
         if saving:
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
-        self.display.epoch_line(result, self.plan.max_epochs)
+        self.display.epoch_line(result, self.plan.max_epochs, self.plan.max_steps)
         if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
-            self.metrics.write({"epoch": epoch, "step": self.step, "event": "epoch",
+            self.metrics.write({"epoch": epoch, "step": result.step, "event": "epoch",
                                 "seconds": round(result.seconds, 6), **result.rates,
                                 "outputs": {t: {k: short(v) for k, v in o.items()} for t, o in outputs.items()}})
             if self.trackers is not None:

@@ -25,7 +25,7 @@ import yaml
 
 from jobrun import __version__, signals, store
 from jobrun.errors import PlanError, UsageError
-from jobrun.plans import ir
+from jobrun.plans import inputs, ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.keys import NODE_NAME
 from jobrun.plans.load import load_file, to_plain
@@ -50,8 +50,9 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         return hosts.train(plan_path, run_dir, sets, replicas, device, overwrite, max_restarts)
     rdir: list[Path] = []
     plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir)
-    run = RunDir(rdir[0], plan)
     src = Path(plan_path).resolve()
+    inputs.check(plan, src.parent, rdir[0].resolve())  # a missing data file, before any directory is made
+    run = RunDir(rdir[0], plan)
     run.check_can_train(run.checkpoints, overwrite)
     _ready()  # everything above is refused in a fraction of a second, without torch
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
@@ -88,6 +89,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         epoch = best_or(epoch, ckpt_dir, plan, run)
         if already_finished(run, epoch, changes):
             return 0
+        inputs.check(plan, run.plan_dir, run.path.resolve())
         _ready()
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
@@ -214,7 +216,8 @@ def already_finished(run: RunDir, epoch: int | None, changes: list[str]) -> bool
     info = run.info()
     if epoch is None and info.status == "finished" and not changes:
         print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}; "
-              "nothing to do (use --epoch E to train again from E)")
+              f"nothing to do (train on with `jobrun resume {run.path} max_epochs=N`, or again from "
+              "epoch E with --epoch E)")
         return True
     return False
 

@@ -73,8 +73,17 @@ def latest(root: Path = ROOT) -> RunDir:
     runs = find_runs(root)
     if not runs:
         raise UsageError(f"no runs under {root}/", hint="start one with `jobrun train PLAN`, "
-                         "or give the run directory (e.g. `jobrun resume path/to/run`)")
+                         f"or give the run directory (e.g. `{_command()} path/to/run`)")
     return runs[-1]
+
+
+def _command() -> str:
+    """The command running (`jobrun ckpt list`), for a hint that shows how to call it."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    words = ctx.command_path.split()[1:] if ctx is not None else []
+    return " ".join(["jobrun", *(words or ["resume"])])
 
 
 def pick(run_dir: str | None, say: bool = True) -> Path:

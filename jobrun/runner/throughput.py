@@ -110,12 +110,14 @@ def peak_memory(device: str) -> int:
 
 
 def epoch_text(rates: dict[str, Any], seconds: float, human_size: Any) -> str:
-    """The epoch line's part: `1.2e+04 samples/s  data 8%  peak 312.0 MB`."""
+    """The epoch line's part: `12.4k samples/s  data 8%  peak 312.0 MB`."""
+    from jobrun.runner.display import human_count
+
     parts = []
     if "tokens_per_s" in rates:
-        parts.append(f"{rates['tokens_per_s']:.3g} tokens/s")
+        parts.append(f"{human_count(rates['tokens_per_s'])} tokens/s")
     elif "samples_per_s" in rates:
-        parts.append(f"{rates['samples_per_s']:.3g} samples/s")
+        parts.append(f"{human_count(rates['samples_per_s'])} samples/s")
     if "data_s" in rates and seconds > 0:
         parts.append(f"data {rates['data_s'] / seconds:.0%}")
     if rates.get("peak_memory_bytes"):

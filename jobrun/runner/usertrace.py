@@ -4,12 +4,17 @@ jobrun's generated code and internals around it.
 
 A frame is the user's when its file lies outside jobrun and outside the Python
 installation's libraries (the standard library, site-packages): a plan's `models.py`, a
-package on PYTHONPATH. When none does (the user's code is an installed package, or the
-error came from torch called directly by an op), every frame outside jobrun is shown.
+package on PYTHONPATH. Shown are the user's frames and, when the error was raised inside
+a library, the frame that raised it (torch's `F.linear(...)` line of a shape error); the
+library frames in between (torch's module call glue, autograd's engine) are left out.
+When no frame is the user's (the user's code is an installed package, or the error came
+from torch called directly by an op), the frames outside jobrun and torch are shown, and
+torch's frame that raised.
 """
 
 from __future__ import annotations
 
+import os
 import sysconfig
 import traceback
 from dataclasses import dataclass
@@ -39,6 +44,20 @@ def _inside(filename: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
+# Frames that only pass a call on: torch's Module.__call__ and autograd's engine, and
+# importlib's import_module (a module that is not found raises there).
+_GLUE_FUNCTIONS = frozenset({"_call_impl", "_wrapped_call_impl", "_engine_run_backward"})
+_GLUE_DIRS = tuple(f"{os.sep}torch{os.sep}{d}{os.sep}" for d in ("autograd", "_dynamo", "_functorch"))
+_IMPORTLIB = f"{os.sep}importlib{os.sep}__init__.py"
+_TORCH = f"{os.sep}torch{os.sep}"
+
+
+def _glue(tb: TracebackType) -> bool:
+    code = tb.tb_frame.f_code
+    return (code.co_name in _GLUE_FUNCTIONS or any(d in code.co_filename for d in _GLUE_DIRS)
+            or code.co_filename.endswith(_IMPORTLIB))
+
+
 def of(error: BaseException) -> UserTrace | None:
     """The user's part of ``error``'s traceback (or of the first exception in its chain of
     causes that is no jobrun error), or None when no frame outside jobrun is in it."""
@@ -59,10 +78,16 @@ def of(error: BaseException) -> UserTrace | None:
         tb = tb.tb_next
     if not entries:
         return None
-    # From the user's first frame on (the libraries it calls included), else all of them.
-    first = next((k for k, t in enumerate(entries)
-                  if not _inside(t.tb_frame.f_code.co_filename, _LIBRARIES)), 0)
-    entries = entries[first:]
+    mine = [not _inside(t.tb_frame.f_code.co_filename, _LIBRARIES) for t in entries]
+    if any(mine):  # the user's frames, and the library frame that raised
+        last = len(entries) - 1
+        entries = [t for k, t in enumerate(entries) if mine[k] or (k == last and not _glue(t))]
+    else:  # an installed package's frames are shown; torch's only where it raised
+        last = len(entries) - 1
+        entries = [t for k, t in enumerate(entries)
+                   if not _glue(t) and (k == last or _TORCH not in t.tb_frame.f_code.co_filename)]
+        if not entries:  # importlib's frames of a module not found: the message says it all
+            return None
     summary = traceback.StackSummary.extract((t.tb_frame, t.tb_lineno) for t in entries)
     text = "".join(summary.format()) + "".join(traceback.format_exception_only(type(seen), seen))
     frame = entries[0].tb_frame

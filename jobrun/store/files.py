@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from jobrun import safefs
 from jobrun.errors import CheckpointError
 from jobrun.safedel import Shape, remove_in
+from jobrun.safefs import fsync_dir
 from jobrun.store import tensorfile
 from jobrun.store.codec import UnsupportedValue, encode
 
@@ -320,14 +321,6 @@ def _write_file(path: Path, data: bytes) -> int:
             view = view[f.write(view) :]
         os.fsync(f.fileno())
     return len(data)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_dirs(path: Path) -> None:

@@ -1,0 +1,88 @@
+"""The files a plan reads, checked before a run starts (`train`, `resume`).
+
+`data.load` and `load` read a file named by a literal `path` (vars already applied).
+One that does not exist would fail only after torch is imported and the run directory
+is made; `train` refuses it at once instead, with the plan's file:line and where a
+relative path is looked for. A file the plan may make itself is not checked: one that
+another step names among its arguments (a `save` or `export` writes it, a `call` is
+given it), and any file read after user code that may write it (a `call`, an op of a
+plugin, running earlier or at the same time). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jobrun.errors import PlanError
+from jobrun.plans import ir
+from jobrun.plans.visit import children
+
+READERS = frozenset({"data.load", "load"})  # ops whose `path` is a file read from the plan's directory
+
+
+def check(plan: ir.Plan, plan_dir: Path, run_dir: Path) -> None:
+    """Refuse the first file a reader of ``plan`` names that does not exist."""
+    from jobrun.ops.context import under
+    from jobrun.ops.registry import CORE_SPECS
+    from jobrun.ops.train_specs import TRAIN_SPECS
+
+    builtin = {spec.name for spec in (*CORE_SPECS, *TRAIN_SPECS)} - {"call"}
+    order = list(_ordered(plan))
+    made: set[str] = set()  # what the plan's other steps name: they may write it
+    for _slot, step in order:
+        if step.op not in READERS:
+            for text in _strings([value for _key, value in step.args]):
+                made |= {text, str(under(plan_dir, text)), str(under(run_dir, text)), os.path.abspath(text)}
+    user_code = [slot for slot, step in order if step.op not in builtin]
+    for slot, step in order:
+        path = dict(step.args).get("path")
+        if step.op not in READERS or not isinstance(path, str):
+            continue
+        file = under(plan_dir, path)
+        if path in made or str(file) in made or any(_before(u, slot) for u in user_code) or file.is_file():
+            continue
+        pos = dict(step.arg_pos).get("path", step.pos)
+        what = "is a directory, not a file" if file.is_dir() else "does not exist"
+        hint = (f"relative paths are read from the plan file's directory ({plan_dir}), not from "
+                "the current directory")
+        if not Path(path).is_absolute() and Path(path).expanduser().is_file():
+            hint += f"; {path} is in the current directory: give its path from the plan's directory"
+        raise PlanError(f"{step.op}: {path!r} {what} ({file})" if str(file) != path else
+                        f"{step.op}: {path!r} {what}", pos, hint)
+
+
+def _ordered(plan: ir.Plan) -> Iterator[tuple[tuple[int, int, int], ir.OpCall]]:
+    """Every op call with its slot: (group number, task number, number in the task)."""
+    for g, group in enumerate(plan.groups):
+        for t, task in enumerate(group.tasks):
+            for k, step in enumerate(_calls(task)):
+                yield (g, t, k), step
+
+
+def _calls(node: Any) -> Iterator[ir.OpCall]:
+    for block in children(node):
+        for step in block:
+            if isinstance(step, ir.OpCall):
+                yield step
+            yield from _calls(step)
+
+
+def _before(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    """Whether the step in slot ``a`` may run before the one in slot ``b``: an earlier
+    group, another task of the same group (tasks of a group run at once), or an earlier
+    step of the same task."""
+    return a[0] < b[0] or (a[0] == b[0] and (a[1] != b[1] or a[2] < b[2]))
+
+
+def _strings(values: Any) -> Iterator[str]:
+    if isinstance(values, str):
+        yield values
+    elif isinstance(values, dict):
+        for v in values.values():
+            yield from _strings(v)
+    elif isinstance(values, list | tuple):
+        for v in values:
+            yield from _strings(v)
