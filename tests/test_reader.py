@@ -63,10 +63,10 @@ def test_without_done_in_out_a_read_goes_on_into_the_next_pass():
     pass, so a `passes: 0` reader never gives null fields; after the last pass it does."""
     ctx = OpContext()
     forever = reader_op(ctx, torch.arange(3), batch_size=2, passes=0)
-    got = [read_op(ctx, forever, ("x",))[0].tolist() for _ in range(7)]
+    got = [read_op(ctx, forever, ("x",)).tolist() for _ in range(7)]  # one out: the field itself
     assert got == [[0, 1], [2], [0, 1], [2], [0, 1], [2], [0, 1]]
     twice = reader_op(ctx, torch.arange(3), batch_size=2, passes=2)
-    got = [read_op(ctx, twice, ("x",))[0] for _ in range(6)]
+    got = [read_op(ctx, twice, ("x",)) for _ in range(6)]
     assert [g.tolist() for g in got[:4]] == [[0, 1], [2], [0, 1], [2]] and got[4:] == [None, None]
     # the position moves as reads with `done` move it: the same state after the same batches
     ref = reader_op(ctx, torch.arange(3), batch_size=2, passes=0)

@@ -310,7 +310,7 @@ def test_training_ops_validate(validator: Draft202012Validator) -> None:
         ("init", 1, "model.mlp", "sizes", [4, 8.5, 2]),  # a shape holds integers
         ("init", 0, "data.synthetic", "task", "ranking"),
         ("epoch", 0, "train.step", "amp", "fp8"),
-        ("epoch", 0, "train.step", "in", ["model", "opt", "x"]),  # too few inputs
+        ("epoch", 0, "train.step", "in", ["model", "opt"]),  # too few inputs (3: a dict batch)
     ],
 )
 def test_training_ops_refuse_bad_arguments(

@@ -90,22 +90,76 @@ def forward(fn: Callable[..., torch.Tensor], model: Any, x: Any, y: Any) -> tupl
         pred = model(x)
         return pred, fn(pred, y)
     if isinstance(x, Mapping):
-        out = model(**x)
+        try:
+            out = model(**x)
+        except TypeError as e:  # only diagnosed on failure: no cost per step
+            problem = _keys_problem(model, x)
+            if problem is None:
+                raise
+            raise RunError(f"loss: model: {problem}", hint=_keys_hint(model, x)) from e
     elif _takes_labels(model):
         out = model(x, labels=y)
     else:
         out = model(x, y)
-    return _loss_and_logits(out, model)
+    return _loss_and_logits(out, model, x)
+
+
+def _inner(model: Any) -> Any:
+    """The model wrappers hold (DDP's `module`, torch.compile's `_orig_mod`)."""
+    inner = model
+    for attr in ("_orig_mod", "module"):
+        inner = getattr(inner, attr, inner)
+    return inner
 
 
 def _takes_labels(model: Any) -> bool:
     """Whether the model's forward names its targets `labels` (Hugging Face's models),
     read once per class. Wrappers (DDP's `module`, torch.compile's `_orig_mod`) are
     looked through."""
-    inner = model
-    for attr in ("_orig_mod", "module"):
-        inner = getattr(inner, attr, inner)
-    return _labels_param(type(inner))
+    return _labels_param(type(_inner(model)))
+
+
+def _forward_params(model: Any) -> tuple[list[str], list[str], bool] | None:
+    """(the forward's parameter names, those it requires, whether it takes **kwargs), or
+    None when its signature cannot be read."""
+    cls = type(_inner(model))
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError, AttributeError):
+        return None
+    named = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [p.name for p in params
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named, required, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _keys_problem(model: Any, batch: Mapping) -> str | None:
+    """What is wrong between a dict batch's keys and the model's forward, or None."""
+    found = _forward_params(model)
+    if found is None:
+        return None
+    named, required, any_key = found
+    name = f"{type(_inner(model)).__name__}.forward"
+    unknown = [k for k in batch if k not in named]
+    if unknown and not any_key:
+        return f"the batch's key {unknown[0]!r} is not a parameter of {name}"
+    missing = [k for k in required if k not in batch]
+    if missing:
+        return f"{name} needs {missing[0]!r}, which the batch lacks"
+    return None
+
+
+def _keys_hint(model: Any, batch: Mapping) -> str:
+    """The batch's keys against the forward's parameters (a likely misspelled key first)."""
+    found = _forward_params(model)
+    if found is None:
+        return f"the batch's keys are: {', '.join(map(str, batch))}"
+    named = found[0]
+    close = [did_you_mean(str(k), named) for k in batch if k not in named]
+    guess = next((c for c in close if c), None)
+    text = (f"the batch's keys: {', '.join(map(str, batch))}; the forward's parameters: "
+            f"{', '.join(named)}; name the dataset's keys after them")
+    return f"{guess}; {text}" if guess else text
 
 
 @functools.lru_cache(maxsize=256)
@@ -116,7 +170,7 @@ def _labels_param(cls: type) -> bool:
         return False
 
 
-def _loss_and_logits(out: Any, model: Any) -> tuple[Any, torch.Tensor]:
+def _loss_and_logits(out: Any, model: Any, x: Any = None) -> tuple[Any, torch.Tensor]:
     logits = None
     if out.__class__ is _Tensor or isinstance(out, _Tensor):
         loss = out
@@ -145,11 +199,11 @@ def _loss_and_logits(out: Any, model: Any) -> tuple[Any, torch.Tensor]:
     if not isinstance(loss, _Tensor) or loss.numel() != 1:
         what = "None" if loss is None else (
             f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, _Tensor) else type(loss).__name__)
-        raise RunError(
-            f"loss: model: the model's loss is {what}, not a scalar tensor",
-            hint="the model computes its loss only when given the targets: check that the "
-            "reader gives (x, y), or that a dict batch holds `labels`",
-        )
+        hint = ("the model computes its loss only when given the targets: check that the "
+                "reader gives (x, y), or that a dict batch holds `labels`")
+        if isinstance(x, Mapping):  # a misspelled key a forward's **kwargs swallowed
+            hint = f"{hint}; {_keys_hint(model, x)}"
+        raise RunError(f"loss: model: the model's loss is {what}, not a scalar tensor", hint=hint)
     return logits, loss.reshape(()) if loss.dim() else loss
 
 
@@ -163,9 +217,7 @@ def accuracy_logits(model: Any, logits: torch.Tensor, y: Any) -> tuple[torch.Ten
         return None
     if tuple(logits.shape[:-1]) != tuple(y.shape):
         return None
-    inner = model
-    for attr in ("_orig_mod", "module"):
-        inner = getattr(inner, attr, inner)
+    inner = _inner(model)
     name = type(inner).__name__
     if _labels_param(type(inner)) and name.endswith(("ForCausalLM", "LMHeadModel")) and y.dim() >= 2:
         return logits[..., :-1, :], y[..., 1:]

@@ -84,10 +84,12 @@ _RECORDS = "_jobrun_records"
 def mark_records(fields: tuple[Any, ...], records: int) -> tuple[Any, ...]:
     """Tag the tensors of a rank's part of a global batch with the records of the whole
     batch (all ranks together): every rank knows them from the split, so `train.step`
-    weights its loss by its share without a collective to count them."""
+    weights its loss by its share without a collective to count them. A dict batch's
+    tensors are tagged each (train.step counts a dict batch by its first tensor)."""
     for f in fields:
-        if isinstance(f, torch.Tensor):
-            setattr(f, _RECORDS, records)
+        for t in f.values() if isinstance(f, dict) else (f,):
+            if isinstance(t, torch.Tensor):
+                setattr(t, _RECORDS, records)
     return fields
 
 
@@ -409,14 +411,24 @@ def reader_op(
     drop_last: bool = False,
     window: int | None = None,
     sample: str = "order",
+    keys: list[str] | None = None,
     **loading: Any,
 ) -> Reader:
     """`reader`: fields... -> r, or one Dataset -> r (:mod:`jobrun.ops.loader`), or with
     `window` one token stream -> r over its windows (:mod:`jobrun.ops.windows`).
 
     The shuffle seed depends on (seed, node, creation order). `loading` holds the
-    DataLoader's arguments (num_workers, pin_memory, ...), which need a Dataset.
+    DataLoader's arguments (num_workers, pin_memory, ...), which need a Dataset. `keys`:
+    its batches as one dict (:mod:`jobrun.ops.keyed`), as are those of one mapping of fields.
     """
+    if keys is None and len(fields) == 1 and isinstance(fields[0], dict) and window is None:
+        keys, fields = list(fields[0]), tuple(fields[0].values())  # {key: field}: keyed fields
+    if keys is not None:
+        from jobrun.ops.keyed import keyed
+
+        made = reader_op(ctx, *fields, batch_size=batch_size, shuffle=shuffle, passes=passes,
+                         drop_last=drop_last, window=window, sample=sample, **loading)
+        return keyed(made, keys)
     ordinal = ctx.next_number(_ORDINAL_KEY)
     geometry: dict[str, Any] = dict(
         batch_size=batch_size, shuffle=shuffle, passes=passes, drop_last=drop_last,
@@ -466,7 +478,9 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
             batch = reader.read()
     if feed is not None:
         feed.add(batch, time.perf_counter() - t0)
-    return batch[:-1] if rolls else batch
+    if rolls:  # one output is its value alone (a dict batch, a reader of one field)
+        return batch[0] if reader.field_count == 1 else batch[:-1]
+    return batch
 
 
 read_op.wants_out_names = True  # type: ignore[attr-defined]

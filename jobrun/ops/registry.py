@@ -69,8 +69,8 @@ CORE_SPECS: tuple[OpSpec, ...] = (
            example="- not: {in: done, out: going}", **_PURE),
     OpSpec(
         "reader",
-        "Batches over the first dimension of its inputs, or over one torch Dataset (through a "
-        "DataLoader); its position is checkpointed.",
+        "Batches over the first dimension of its inputs (one mapping of them: dict batches), or "
+        "over one torch Dataset (through a DataLoader); its position is checkpointed.",
         "jobrun.ops.reader:reader_op", inputs=("fields",), outputs=("r",), max_inputs=None,
         args=(
             arg("batch_size", "int", 1, "global batch size; 1 = one record, unbatched"),
@@ -81,6 +81,9 @@ CORE_SPECS: tuple[OpSpec, ...] = (
                 "one 1-D token stream in: records are windows, x = tokens[i:i+T], y = tokens[i+1:i+T+1]"),
             arg("sample", ("choice", "order", "random"), "order",
                 "windows: order (non-overlapping, in passes) or random (starts from the node's generator, endless)"),
+            arg("keys", ("or", "list", "null"), None,
+                "each batch one dict {key: field}, e.g. [input_ids, labels] (train.step's "
+                "dict batch, model(**batch)); not for a Dataset, whose items give their keys"),
             arg("num_workers", "int", 0, "Dataset: worker processes fetching batches"),
             arg("pin_memory", "bool", False, "Dataset: pinned host memory (for a CUDA device)"),
             arg("prefetch_factor", ("or", "int", "null"), None,

@@ -42,12 +42,16 @@ _FLOAT32 = torch.float32
 _FLOAT16 = torch.float16
 
 
+# y of a train.step with 3 inputs, `in: [model, opt, batch]`: x is one dict batch
+_ONE_BATCH: Any = object()
+
+
 def train_step(
     ctx: OpContext,
     model: Any,
     opt: Any,
     x: Any,
-    y: Any,
+    y: Any = _ONE_BATCH,
     *,
     loss: str = "cross_entropy",
     clip_grad_norm: float | None = None,
@@ -90,8 +94,11 @@ def train_step(
         x.__class__ is _Tensor and y.__class__ is _Tensor
         and x.is_cpu and y.is_cpu and device == "cpu"
     ):  # fmt: skip
-        x = as_tensor(x, device, "train.step input x")
-        y = as_tensor(y, device, "train.step input y")
+        if y is _ONE_BATCH or isinstance(x, Mapping):  # a dict batch: y counts its records
+            x, y = _dict_batch(x, y, device, loss_fn)
+        else:
+            x = as_tensor(x, device, "train.step input x")
+            y = as_tensor(y, device, "train.step input y")
     shape = y.shape
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
@@ -133,7 +140,7 @@ def train_step(
             value = part if value is None else value.detach() + part.detach()
         elif sharded or (carrier is not None and i == last):
             # every rank's forward and backward take part in FSDP's and DDP's collectives
-            part = model(xb).sum() * 0.0
+            part = _idle(model, xb, yb, loss_fn)
         else:
             continue  # an empty slice of a short global batch contributes nothing
         if sharded and i == last:  # after the forward: every rank's collectives in one order
@@ -195,6 +202,16 @@ def train_step(
     elif mean.__class__ is float:  # fsdp and models DDP does not hold reduced on the host
         mean = torch.tensor(mean, dtype=_FLOAT32)
     return mean if mean.dtype is _FLOAT32 else mean.float()
+
+
+def _idle(model: Any, x: Any, y: Any, loss_fn: Any) -> torch.Tensor:
+    """A zero through every parameter, for a rank's empty slice of a global batch: the
+    sum of the predictions (with `loss: model`, of the logits; the loss of no records is
+    NaN) times 0."""
+    if loss_fn is not model_loss:
+        return model(x).sum() * 0.0
+    logits, part = forward(model_loss, model, x, y)
+    return (part if logits is None else logits).sum() * 0.0
 
 
 def _unused_parameters() -> RunError:
@@ -266,14 +283,65 @@ def _keep_scaler_state(opt: Any) -> None:
     opt.param_groups[0][SCALER_KEY] = opt._jobrun_scaler.state_dict()
 
 
-def _micro_batches(x: torch.Tensor, y: torch.Tensor, accumulate: int) -> list[tuple]:
-    """`accumulate` (> 1) slices of a batch of records: (x, y, records) each."""
-    if x.shape[0] != y.shape[0]:
+def _dict_batch(x: Any, y: Any, device: str, loss_fn: Any) -> tuple[dict[str, Any], torch.Tensor]:
+    """A dict batch (the model's keyword arguments, `model(**batch)`) on the run's device,
+    and its first tensor, which counts its records and carries the reader's tag of the
+    global batch (see :func:`jobrun.ops.reader.mark_records`)."""
+    if not isinstance(x, Mapping):
+        if x is None:
+            as_tensor(x, device, "train.step input batch")  # the error of a finished read
         raise RunError(
-            f"train.step: x has {x.shape[0]} records, y has {y.shape[0]}",
-            hint="accumulate splits the first dimension of x and y; they must agree",
+            f"train.step with 3 inputs trains on one dict batch, model(**batch); its third "
+            f"input is a {type(x).__name__}, not a mapping",
+            hint="read a reader with keys (keys: [input_ids, labels]) or over a Dataset whose "
+            "items are dicts, or give the targets too: in: [model, opt, xb, yb]",
         )
-    return [(xb, yb, yb.shape[0]) for xb, yb in zip(x.tensor_split(accumulate), y.tensor_split(accumulate))]
+    if loss_fn is not model_loss:
+        raise RunError(
+            "train.step: a dict batch needs `loss: model`: the model is called as "
+            "model(**batch) and computes its loss (a loss function takes (output, target))",
+            hint="add `loss: model`, or read a reader over (x, y) fields",
+        )
+    if y is not _ONE_BATCH:
+        raise RunError(
+            f"train.step: x is a dict batch (the model's keyword arguments) and y a "
+            f"{type(y).__name__} besides; a dict batch holds its targets (`labels`)",
+            hint="in: [model, opt, batch] with `loss: model`",
+        )
+    batch = batch_on(x, device, "train.step")
+    first = next((v for v in batch.values() if isinstance(v, _Tensor)), None)
+    if first is None:
+        raise RunError(
+            f"train.step: the dict batch holds no tensor (keys: {', '.join(map(str, batch)) or 'none'})",
+            hint="its values are the model's arguments: tensors of one record per row",
+        )
+    return batch, first
+
+
+def batch_on(batch: Mapping, device: str, op: str) -> dict[str, Any]:
+    """A dict batch with its tensors on `device`; other values (a list of strings, a
+    flag) are the model's as they are."""
+    return {k: as_tensor(v, device, f"{op} input {k}") if isinstance(v, _Tensor) else v
+            for k, v in batch.items()}
+
+
+def _micro_batches(x: Any, y: torch.Tensor, accumulate: int) -> list[tuple]:
+    """`accumulate` (> 1) slices of a batch of records: (x, y, records) each. A dict
+    batch x is sliced tensor by tensor (y is its first tensor)."""
+    named = x.items() if isinstance(x, Mapping) else (("x", x),)
+    for key, value in named:
+        if isinstance(value, _Tensor) and (not value.dim() or value.shape[0] != y.shape[0]):
+            raise RunError(
+                f"train.step: {key} has {value.shape[0] if value.dim() else 'no'} records, "
+                f"{'the first tensor' if isinstance(x, Mapping) else 'y'} has {y.shape[0]}",
+                hint="accumulate splits the first dimension of every tensor of the batch; they must agree",
+            )
+    ys = y.tensor_split(accumulate)
+    if isinstance(x, Mapping):
+        parts = {k: v.tensor_split(accumulate) if isinstance(v, _Tensor) else None for k, v in x.items()}
+        return [({k: x[k] if p is None else p[i] for k, p in parts.items()}, yb, yb.shape[0])
+                for i, yb in enumerate(ys)]
+    return [(xb, yb, yb.shape[0]) for xb, yb in zip(x.tensor_split(accumulate), ys)]
 
 
 def _trained_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -309,6 +377,9 @@ def evaluate(
     if not isinstance(reader, Reader):
         raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
     if reader.field_count == 1 and loss != MODEL:  # a Dataset reader learns its count late
+        if getattr(reader, "keys", None):
+            raise RunError("evaluate: a reader with keys gives dict batches, model(**batch), "
+                           "which need `loss: model`", hint="add `loss: model`, or drop the reader's keys")
         raise RunError("evaluate needs a reader over (x, y)", hint="reader: {in: [x, y]}")
     if batches is not None:
         require_int("evaluate", "batches", batches, 1)
@@ -396,9 +467,9 @@ def _eval_batch(ctx: OpContext, fields: tuple, loss: str) -> tuple[Any, Any, int
     one mapping (its keys are the model's arguments) and y is None."""
     first = fields[0] if fields else None
     if loss == MODEL and isinstance(first, Mapping):
-        x = {k: as_tensor(v, ctx.device, f"evaluate input {k}") for k, v in first.items()}
+        x = batch_on(first, ctx.device, "evaluate")
         y = as_tensor(fields[1], ctx.device, "evaluate input y") if len(fields) > 1 else None
-        sizes = [v for v in (y, *x.values()) if v is not None]
+        sizes = [v for v in (y, *x.values()) if isinstance(v, _Tensor)]
         return x, y, _count(sizes[0]) if sizes else 0
     if len(fields) < 2:
         raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")

@@ -164,10 +164,12 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
     ),
     _training(
         "train.step",
-        "One optimizer step on a batch; loss is the global-batch mean (its float32 value), equal on all ranks.",
+        "One optimizer step on a batch (x, y), or on one dict batch with loss: model (in: [model, "
+        "opt, batch]: model(**batch)); loss is the global-batch mean (its float32 value), equal on all ranks.",
         "train:train_step",
         "- train.step: {in: [model, opt, xb, yb], out: loss, loss: cross_entropy}",
         inputs=("model", "opt", "x", "y"),
+        min_inputs=3,  # [model, opt, batch]: a dict batch, its keys the model's arguments
         outputs=("loss",),
         mutates=("model", "opt"),
         args=(

@@ -55,6 +55,8 @@ class Signatures:
             problem = _check_arg(call, spec, key, value)
             if problem is not None:
                 found.append(problem)
+        if call.op == "train.step" and len(call.ins) == 3:
+            found += _dict_batch_step(call)
         if info.required:
             given = {key for key, _ in call.args}
             found += [
@@ -65,6 +67,20 @@ class Signatures:
                 for a in info.required if a.name not in given
             ]
         return found
+
+
+def _dict_batch_step(call: ir.OpCall) -> list[Problem]:
+    """`train.step: {in: [model, opt, batch]}` trains on a dict batch, model(**batch),
+    whose loss only the model can compute: it needs `loss: model`."""
+    loss = dict(call.args).get("loss", "cross_entropy")
+    if loss == "model":
+        return []
+    return [Problem(
+        "dict-batch", call.pos_of("loss"),
+        f"`train.step` with 3 inputs trains on one dict batch, model(**batch), which needs "
+        f"`loss: model`; its loss is {_show(loss)} (a loss function takes (output, target))",
+        "add `loss: model`, or give the targets as a fourth input: in: [model, opt, xb, yb]",
+    )]
 
 
 class _SpecInfo:

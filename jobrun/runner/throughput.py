@@ -33,6 +33,8 @@ class Feed:
         """One `read`: its batch (fields..., done) and the seconds it took (every step runs
         this: a shape, a dtype test and a lock, no call into torch beyond them)."""
         x = batch[0]
+        if x.__class__ is dict and x:  # a dict batch: its first field counts its records
+            x = next(iter(x.values()))
         if batch[-1] is True:  # the end of a pass: no records
             shape, n = None, 0
         else:  # a batch, or one record (batch_size 1, or no shape: a Python value)
