@@ -398,9 +398,9 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
             batch = reader.read()
     else:
         t0 = time.perf_counter()
-        with reader.lock:
+        with reader.lock:  # the feed's tally of this reader is added to under its lock
             batch = reader.read()
-        feed.add(batch, time.perf_counter() - t0)
+            feed.add(batch, time.perf_counter() - t0, reader)
     return batch[:-1] if len(_out_names) == reader.field_count else batch
 
 
