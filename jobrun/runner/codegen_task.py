@@ -251,8 +251,9 @@ class Generator(Visitor):
             for k, name in enumerate(outs):
                 self._store(name, f"r[{k}]")
             return
-        # Usually none of them is global (a `read`'s batch): one check, then unpacked.
-        with code.block(f"if G.keys().isdisjoint({code.value('outs', tuple(outs))}):"):
+        # Usually none of them is global (a `read`'s batch): one test, then unpacked (`in`
+        # tests: G.keys().isdisjoint() cost a view and a call, 0.1 us more a step).
+        with code.block(f"if {' and '.join(f'{name!r} not in G' for name in outs)}:"):
             code.line(f"{targets} = r")
         with code.block("else:"):
             for k, name in enumerate(outs):
