@@ -235,7 +235,7 @@ epoch:
     assert "op `call` in task 'work' on node 'local' failed: ValueError: boom" in str(e)
     assert isinstance(e.__cause__, ValueError)
     # A traceback through a generated block shows its source line.
-    assert "(ctx, **kw" in "".join(traceback.format_exception(e.__cause__))
+    assert "(ctx, fn=kw" in "".join(traceback.format_exception(e.__cause__))
 
 
 @pytest.mark.parametrize(
@@ -307,3 +307,45 @@ def test_private_workspace_reads_its_own_names_first_then_the_global_ones():
     assert local["model"] == 4 and "late" not in local
     with pytest.raises(KeyError, match="nothing"):
         local["nothing"]
+
+
+MEAN = """
+job: t
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 56, features: 4, classes: 2, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 8, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.5}
+epoch:
+  - task: train
+    do:
+      - call: {fn: "jobrun_test_helpers:new_list", out: each}
+      - loop: 7
+        do:
+          - read: {in: data, out: [xb, yb]}
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+          - call: {fn: "jobrun_test_helpers:append", in: [each, loss_last]}
+    outputs: [loss, loss_last, each]
+"""
+
+
+@pytest.mark.parametrize("block", [1024, 3])
+def test_a_loop_of_train_steps_leaves_the_mean_of_their_losses(block, monkeypatch):
+    """torch's sum of the stacked losses over their number, summed by blocks of
+    MEAN_BLOCK steps in a long loop (so that it keeps at most a block of losses)."""
+    import torch
+
+    from jobrun.runner import codegen_task
+
+    monkeypatch.setattr(codegen_task, "MEAN_BLOCK", block)
+    _, out = run(MEAN)
+    each = out["train"]["each"]
+    loss = out["train"]["loss"]
+    assert len(each) == 7 and len({float(v) for v in each}) == 7 and out["train"]["loss_last"] is each[-1]
+    assert isinstance(loss, torch.Tensor) and loss.dtype == torch.float32 and loss.dim() == 0
+    sums = [torch.stack(each[k:k + block]).sum() for k in range(0, 7, block)]
+    expected = (sums[0] if len(sums) == 1 else torch.stack(sums).sum()) / 7
+    assert torch.equal(loss, expected)  # bit for bit
+    assert float(loss) == pytest.approx(sum(float(v) for v in each) / 7, rel=1e-6)

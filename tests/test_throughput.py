@@ -28,6 +28,25 @@ def test_feed_counts_records_tokens_and_the_wait():
     assert feed.records == 17
 
 
+def test_each_reader_has_a_tally_and_the_feed_sums_them():
+    """`read` adds to its reader's tally under the reader's lock: the feed takes none."""
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import read_op, reader_op
+
+    feed = Feed()
+    ctx = OpContext(progress={"feed": feed})
+    tokens = reader_op(ctx, torch.zeros(10, 4, dtype=torch.long), batch_size=4)
+    floats = reader_op(ctx, torch.zeros(6, 3), torch.zeros(6), batch_size=6)
+    for _ in range(4):  # 4 + 4 + 2, then the end of the pass
+        read_op(ctx, tokens)
+    read_op(ctx, floats)
+    assert len(feed.tallies) == 2
+    assert [t[:2] for t in feed.tallies.values()] == [[10, 40], [6, 0]]
+    records, n_tokens, wait = feed.snapshot()
+    assert (records, n_tokens) == (16, 40) and feed.records == 16 and feed.tokens == 40
+    assert wait == sum(t[2] for t in feed.tallies.values()) > 0
+
+
 def test_epoch_rates_are_over_the_epoch_and_count_every_replica():
     feed = Feed()
     rates = EpochRates(feed, "cpu", world_size=2)

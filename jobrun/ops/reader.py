@@ -476,8 +476,8 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
         rolls = len(_out_names) == reader.field_count  # a Dataset's is known after a read
         if batch[-1] and rolls and not reader.finished:
             batch = reader.read()
-    if feed is not None:
-        feed.add(batch, time.perf_counter() - t0)
+        if feed is not None:  # the feed's tally of this reader is added to under its lock
+            feed.add(batch, time.perf_counter() - t0, reader)
     if rolls:  # one output is its value alone (a dict batch, a reader of one field)
         return batch[0] if reader.field_count == 1 else batch[:-1]
     return batch

@@ -24,7 +24,7 @@ comment, linecache holds the source (tracebacks show it), and the line a failure
 from finds the step it belongs to, which turns it into an error with the plan position
 (the source writer: :mod:`jobrun.runner.codegen`).
 
-Loops also keep the epoch-mean loss sums of their train.steps, the clock of the global
+Loops also keep the losses of their train.steps for the epoch mean, the clock of the global
 step (`every:`, clocked ops) and the `max_steps` check; with --profile, op calls and
 loops are written timed. The generated functions run in the workspaces of
 :mod:`jobrun.runner.executor`, and their threads through :mod:`jobrun.runner.concurrency`.
@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import keyword
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -117,7 +118,7 @@ class Generator(Visitor):
         self.node = node
         self.ops = registry()
         self.reports = ""  # the `with reports()` variable of the block being written
-        # The innermost loop's train.step outputs: name -> (sum, count) variables.
+        # The innermost loop's train.step outputs: name -> (losses, block sums) variables.
         self.means: dict[str, tuple[str, str]] | None = None
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
@@ -126,6 +127,7 @@ class Generator(Visitor):
             "partial": functools.partial,
             "PROGRESS": progress, "TASK": task.name, "clock": time.perf_counter,
             "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
+            "MEAN_BLOCK": MEAN_BLOCK, "LOSS_SUM": loss_sum, "LOSS_MEAN": loss_mean,
         }, pass_through=_PASS_THROUGH)
         if profile is not None and profile.sync is not None:
             self.code.env["sync"] = profile.sync
@@ -195,8 +197,12 @@ class Generator(Visitor):
             args = ["ctx"]
             for i in s.ins:
                 args.append(f"L[{i.name!r}]" if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
-            if kwargs:
-                args.append("**" + code.value("kw", kwargs))
+            # Arguments as keywords of the call (a name is an identifier: the op's own
+            # parameter), each value a global: `**kw` built a dict at every call.
+            rest = {k: v for k, v in kwargs.items() if not k.isidentifier() or keyword.iskeyword(k)}
+            args += [f"{k}={code.value('kw', v)}" for k, v in kwargs.items() if k not in rest]
+            if rest:
+                args.append("**" + code.value("kw", rest))
             if clocked and self.clock is not None:
                 args.append(f"_clock={self.clock}")
             call = f"{code.value('op', impl, s.op)}({', '.join(args)})"
@@ -211,12 +217,16 @@ class Generator(Visitor):
                     self._accumulate(outs[0])
 
     def _accumulate(self, name: str) -> None:
-        """Sum a train.step loss over its loop without converting it (a device tensor
-        stays one: no sync per step); the loop's end stores the mean (visit_Loop)."""
+        """Keep a train.step loss for its loop's mean, as it is (a device tensor stays
+        one: no sync per step); the loop's end stores the mean (_store_means). A list
+        append, not a tensor add per step: a 0-d add is a TensorIterator (1 % of a tiny
+        MLP's step, 10k instructions); torch sums the stacked losses once, at the end,
+        and every MEAN_BLOCK steps so that a long loop does not keep every loss."""
         code = self.code
-        total, count = self.means[name]
-        code.line(f"{total} = r if {count} == 0 else {total} + r")
-        code.line(f"{count} += 1")
+        losses, blocks = self.means[name]
+        code.line(f"{losses}.append(r)")
+        with code.block(f"if len({losses}) == MEAN_BLOCK:"):
+            code.line(f"{blocks}.append(LOSS_SUM({losses})); {losses}.clear()")
 
     @contextlib.contextmanager
     def _timed(self, pos: Any, what: str) -> Iterator[None]:
@@ -250,8 +260,9 @@ class Generator(Visitor):
             for k, name in enumerate(outs):
                 self._store(name, f"r[{k}]")
             return
-        # Usually none of them is global (a `read`'s batch): one check, then unpacked.
-        with code.block(f"if G.keys().isdisjoint({code.value('outs', tuple(outs))}):"):
+        # Usually none of them is global (a `read`'s batch): one test, then unpacked (`in`
+        # tests: G.keys().isdisjoint() cost a view and a call, 0.1 us more a step).
+        with code.block(f"if {' and '.join(f'{name!r} not in G' for name in outs)}:"):
             code.line(f"{targets} = r")
         with code.block("else:"):
             for k, name in enumerate(outs):
@@ -379,8 +390,8 @@ class Generator(Visitor):
                 code.line(f"{i} = -1")
             outer, self.means = self.means, {}
             for name in _step_losses(s.body):
-                self.means[name] = (code.fresh("sum"), code.fresh("count"))
-                code.line(f"{self.means[name][1]} = 0")
+                self.means[name] = (code.fresh("losses"), code.fresh("blocks"))
+                code.line(f"{self.means[name][0]} = []; {self.means[name][1]} = []")
             outer_clock, self.clock = self.clock, (code.fresh("clock") if self._uses_clock(s.body) else None)
             entry, now = code.fresh("entry"), code.fresh("now")
             if self.max_steps is not None:
@@ -413,9 +424,9 @@ class Generator(Visitor):
         (Lightning's on_epoch loss: what the epoch line, log and outputs show);
         `<name>_last` keeps the last step's value."""
         code = self.code
-        for name, (total, count) in means.items():
-            with code.block(f"if {count}:"):
-                self._store(name, f"{total} / {count}")
+        for name, (losses, blocks) in means.items():
+            with code.block(f"if {losses} or {blocks}:"):
+                self._store(name, f"LOSS_MEAN({blocks}, {losses})")
 
     # -- concurrency ----------------------------------------------------------------------
     def visit_Parallel(self, s: ir.Parallel) -> None:
@@ -445,6 +456,29 @@ class Generator(Visitor):
         self.clock = outer_clock
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
+
+
+# A loop's mean loss sums its steps' losses by blocks of this many (the losses of a block
+# are kept until it is summed: a few hundred bytes each, 512 on a GPU).
+MEAN_BLOCK = 1024
+
+
+def loss_sum(losses: list[Any]) -> Any:
+    """torch's float32 sum of a block of train.step losses (0-d tensors on one device)."""
+    import torch
+
+    return torch.stack(losses).sum()
+
+
+def loss_mean(blocks: list[Any], losses: list[Any]) -> Any:
+    """The mean of a loop's train.step losses: the sum of its blocks' sums (and of the
+    last, unfinished block) over the steps. Rounding: torch's sum of the stacked float32
+    losses (pairwise on the CPU, a tree on a GPU), not a left-to-right sum; a few units in
+    the last place of float32 apart."""
+    n = len(blocks) * MEAN_BLOCK + len(losses)
+    if losses:
+        blocks = [*blocks, loss_sum(losses)]
+    return (blocks[0] if len(blocks) == 1 else loss_sum(blocks)) / n
 
 
 def _step_losses(body: tuple[ir.Step, ...]) -> list[str]:

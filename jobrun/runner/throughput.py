@@ -12,26 +12,31 @@ from __future__ import annotations
 
 import resource
 import sys
-import threading
 from typing import Any
 
 INT_KINDS = frozenset("iu")  # numpy/torch dtype kinds that hold token ids
 
 
 class Feed:
-    """What `read` ops delivered so far (one per run; shared by every task's context)."""
+    """What `read` ops delivered so far (one per run; shared by every task's context).
 
-    __slots__ = ("records", "tokens", "wait", "lock")
+    Every reader adds to a tally of its own, while `read` holds the reader's lock (the
+    instances of a task that read one reader take turns there): no two threads ever add
+    to one tally, so the feed has no lock of its own (taking one cost 0.4 us of a read's
+    0.85 us), and the totals are the tallies' sums.
+    """
+
+    __slots__ = ("tallies",)
 
     def __init__(self) -> None:
-        self.records = 0
-        self.tokens = 0
-        self.wait = 0.0
-        self.lock = threading.Lock()  # instances and parallel tasks read at once
+        # id(reader) -> [records, tokens, seconds]. A dead reader's id taken by a new one
+        # continues its tally: the sums are the same, and the dead one reads no more.
+        self.tallies: dict[int, list[Any]] = {}
 
-    def add(self, batch: tuple[Any, ...], seconds: float) -> None:
-        """One `read`: its batch (fields..., done) and the seconds it took (every step runs
-        this: a shape, a dtype test and a lock, no call into torch beyond them)."""
+    def add(self, batch: tuple[Any, ...], seconds: float, source: Any = None) -> None:
+        """One `read` of `source` (a reader, whose lock the caller holds): its batch
+        (fields..., done) and the seconds it took (every step runs this: a shape and a
+        dtype test, no call into torch beyond them)."""
         x = batch[0]
         if x.__class__ is dict and x:  # a dict batch: its first field counts its records
             x = next(iter(x.values()))
@@ -42,13 +47,25 @@ class Feed:
             n = shape[0] if shape else 1
         # Token ids: an integer (batch, sequence) tensor; its records are sequences.
         tokens = n * shape[1] if shape and len(shape) == 2 and _is_int(x) else 0
-        with self.lock:
-            self.records += n
-            self.tokens += tokens
-            self.wait += seconds
+        tally = self.tallies.get(id(source))
+        if tally is None:
+            tally = self.tallies.setdefault(id(source), [0, 0, 0.0])
+        tally[0] += n
+        tally[1] += tokens
+        tally[2] += seconds
 
     def snapshot(self) -> tuple[int, int, float]:
-        return self.records, self.tokens, self.wait
+        """(records, tokens, seconds) over every reader so far."""
+        tallies = list(self.tallies.values())  # one C call: a new reader may come meanwhile
+        return (sum(t[0] for t in tallies), sum(t[1] for t in tallies), sum(t[2] for t in tallies))
+
+    @property
+    def records(self) -> int:
+        return self.snapshot()[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.snapshot()[1]
 
 
 def _is_int(x: Any) -> bool:
