@@ -96,12 +96,11 @@ def runs(tmp_path_factory):
 def test_two_replicas_train_what_one_does(runs, run):
     one, two = ckpt_values(runs / "one", 2), ckpt_values(runs / run, 2)
     first = ckpt_values(runs / "one", 0)
-    for name in ("model", "cut", "plain", "bn"):
+    # (not bn: in training mode BatchNorm normalises each rank's slice, as DDP does)
+    for name in ("model", "cut", "plain"):
         w1, w2 = one[name]["state"], two[name]["state"]
         assert w1.keys() == w2.keys()
         for key in w1:
-            if name == "bn" and "running" in key:  # rank 0's statistics, of its slices
-                continue
             assert close(w1[key], w2[key], 1e-5), (run, name, key)
             assert w1[key] != first[name]["state"][key], (name, key)  # it trained
     got1, got2 = logged(runs / "one"), logged(runs / run)

@@ -32,23 +32,19 @@ def comm_device(ctx: OpContext) -> torch.device:
     return torch.device("cpu")
 
 
-def _flat_buckets(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
-
-
 def broadcast_tensors(ctx: OpContext, tensors: Sequence[torch.Tensor], src: int) -> None:
-    """Overwrite `tensors` in place with rank `src`'s values, one collective per dtype."""
+    """Overwrite `tensors` in place with rank `src`'s values, in one collective: their
+    bytes in one flat buffer, whatever their dtypes (BatchNorm's float32 statistics and
+    int64 counter took two)."""
     if not tensors:
         return
     dev = comm_device(ctx)
-    for idxs in _flat_buckets(tensors).values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(dev) for i in idxs])
-        torch.distributed.broadcast(flat, src=src)
-        for i, chunk in zip(idxs, flat.split([tensors[i].numel() for i in idxs])):
-            tensors[i].data.copy_(chunk.view_as(tensors[i]))
+    parts = [t.detach().reshape(-1).to(dev).view(torch.uint8) for t in tensors]
+    flat = torch.cat(parts)
+    torch.distributed.broadcast(flat, src=src)
+    for t, chunk in zip(tensors, flat.split([part.numel() for part in parts])):
+        # a copy of its own: a chunk's offset may not be a multiple of its dtype's size
+        t.data.copy_(chunk.clone().view(t.dtype).view_as(t))
 
 
 # ---------------------------------------------------------------- torch's DDP (replicate)
