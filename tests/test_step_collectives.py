@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from runner_util import HANG_S, ckpt_values, close, jobrun_proc, logged
 
-PLAN = """
+HEAD = """
 job: collectives
 seed: 3
 max_epochs: 2
@@ -42,40 +42,31 @@ epoch:
     do:
       - call: {fn: "jobrun_test_helpers:host_reads", out: r0}  # the last epoch's log points
       - call: {fn: "jobrun_test_helpers:collectives", out: c0}
-      # 6 steps over 45 records in batches of 8: the last batch (5) splits 3 + 2
-      - loop: 6
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - if: end
-            then: [{read: {in: data, out: [xb, yb, end]}}]
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - call: {fn: "jobrun_test_helpers:host_reads", out: reads_reader}
-      - call: {fn: "jobrun_test_helpers:collectives", out: coll_reader}
-      - loop: 6
-        do:
-          - call: {fn: "jobrun_test_helpers:rank_batch", in: [x, y], out: [xc, yc], batch: 8}
-          - train.step: {in: [cut, opt_cut, xc, yc], out: loss_cut}
-      - call: {fn: "jobrun_test_helpers:host_reads", out: reads_cut}
-      - call: {fn: "jobrun_test_helpers:collectives", out: coll_cut}
-      - loop: 6
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - if: end
-            then: [{read: {in: data, out: [xb, yb, end]}}]
-          - train.step: {in: [plain, opt_plain, xb, yb], out: loss_plain}
-      - call: {fn: "jobrun_test_helpers:host_reads", out: reads_plain}
-      - call: {fn: "jobrun_test_helpers:collectives", out: coll_plain}
-      - loop: 6
-        do:
-          - read: {in: data, out: [xb, yb, end]}
-          - if: end
-            then: [{read: {in: data, out: [xb, yb, end]}}]
-          - train.step: {in: [bn, opt_bn, xb, yb], out: loss_bn}
-      - call: {fn: "jobrun_test_helpers:host_reads", out: reads_bn}
-      - call: {fn: "jobrun_test_helpers:collectives", out: coll_bn}
-      - log: {in: [loss, loss_cut, loss_plain, loss_bn, reads_reader, coll_reader, reads_cut, coll_cut,
+STEPS      - log: {in: [loss, loss_cut, loss_plain, loss_bn, reads_reader, coll_reader, reads_cut, coll_cut,
                    reads_plain, coll_plain, reads_bn, coll_bn]}
 """
+# 6 steps over 45 records in batches of 8: the last batch (5) splits 3 + 2
+READ = """          - read: {in: data, out: [xb, yb, end]}
+          - if: end
+            then: [{read: {in: data, out: [xb, yb, end]}}]
+"""
+
+
+def _counted(name: str, batch: str, model: str, opt: str, loss: str) -> str:
+    """6 train.steps of ``model`` on batches ``batch`` makes, then the reads and
+    collectives counted since the previous count, as reads_NAME and coll_NAME."""
+    return f"""      - loop: 6
+        do:
+{batch}          - train.step: {{in: [{model}, {opt}, xb, yb], out: {loss}}}
+      - call: {{fn: "jobrun_test_helpers:host_reads", out: reads_{name}}}
+      - call: {{fn: "jobrun_test_helpers:collectives", out: coll_{name}}}
+"""
+
+
+CUT = '          - call: {fn: "jobrun_test_helpers:rank_batch", in: [x, y], out: [xb, yb], batch: 8}\n'
+PLAN = HEAD.replace("STEPS", _counted("reader", READ, "model", "opt", "loss") + _counted("cut", CUT, "cut", "opt_cut", "loss_cut")
+                    + _counted("plain", READ, "plain", "opt_plain", "loss_plain")
+                    + _counted("bn", READ, "bn", "opt_bn", "loss_bn"))
 
 pytestmark = pytest.mark.slow
 
