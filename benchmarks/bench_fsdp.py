@@ -16,9 +16,9 @@ numbers (the same initial weights and batches; the losses are checked). From one
 the next the same program's epochs on this 2-CPU machine sit 10-15% apart (1.13 or
 1.31 s), more than the difference measured, and within a run they drift by +-8%; so each
 jobrun epoch is compared with the hand epoch right after it, and the figure is the median
-of those ratios. What jobrun adds per step is its global-batch bookkeeping (the batch
-size and the loss summed over ranks, with the stop flag, carried in FSDP's first
-reduce-scatter of the backward), the reader and the executor.
+of those ratios. What jobrun adds per step is its global-batch bookkeeping (the ranks'
+losses, carried in FSDP's first reduce-scatter of the backward; the stop flags, an
+asynchronous all-reduce read a step later), the reader and the executor.
 
 One more row, for information, compares whole processes: `jobrun train --replicas 2`
 (its launcher, its spawned workers) against the hand loop started by torchrun, in

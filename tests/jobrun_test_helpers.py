@@ -243,3 +243,57 @@ def mlp_plan(job: str, top: str, *, n: int = 64, batch: int = 8, hidden: int | s
     if outputs:
         lines.append(f"    outputs: {outputs}")
     return "\n".join(lines) + "\n"
+
+
+# The collectives jobrun issues itself (FSDP's all-gathers and reduce-scatters go through
+# other functions; DDP's buckets and the stop flags are asynchronous): blocking ones are
+# what a step would wait for, besides its gradients.
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier")
+_blocking = [0]
+
+
+def count_collectives() -> None:
+    """Count the blocking calls of torch.distributed's collectives above, in this process."""
+    import torch.distributed as dist
+
+    if getattr(dist, "_jobrun_counted", False):
+        return
+    for name in _COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, **kwargs):
+            if not kwargs.get("async_op", False):
+                _blocking[0] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    dist._jobrun_counted = True
+
+
+def collectives() -> int:
+    """The blocking collectives counted since the last call."""
+    n, _blocking[0] = _blocking[0], 0
+    return n
+
+
+def rank_batch(x, y, step: int, rank: int, world_size: int, batch: int):
+    """This rank's part of global batch `step` (in order, cycling), cut by user code: no
+    reader tagged it with the global batch's records. The last batch of a pass is short."""
+    import torch
+
+    starts = list(range(0, x.shape[0], batch))
+    lo = starts[step % len(starts)]
+    idx = torch.arange(lo, min(lo + batch, x.shape[0])).tensor_split(world_size)[rank]
+    return x[idx].clone(), y[idx].clone()
+
+
+def plain_mlp(sizes: list[int]):
+    """A model made by user code (not `build`): jobrun does not wrap it."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(11)  # the same weights on every rank
+    layers: list = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])

@@ -298,6 +298,7 @@ _TOTALS = """
 import json, sys, torch, torch.distributed as dist
 from jobrun.ops import fsdp
 from jobrun.ops.context import OpContext
+from jobrun.ops.reader import mark_records
 from jobrun.ops.train import train_step
 rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
@@ -307,20 +308,36 @@ sizes = [7, 10, 0]  # records per rank in each global batch of 17: rank 2's slic
 lo = sum(sizes[:rank])
 calls = []
 real = dist.all_reduce
-dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+def all_reduce(*a, **k):  # counts the blocking ones (the stop flags' is asynchronous)
+    if not k.get("async_op"):
+        calls.append(1)
+    return real(*a, **k)
+dist.all_reduce = all_reduce
+reads = []
+for name in ("item", "tolist", "__float__", "__bool__"):
+    def counted(self, *a, _real=getattr(torch.Tensor, name), **k):
+        reads.append(1)
+        return _real(self, *a, **k)
+    setattr(torch.Tensor, name, counted)
 out = {}
-for carry in (True, False):
+for carry, tagged in ((True, False), (False, False), (True, True), (False, True)):
     torch.manual_seed(1)
     model = fsdp.shard(torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3)))
     if not carry:  # as a model sharded without the carrier: the vector is all-reduced
         model._jobrun_totals = None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx = OpContext(rank=rank, world_size=world, parallel="fsdp")
-    calls.clear()
-    losses = [train_step(ctx, model, opt, x[s, lo:lo + sizes[rank]], y[s, lo:lo + sizes[rank]]).item()
-              for s in range(3)]
+    calls.clear(), reads.clear()
+    losses = []
+    for s in range(3):
+        xs, ys = x[s, lo:lo + sizes[rank]], y[s, lo:lo + sizes[rank]]
+        if tagged:  # as a reader splits a batch: its global records known, no count to carry
+            mark_records((xs, ys), 17)
+        losses.append(train_step(ctx, model, opt, xs, ys))
+    read = len(reads)
+    losses = [v.item() for v in losses]
     weights = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
-    out[carry] = {"losses": losses, "all_reduces": len(calls), "weights": weights}
+    out[f"{carry}-{tagged}"] = {"losses": losses, "all_reduces": len(calls), "reads": read, "weights": weights}
 if rank == 0:  # the same steps in one process, on the whole global batch
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
@@ -333,9 +350,10 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
-    # 3 ranks (sums of 3 floats depend on their order) and an empty slice: the loss and
-    # records travel in FSDP's reduce-scatter (no all-reduce), every rank gets the same
-    # loss, and the numbers equal those of a separate all-reduce and of one process.
+    # 3 ranks (sums of 3 floats depend on their order) and an empty slice: the losses (and
+    # the records of batches no reader split) travel in FSDP's reduce-scatter (no
+    # all-reduce, no read from the device), every rank gets the same loss, and the
+    # numbers equal those of a separate all-reduce and of one process.
     script = tmp_path / "totals.py"
     script.write_text(_TOTALS)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), "3", str(tmp_path / "store")],
@@ -347,10 +365,14 @@ def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
         assert "Warning" not in err, err  # e.g. torch's deprecation of a collective
         got.append(json.loads(out.splitlines()[-1]))
     for g in got:
-        assert g["true"]["all_reduces"] == 0  # carried
-        assert g["false"]["all_reduces"] == 3  # one a step without the carrier
-        assert g["true"]["losses"] == g["false"]["losses"] == got[0]["true"]["losses"]
-        assert g["true"]["weights"] == g["false"]["weights"]
+        for tagged in ("False", "True"):  # cut by the script, or split by a reader
+            carried, alone = g[f"True-{tagged}"], g[f"False-{tagged}"]
+            assert carried["all_reduces"] == 0  # carried
+            assert alone["all_reduces"] == 3  # one a step without the carrier
+            assert carried["reads"] == alone["reads"] == 0  # the loss stays on the device
+            assert carried["losses"] == alone["losses"] == got[0][f"True-{tagged}"]["losses"]
+            assert carried["weights"] == alone["weights"]
     one = got[0]["one"]
-    assert all(close(a, b, 1e-6) for a, b in zip(got[0]["true"]["losses"], one))
+    for key in ("True-False", "True-True"):
+        assert all(close(a, b, 1e-6) for a, b in zip(got[0][key]["losses"], one))
     assert one[2] < one[0]  # it trained

@@ -38,6 +38,8 @@ checkpoint: {dir: ckpt}
 init:
   - task: setup
     do:
+      - call: {fn: "jobrun_test_helpers:count_host_reads"}
+      - call: {fn: "jobrun_test_helpers:count_collectives"}
       - call: {fn: "bag:tokens", out: [x, y], n: 90, vocab: 200, length: 5, seed: 4}
       - reader: {in: [x, y], out: data, batch_size: 18, shuffle: true, passes: 0}
       - build: {in: [200, 16, 3], out: model, target: "bag:Bag"}
@@ -45,13 +47,17 @@ init:
 epoch:
   - task: train
     do:
+      - call: {fn: "jobrun_test_helpers:host_reads", out: r0}  # the last epoch's log points
+      - call: {fn: "jobrun_test_helpers:collectives", out: c0}
       - loop: 5
         do:
           - read: {in: data, out: [xb, yb, end]}
           - if: end
             then: [{read: {in: data, out: [xb, yb, end]}}]
           - train.step: {in: [model, opt, xb, yb], out: loss}
-      - log: {in: [loss]}
+      - call: {fn: "jobrun_test_helpers:host_reads", out: reads}
+      - call: {fn: "jobrun_test_helpers:collectives", out: colls}
+      - log: {in: [loss, reads, colls]}
 """
 
 pytestmark = pytest.mark.slow
@@ -84,6 +90,14 @@ def test_one_and_two_replicas_train_the_same_embedding(runs):
     l2 = [r["loss"] for r in logged(runs / "r2")]
     assert len(l1) == len(l2) == 3 and all(close(a, b, 1e-4) for a, b in zip(l1, l2))
     assert l1[-1] < l1[0]
+
+
+def test_sparse_rows_take_collectives_of_their_own(runs):
+    """What DDP's dense buckets cannot carry (docs/data-parallel.md): each step gathers the
+    ranks' row counts (read to the host, to size the buffers), then the rows' indices and
+    values; one process does neither."""
+    assert [(r["reads"], r["colls"]) for r in logged(runs / "r1")] == [(0, 0)] * 3
+    assert [(r["reads"], r["colls"]) for r in logged(runs / "r2")] == [(5, 15)] * 3  # 5 steps
 
 
 def test_two_replicas_with_sparse_gradients_resume_exactly(runs, tmp_path):

@@ -32,23 +32,19 @@ def comm_device(ctx: OpContext) -> torch.device:
     return torch.device("cpu")
 
 
-def _flat_buckets(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
-
-
 def broadcast_tensors(ctx: OpContext, tensors: Sequence[torch.Tensor], src: int) -> None:
-    """Overwrite `tensors` in place with rank `src`'s values, one collective per dtype."""
+    """Overwrite `tensors` in place with rank `src`'s values, in one collective: their
+    bytes in one flat buffer, whatever their dtypes (BatchNorm's float32 statistics and
+    int64 counter took two)."""
     if not tensors:
         return
     dev = comm_device(ctx)
-    for idxs in _flat_buckets(tensors).values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(dev) for i in idxs])
-        torch.distributed.broadcast(flat, src=src)
-        for i, chunk in zip(idxs, flat.split([tensors[i].numel() for i in idxs])):
-            tensors[i].data.copy_(chunk.view_as(tensors[i]))
+    parts = [t.detach().reshape(-1).to(dev).view(torch.uint8) for t in tensors]
+    flat = torch.cat(parts)
+    torch.distributed.broadcast(flat, src=src)
+    for t, chunk in zip(tensors, flat.split([part.numel() for part in parts])):
+        # a copy of its own: a chunk's offset may not be a multiple of its dtype's size
+        t.data.copy_(chunk.clone().view(t.dtype).view_as(t))
 
 
 # ---------------------------------------------------------------- torch's DDP (replicate)
@@ -77,6 +73,10 @@ def replicate_module(ctx: OpContext, module: nn.Module) -> nn.Module:
         return module  # nothing dense to train: train.step reduces what there is itself
     dev = torch.device(ctx.device)
     kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+    # DDP broadcasts rank 0's buffers (BatchNorm statistics) before every forward, as
+    # torch does by default, so that a `call` step's forward sees them too; train.step
+    # broadcasts them once more after its optimizer step, so that evaluate (no forward
+    # sync without gradients) and checkpoints see rank 0's.
     replicate(module, ignored_modules=ignored, init_sync=False, **kwargs)
     carrier = Carrier(ctx.world_size)
     module.register_comm_hook(carrier, Carrier.hook)
@@ -96,11 +96,11 @@ class Carrier:
     Every bucket is all-reduced asynchronously (DDP overlaps that with the rest of the
     backward). Outside `train.step` (``weighted`` False) a bucket is divided by the world
     size first, exactly torch's default ``allreduce_hook``. In `train.step`'s backward
-    (``weighted``) it is summed, and ``pending`` (this rank's weighted loss, a 0-d tensor)
-    rides at the end of the first float32/float64 bucket, so that the summed loss comes
-    back in ``carried`` with the gradients, on the device, read by nobody until someone
-    needs the loss: no collective of its own and no wait for the device. Every rank
-    calls the hook for the same buckets in the same order, so all carry it or none.
+    (``weighted``) it is summed, and ``pending`` (the step's :class:`Totals` vector) rides
+    at the end of the first float32/float64 bucket, so that the vector summed over ranks
+    comes back in ``carried`` with the gradients, on the device, read by nobody until
+    someone needs the loss: no collective of its own and no wait for the device. Every
+    rank calls the hook for the same buckets in the same order, so all carry it or none.
     """
 
     def __init__(self, world: int) -> None:
@@ -123,7 +123,7 @@ class Carrier:
         elif extra is not None and buf.dtype in (torch.float32, torch.float64):
             self.pending = None
             n = buf.numel()
-            flat = torch.cat([buf, extra.detach().reshape(1).to(buf.dtype)])
+            flat = torch.cat([buf, extra.to(buf.dtype)])
             fut = torch.distributed.all_reduce(flat, async_op=True).get_future()
             return fut.then(lambda f: self._keep(f.value()[0], n))
         return torch.distributed.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
@@ -133,7 +133,7 @@ class Carrier:
         return flat[:n]
 
     def take(self) -> torch.Tensor | None:
-        """The summed loss if a bucket carried it (None otherwise); clears both."""
+        """The summed vector if a bucket carried it (None otherwise); clears both."""
         carried, self.carried, self.pending = self.carried, None, None
         return carried
 
@@ -172,7 +172,9 @@ stop_flags = StopFlags()
 
 
 class GlobalCount:
-    """The global batch size, all-reduced in the background while the forward runs."""
+    """The global batch size, all-reduced in the background while the forward runs: only
+    for an fp16 step on a batch no reader split (see `train.step`), whose loss scaler must
+    see the weighted loss, not the sum that :class:`Totals` divides after the backward."""
 
     def __init__(self, ctx: OpContext, local: int) -> None:
         self._value: int | None = None if ctx.distributed else local
@@ -188,16 +190,17 @@ class GlobalCount:
         return self._value
 
 
-def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tensor,
-                    sparse: frozenset[int] = frozenset()) -> float:
-    """Sum gradients (one flat bucket per dtype) and the loss over ranks, for a model that
-    DDP does not hold (not a Module, or one made by user code rather than `build`).
+def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], totals: torch.Tensor,
+                    sparse: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Sum gradients (one flat bucket per dtype) and the step's :class:`Totals` vector
+    over ranks, for a model that DDP does not hold (not a Module, or one made by user
+    code rather than `build`); returns the summed vector, on the device.
 
     A rank whose slice was empty has no gradients; a per-parameter "has a gradient" flag
-    rides in the float32 bucket with the loss, so that a parameter no rank touched keeps
-    grad=None as in a single process (optimizers skip those), at no extra collective.
-    So does the rank's stop flag (a SIGINT/SIGTERM it got): when any rank was signalled,
-    every rank raises Interrupted here, at the same step (see jobrun.signals).
+    rides in the float32 bucket with the totals, so that a parameter no rank touched keeps
+    grad=None as in a single process (optimizers skip those), at no extra collective. The
+    flags are read (from the device) only by a rank that lacks some gradient itself: where
+    this rank has every one, so has the sum.
 
     ``sparse``: the ids of parameters whose gradients are sparse (see
     :func:`sparse_params`); their rows are gathered from every rank instead (see
@@ -206,10 +209,7 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
     """
     dev = comm_device(ctx)
     has = [p.grad is not None for p in params]
-    meta = torch.cat([
-        torch.tensor([*has, signals.flag()], dtype=torch.float32, device=dev),
-        loss.float().reshape(1).to(dev),
-    ])
+    meta = torch.cat([torch.tensor(has, dtype=torch.float32, device=dev), totals.float().to(dev)])
     reduced_meta = meta
     dense = [i for i, p in enumerate(params) if id(p) not in sparse] if sparse else range(len(params))
     groups: dict[torch.dtype, list[int]] = {}
@@ -235,56 +235,62 @@ def allreduce_grads(ctx: OpContext, params: list[torch.Tensor], loss: torch.Tens
             reduced_meta = flat[flat.numel() - meta.numel() :]
     if sparse:
         allreduce_sparse(dev, [p for p in params if id(p) in sparse])
-    flags = reduced_meta[: len(params) + 1].tolist()
-    signals.agree(flags.pop())
-    for p, flag in zip(params, flags):
-        if flag == 0:
-            p.grad = None
-    return float(reduced_meta[-1].item())
+    if not all(has):  # some parameter had no gradient here: did any rank give it one?
+        for p, flag in zip(params, reduced_meta[: len(params)].tolist()):
+            if flag == 0:
+                p.grad = None
+    return reduced_meta[len(params) :]
 
 
-class LossSum:
-    """For sharded models, whose gradients FSDP sums itself: the loss, the records and
-    the stop flags of all ranks, summed after the last backward by :meth:`finish`.
+class Totals:
+    """What `train.step` sums over ranks besides the gradients, in one small vector that
+    rides in a collective the step's last backward issues anyway: DDP's first bucket
+    (:class:`Carrier`), FSDP's first reduce-scatter (:class:`jobrun.ops.fsdp.StepTotals`),
+    or the flat bucket of :func:`allreduce_grads`. Only where none of them could carry it
+    is it all-reduced on its own (:meth:`finish`).
 
-    They travel as one vector in which each rank fills its own slots (its records, its
-    loss) and the flag: every slot is one rank's number plus zeros, exact in any order a
-    collective adds, so every rank then sums the same numbers in the same order and gets
-    the same float. The vector rides in the last backward's first reduce-scatter of
-    gradients (``totals``: the model's :class:`jobrun.ops.fsdp.StepTotals`), a collective
-    FSDP issues anyway. When none carried it (a model sharded without one), it is
-    all-reduced after the backward; every rank takes the same way, as every rank issues
-    the same reduce-scatters."""
+    Each rank fills its own slots: its loss (already weighted by its share of the global
+    batch, the same weighting for DDP and FSDP) and, for a batch no reader split (whose
+    global size no rank knows), its records; so its loss is its sum over records and
+    :meth:`finish` divides the gradients and the loss by the records of all ranks, on
+    the device. Every slot is one rank's number plus zeros, exact in whatever order a
+    collective adds (a reduce-scatter adds each rank's chunk in an order of its own), so
+    every rank then sums the same numbers in the same order and gets the same loss. Nothing
+    here reads the device."""
 
-    def __init__(self, ctx: OpContext, loss: torch.Tensor, records: int, totals: Any) -> None:
+    def __init__(self, ctx: OpContext, loss: torch.Tensor, records: int | None) -> None:
         world, rank = ctx.world_size, ctx.rank
-        meta = torch.zeros(2 * world + 1, dtype=torch.float64, device=comm_device(ctx))
-        meta[0] = signals.flag()
-        meta[1 + rank] = records
-        meta[1 + world + rank] = loss.detach().reshape(())
-        self._meta, self._world, self._totals = meta, world, totals
-        if totals is not None:
-            totals.pending = meta
+        vector = torch.zeros(world if records is None else 2 * world, dtype=torch.float32, device=loss.device)
+        vector[rank] = loss.detach().reshape(())
+        if records is not None:
+            vector[world + rank] = records
+        self.vector, self._world, self._summed = vector, world, records is not None
 
-    def finish(self, params: list[torch.Tensor], divide: bool = True) -> tuple[float, int]:
-        """(the global-batch mean loss, the global batch size). With ``divide`` each rank
-        backpropagated its loss sum, so the summed gradients and losses are divided here
-        by the records of all ranks; without, each rank's loss was weighted by its share
-        of the global batch already."""
-        summed_meta = None if self._totals is None else self._totals.take()
-        if summed_meta is None:
-            torch.distributed.all_reduce(self._meta)
-            summed_meta = self._meta
-        values, world = summed_meta.tolist(), self._world
-        signals.agree(values[0])
-        total = int(sum(values[1 : 1 + world]))
-        summed = sum(values[1 + world :])
-        if total and divide:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                torch._foreach_div_(grads, float(total))
-            summed /= total
-        return float(torch.tensor(summed if total else 0.0, dtype=torch.float32)), total
+    def finish(self, ctx: OpContext, carried: torch.Tensor | None, params: list[torch.Tensor]) -> torch.Tensor:
+        """The global batch's mean loss (a 0-d float32 tensor) from the ``carried`` vector
+        (None: none carried it, so it is all-reduced here); for summed losses the
+        gradients of ``params`` are divided by the records of all ranks first."""
+        if carried is None:
+            carried = self.vector.to(comm_device(ctx))
+            torch.distributed.all_reduce(carried)
+        world = self._world
+        loss = carried[:world].float().sum()
+        if not self._summed:
+            return loss
+        # All ranks empty (no records): zero gradients and a zero loss, as each rank's
+        # empty slice gave, rather than 0/0.
+        records = carried[world:].float().sum().clamp_min(1.0)
+        dense, sparse = [], []
+        for p in params:
+            g = p.grad
+            if g is not None:
+                g = g.to_local() if hasattr(g, "to_local") else g  # FSDP's shards
+                (sparse if g.is_sparse else dense).append(g)
+        if dense:
+            torch._foreach_div_(dense, records.to(dense[0].device))
+        for g in sparse:
+            g.div_(records.to(g.device))
+        return loss / records
 
 
 _sparse_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()

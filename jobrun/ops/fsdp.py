@@ -8,10 +8,11 @@ parameters are broadcast, so every rank starts equal) and before the optimizer i
 over it, so the optimizer's state is sharded too. With one replica nothing is sharded.
 
 Gradients are summed over ranks, not averaged (a divide factor of 1, plain SUM):
-`train.step` weights each rank's loss by its share of the global batch, as for ddp, so
-fsdp and ddp compute the same update. The step's totals (each rank's loss and records,
-the stop flags) ride in the first reduce-scatter of its last backward (:class:`StepTotals`)
-instead of a collective of their own.
+`train.step` weights each rank's loss by its share of the global batch, the same code as
+for ddp, so fsdp and ddp compute the same update. The step's totals (the ranks' losses,
+see :class:`jobrun.ops.dist.Totals`) ride in the first reduce-scatter of its last
+backward (:class:`StepTotals`) instead of a collective of their own, and stay on the
+device; the stop flags are agreed as for ddp (:class:`jobrun.ops.dist.StopFlags`).
 
 With an amp (the plan's, see :mod:`jobrun.plans.precision`) the parameters are gathered
 and used in bf16/fp16 (MixedPrecisionPolicy), gradients reduced in float32 and the
@@ -49,16 +50,17 @@ def shard(module: nn.Module, types: tuple[str, ...] = (), amp: str | None = None
             m.set_force_sum_reduction_for_comms(True)
             if totals is not None:
                 m.set_custom_reduce_scatter(totals)
-    module._jobrun_totals = totals  # train.step finds it here (see dist.LossSum)
+    module._jobrun_totals = totals  # train.step finds it here (see dist.Totals)
     return module
 
 
 class StepTotals:
     """FSDP's reduce-scatter of gradients (the same call as its default), which also
-    carries the vector that :class:`jobrun.ops.dist.LossSum` hands it (``pending``): the
-    first reduce-scatter after that, in float32 or float64, appends the vector to every
-    rank's chunk of its input, so that each rank's output ends with the vector summed
-    over ranks (``carried``). One collective fewer per step: on 2 gloo ranks a separate
+    carries the vector that `train.step` hands it (``pending``, a
+    :class:`jobrun.ops.dist.Totals` vector): the first reduce-scatter after that, in
+    float32 or float64, appends the vector to every rank's chunk of its input, so that
+    each rank's output ends with the vector summed over ranks (``carried``), on the
+    device. One collective fewer per step: on 2 gloo ranks a separate
     all-reduce of those few numbers cost 3% of the benchmark's steps.
 
     FSDP calls it as its ReduceScatter comm (``allocate``, then the call), on every rank

@@ -19,7 +19,7 @@ from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import (
     GlobalCount,
-    LossSum,
+    Totals,
     allreduce_grads,
     allreduce_sparse,
     broadcast_tensors,
@@ -102,28 +102,34 @@ def train_step(
     shape = y.shape
     local = shape[0] if shape else 1  # an unbatched record (a 0-d label) counts as one
     replicas = ctx.world_size > 1
-    sharded = replicas and ctx.parallel == "fsdp"
-    carrier = carrier_of(model) if replicas and not sharded else None
-    if carrier is not None:
+    # Sharded by `build` under `parallel: fsdp` (fsdp.shard marks it); a model made by
+    # user code is reduced as under ddp, whatever `parallel` says.
+    sharded = replicas and hasattr(model, "_jobrun_totals")
+    # What carries the step's Totals with the gradients: DDP's hook, FSDP's reduce-scatter
+    # (None: sharded by a torch without custom reduce-scatters, or a model DDP does not
+    # hold, whose gradients allreduce_grads sums).
+    carrier = (getattr(model, "_jobrun_totals", None) if sharded else carrier_of(model)) if replicas else None
+    ddp = carrier is not None and not sharded
+    if replicas:
         stop_flags.exchange()  # raises Interrupted on every rank when one was signalled
     scaler = _scaler(opt, device) if dtype is _FLOAT16 else None
-    # ddp: each rank's loss is weighted by its share of the global batch, whose size the
-    # reader's split tells every rank (global_records); for a batch from elsewhere it is
-    # all-reduced while the first forward runs. fsdp needs no collective of its own here:
-    # each rank backpropagates its loss sum, and the records of all ranks come with the
-    # loss, in the last backward's first reduce-scatter of gradients (see LossSum). Not
-    # with fp16, whose loss scaler would see the magnitude of a sum and skip other steps
-    # than ddp: it counts as ddp does.
-    known = global_records(y) if replicas and not sharded else None
-    count = GlobalCount(ctx, local) if replicas and known is None and (not sharded or scaler is not None) else None
-    summed = sharded and count is None
+    # Each rank's loss is weighted by its share of the global batch, whose size the
+    # reader's split tells every rank (global_records): the same code for ddp and fsdp,
+    # and no collective to count it. A batch no reader split: each rank backpropagates its
+    # loss sum, its records ride with the loss (Totals), and the gradients are divided by
+    # all ranks' records after the backward, on the device. Not with fp16, whose loss
+    # scaler would see the magnitude of a sum and skip other steps than one process: its
+    # records are all-reduced while the first forward runs (GlobalCount).
+    known = global_records(y) if replicas else None
+    count = GlobalCount(ctx, local) if replicas and known is None and scaler is not None else None
+    summed = replicas and known is None and count is None
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
     last = len(batches) - 1
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
-    reduced = None  # fsdp: the loss sum over ranks, under way during the last backward
+    totals = None  # replicas: what the last backward carries (the ranks' losses, records)
     for i, (xb, yb, n) in enumerate(batches):
-        if carrier is not None and last:  # DDP all-reduces in the last backward only
+        if ddp and last:  # DDP all-reduces in the last backward only
             model.set_requires_gradient_sync(i == last)
         if n:
             if dtype is None:
@@ -132,22 +138,23 @@ def train_step(
                 with _autocast(device, dtype):
                     part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
             if summed:
-                part = part * n  # the micro-batch's sum; the gradients are divided by all records later
+                part = part * n  # the micro-batch's sum; Totals divides by all records later
             else:
                 n_all = known if known is not None else local if count is None else count.value
                 if n != n_all:
                     part = part * (n / n_all)
             value = part if value is None else value.detach() + part.detach()
-        elif sharded or (carrier is not None and i == last):
+        elif sharded or (ddp and i == last):
             # every rank's forward and backward take part in FSDP's and DDP's collectives
             part = _idle(model, xb, yb, loss_fn)
         else:
             continue  # an empty slice of a short global batch contributes nothing
-        if sharded and i == last:  # after the forward: every rank's collectives in one order
-            totals = getattr(model, "_jobrun_totals", None)
-            reduced = LossSum(ctx, _zero(value, device), local, totals)
-        if carrier is not None and i == last:  # DDP's hook sums this backward, with the loss
-            carrier.pending, carrier.weighted, carrier.finished = _zero(value, device), True, False
+        if replicas and i == last:  # after the forward: every rank's collectives in one order
+            totals = Totals(ctx, _zero(value, device), local if summed else None)
+            if carrier is not None:
+                carrier.pending = totals.vector
+        if ddp and i == last:  # DDP's hook sums this backward, with the totals
+            carrier.weighted, carrier.finished = True, False
             try:
                 (part if scaler is None else scaler.scale(part)).backward()
             finally:
@@ -155,30 +162,35 @@ def train_step(
         else:
             (part if scaler is None else scaler.scale(part)).backward()
     value = _zero(value, device)
-    # The optimizer's parameters: reduced over replicas without DDP, and clipped when the
-    # model is no Module (a Module is clipped in model.parameters() order, below).
+    if totals is None and replicas:  # no micro-batch ran a backward here (an empty slice)
+        totals = Totals(ctx, value, local if summed else None)
+    # The optimizer's parameters: reduced over replicas without DDP or FSDP, divided by
+    # the records after a summed step, and clipped when the model is no Module (a Module
+    # is clipped in model.parameters() order, below).
     module = isinstance(model, nn.Module)
-    wanted = (replicas and carrier is None) or (clip_grad_norm is not None and not module)
+    unheld = replicas and carrier is None and not sharded
+    wanted = unheld or summed or (clip_grad_norm is not None and not module)
     params = _trained_params(opt) if wanted else None
-    total = local if count is None else None
-    if known is not None:
-        total = known
-    if reduced is not None:  # FSDP has summed the gradients into each rank's shards already
-        mean, total = reduced.finish(params, divide=summed)
-    if not (total if total is not None else count.value):  # after the backward: all ranks raise
+    total = known if known is not None else local if count is None else count.value
+    if not summed and not total:  # after the backward: all ranks raise
         raise RunError(
             "train.step got an empty batch",
             hint="check `done` from `read` before training on its fields",
         )
-    if carrier is not None:
-        if not carrier.finished:  # a bucket never became ready: a parameter got no gradient
-            raise _unused_parameters()
-        mean = _carried_loss(ctx, carrier, value)
-        sparse = sparse_params(model)
-        if sparse:  # left out of DDP's dense buckets: their rows are gathered here
-            allreduce_sparse(comm_device(ctx), [p for p in model.parameters() if id(p) in sparse])
-    elif not sharded:
-        mean = allreduce_grads(ctx, params, value.detach(), sparse_params(model)) if replicas else None
+    mean = None
+    if replicas:
+        if ddp:
+            if not carrier.finished:  # a bucket never became ready: a parameter got no gradient
+                raise _unused_parameters()
+            sparse = sparse_params(model)
+            if sparse:  # left out of DDP's dense buckets: their rows are gathered here
+                allreduce_sparse(comm_device(ctx), [p for p in model.parameters() if id(p) in sparse])
+            carried = carrier.take()
+        elif unheld:
+            carried = allreduce_grads(ctx, params, totals.vector, sparse_params(model))
+        else:  # FSDP has summed the gradients into each rank's shards already
+            carried = None if carrier is None else carrier.take()
+        mean = totals.finish(ctx, carried, params if summed else [])
     if scaler is not None:
         scaler.unscale_(opt)
     if clip_grad_norm is not None:
@@ -199,8 +211,6 @@ def train_step(
     _last_loss[0] = value
     if mean is None:
         mean = value.detach()
-    elif mean.__class__ is float:  # fsdp and models DDP does not hold reduced on the host
-        mean = torch.tensor(mean, dtype=_FLOAT32)
     return mean if mean.dtype is _FLOAT32 else mean.float()
 
 
@@ -223,16 +233,6 @@ def _unused_parameters() -> RunError:
         hint="use every parameter in the forward, or set requires_grad=False on those that "
              "are not trained (see docs/data-parallel.md)",
     )
-
-
-def _carried_loss(ctx: OpContext, carrier: Any, value: torch.Tensor) -> torch.Tensor:
-    """The global-batch loss summed over ranks, as DDP's hook carried it (or, when no
-    float bucket could, one all-reduce of it)."""
-    carried = carrier.take()
-    if carried is None:
-        carried = value.detach().float().reshape(1).to(comm_device(ctx))
-        torch.distributed.all_reduce(carried)
-    return carried[0]
 
 
 _last_loss: list[Any] = [None]
