@@ -110,6 +110,6 @@ def test_steps_read_nothing_to_the_host_and_wait_for_no_collective_of_their_own(
         assert row["coll_reader"] == row["coll_cut"] == 0, row
         # a model no DDP/FSDP holds: its gradients' one all-reduce a step, nothing else
         assert row["coll_plain"] == (0 if run == "one" else 6), row
-        # BatchNorm's buffers follow rank 0: one broadcast a step (DDP's own, before each
-        # forward, is off), no host read
+        # BatchNorm's buffers follow rank 0: train.step's one broadcast a step (DDP's own
+        # before each forward, torch's default, goes through its C++ reducer), no host read
         assert row["reads_bn"] == 0 and row["coll_bn"] == (0 if run == "one" else 6), row
