@@ -18,7 +18,7 @@ from typing import Any
 
 from jobrun.errors import PlanError
 from jobrun.plans import ir
-from jobrun.plans.visit import children
+from jobrun.plans.visit import children, op_calls
 
 READERS = frozenset({"data.load", "load"})  # ops whose `path` is a file read from the plan's directory
 
@@ -58,16 +58,9 @@ def _ordered(plan: ir.Plan) -> Iterator[tuple[tuple[int, int, int], ir.OpCall]]:
     """Every op call with its slot: (group number, task number, number in the task)."""
     for g, group in enumerate(plan.groups):
         for t, task in enumerate(group.tasks):
-            for k, step in enumerate(_calls(task)):
+            for k, step in enumerate(c for block in children(task) for c in op_calls(block)):
                 yield (g, t, k), step
 
-
-def _calls(node: Any) -> Iterator[ir.OpCall]:
-    for block in children(node):
-        for step in block:
-            if isinstance(step, ir.OpCall):
-                yield step
-            yield from _calls(step)
 
 
 def _before(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:

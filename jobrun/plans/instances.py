@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from jobrun.errors import Pos
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
-from jobrun.plans.visit import children
+from jobrun.plans.visit import op_calls
 
 
 def problems(plan: ir.Plan, ops: Mapping[str, OpSpec]) -> Iterator[tuple[Pos, str, str]]:
@@ -28,7 +28,7 @@ def problems(plan: ir.Plan, ops: Mapping[str, OpSpec]) -> Iterator[tuple[Pos, st
 
 def _task(task: ir.Task, ops: Mapping[str, OpSpec]) -> Iterator[tuple[Pos, str, str]]:
     own: set[str] = set()  # names the instance defines before it trains them: its own
-    for call in _calls(task.do):
+    for call in op_calls(task.do):
         spec = ops.get(call.op)
         if spec is not None and spec.category == "training" and spec.mutates:
             shared = [ref.name for ref, name in zip(call.ins, spec.input_names(len(call.ins)))
@@ -43,11 +43,3 @@ def _task(task: ir.Task, ops: Mapping[str, OpSpec]) -> Iterator[tuple[Pos, str, 
                     "parallel), or give each instance its own model, built in the task's `do`")
         own.update(out.name for out in call.outs)
 
-
-def _calls(steps: tuple[ir.Step, ...]) -> Iterator[ir.OpCall]:
-    """Every op call of a block, nested blocks included, in source order."""
-    for step in steps:
-        if isinstance(step, ir.OpCall):
-            yield step
-        for block in children(step):
-            yield from _calls(block)

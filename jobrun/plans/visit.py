@@ -6,6 +6,7 @@ holds. Subclasses override what they care about and call `generic_visit` for the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from jobrun.plans import ir
@@ -23,6 +24,15 @@ def children(node: Any) -> tuple[tuple[ir.Step, ...], ...]:
     if isinstance(node, ir.Task):
         return (node.init, node.do, node.exit)
     return ()
+
+
+def op_calls(steps: tuple[ir.Step, ...]) -> Iterator[ir.OpCall]:
+    """Every op call of a block, nested blocks included, in source order."""
+    for step in steps:
+        if isinstance(step, ir.OpCall):
+            yield step
+        for block in children(step):
+            yield from op_calls(block)
 
 
 def also_written(call: ir.OpCall) -> tuple[ir.BlobRef, ...]:
