@@ -1,7 +1,8 @@
 """Readers whose batches are one dict: `reader: {in: [x, x], keys: [input_ids, labels]}`.
 
 A reader over in-memory fields (or a reader of windows) with ``keys`` gives each batch as
-one mapping ``{key: field}`` (so does a reader whose one input is a mapping of fields), the keyword arguments of a model that computes its loss
+one mapping ``{key: field}`` (so does a reader whose one input is a mapping of fields),
+the keyword arguments of a model that computes its loss
 (`train.step: {in: [model, opt, batch], loss: model}` calls ``model(**batch)``), as a
 Dataset whose items are dicts gives them through the DataLoader's collate. Everything
 else is the reader's own: passes, shuffling, the rank's part of each global batch (each
