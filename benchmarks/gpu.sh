@@ -16,7 +16,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name() if ok else 'no CUDA GPU'); sys.exit(0 if ok else 1)"
 
 echo "== tests marked cuda"
-timeout 240 "$PY" -m pytest -q -m cuda tests/test_cuda.py || echo "CUDA TESTS FAILED"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda $(grep -l "mark.cuda" tests/test_*.py) || echo "CUDA TESTS FAILED"
 
 echo "== plans/gpt.yaml on the GPU: one run of 200 steps, and 100 + resume to 200"
 runs=$(mktemp -d)
