@@ -7,7 +7,7 @@ The model: token embedding + learned positions, 4 pre-norm transformer blocks (d
 batch of 32, AdamW. jobrun runs a plan whose epoch is one loop of `read` and
 `train.step` (`amp: bf16`, device cuda); the hand loop reads the same batches (the
 reader's order) from a pinned host tensor, copies them non_blocking and steps with
-autocast, reading the loss only at the end of the epoch. Both run in this process,
+autocast, reading the epoch's mean loss only at the end of the epoch. Both run in this process,
 epochs alternating (one hand epoch after each of jobrun's); an epoch ends when its last
 loss is read, so the GPU has finished it. The figure is the median of hand/jobrun over
 adjacent epochs. Host syncs: the calls that read a tensor's value to the host
@@ -99,6 +99,7 @@ class HandLoop:
         torch, model, opt = self.torch, self.model, self.opt
         cross_entropy = torch.nn.functional.cross_entropy
         t0 = time.perf_counter()
+        losses = []
         for _ in range(STEPS):
             idx = self.batches.next()
             xb = self.x[idx].pin_memory().cuda(non_blocking=True)
@@ -109,8 +110,11 @@ class HandLoop:
                 loss = cross_entropy(logits.reshape(-1, VOCAB), yb.reshape(-1))
             loss.backward()
             opt.step()
-        last = loss.item()  # waits for the epoch's kernels
-        return time.perf_counter() - t0, last
+            losses.append(loss.detach())
+        # The epoch's mean loss, as jobrun's epoch outputs give it (one sum at the end);
+        # reading it waits for the epoch's kernels.
+        mean = torch.stack(losses).sum().item() / STEPS
+        return time.perf_counter() - t0, mean
 
 
 _EPOCH_END = 4  # reads an epoch's end may make: its outputs for the records and the stop check
