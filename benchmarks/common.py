@@ -234,8 +234,11 @@ def torchrun(module: str, *args: str) -> dict[str, Any]:
                         "-m", module, *args], cwd=ROOT, env=python_env(),
                        capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
+        # The failing rank's own traceback comes first; torchrun's summary after it says
+        # only which rank exited.
+        first = p.stderr.find("Traceback")
         raise RuntimeError(f"the ranks of {module} {' '.join(args[:1])} failed ({p.returncode}): "
-                           f"{p.stderr[-2000:]}")
+                           f"{p.stderr[first:first + 3000] if first >= 0 else p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
