@@ -37,5 +37,8 @@ print(f"gpt on the GPU, one run vs split + resume: max |param diff| = {diff:.3g}
 PY
 ) 2>&1 | tee "$OUT/gpu-user.log" || echo "GPT USER RUN FAILED"
 
+echo "== replicas on the CPU of a machine with a GPU, on the image's torch (2 gloo ranks)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_fsdp.py || echo "FSDP TESTS FAILED"
+
 echo "== benchmarks, GPU section"
 timeout 300 "$PY" benchmarks/run.py --device cuda --quick --json "$OUT/gpu-bench.json"

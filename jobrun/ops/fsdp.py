@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from jobrun.errors import RunError
@@ -39,9 +40,14 @@ def shard(module: nn.Module, types: tuple[str, ...] = (), amp: str | None = None
     """Shard ``module`` in place: its layers (see :func:`layers`; with ``types``, the
     plan's `fsdp_layers`: every submodule of those classes), then the root; with ``amp``
     (bf16, fp16) parameters are gathered in that dtype."""
+    # The mesh is on the module's device. fully_shard's default mesh is on the machine's
+    # accelerator whenever it has one: CPU ranks on a host with one GPU all called
+    # cuda.set_device(rank) there, and rank 1 failed ("invalid device ordinal").
+    device = next(iter(module.parameters()), torch.empty(0)).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in layers_of_types(module, types) if types else layers(module):
-        fully_shard(layer, mp_policy=policy(amp, root=False))
-    fully_shard(module, mp_policy=policy(amp, root=True))
+        fully_shard(layer, mesh=mesh, mp_policy=policy(amp, root=False))
+    fully_shard(module, mesh=mesh, mp_policy=policy(amp, root=True))
     totals = StepTotals() if hasattr(FSDPModule, "set_custom_reduce_scatter") else None
     for m in module.modules():
         if isinstance(m, FSDPModule):

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -86,10 +86,13 @@ def _elastic(launch: Launch) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # A failed rank's peers get 5 s to stop; torch 2.11's LaunchConfig has no such field
+    # (its agent waits its own default), and `torch>=2.10` is what jobrun asks for.
+    quick_stop = {"shutdown_timeout": 5} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=launch.replicas, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
-        monitor_interval=0.2, start_method="spawn", shutdown_timeout=5,
+        monitor_interval=0.2, start_method="spawn", **quick_stop,
     )
     try:
         with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), _usr1_as_term():
