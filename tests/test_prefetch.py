@@ -293,3 +293,35 @@ def test_steady_state_reads_of_every_reader_never_wait_for_the_device():
                 torch.cuda.set_sync_debug_mode("default")
             assert xb.is_cuda and yb.is_cuda and not done, kind
         getattr(reader, "close", lambda: None)()
+
+
+def test_a_shuffled_tensor_batch_is_gathered_by_index_like_indexing():
+    """`ToDevice.gather` (what a tensor reader gathers a shuffled batch with, off the plain
+    path): the records of `x[idx]`, in a tensor of its own; on the CPU nothing is pinned."""
+    from jobrun.ops.transfer import ToDevice
+
+    x, idx = torch.randn(10, 3, 2), torch.tensor([7, 0, 3])
+    got = ToDevice("cpu").gather(x, idx)
+    assert torch.equal(got, x[idx]) and got.is_contiguous() and got.data_ptr() != x.data_ptr()
+    assert torch.equal(ToDevice("cpu").gather(x[:, 1], idx), x[idx, 1])  # a strided view too
+
+
+@_cuda
+def test_a_tensor_batch_is_gathered_straight_into_pinned_memory(monkeypatch):
+    """One copy of a batch on the host: gathered into pinned memory, not gathered and then
+    pinned (`Tensor.pin_memory` is never called), and the batches are the CPU reader's."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+    on_cpu = reader_op(OpContext(device="cpu"), x, y, batch_size=16, shuffle=True, passes=0)
+    on_gpu = reader_op(OpContext(device="cuda"), x, y, batch_size=16, shuffle=True, passes=0)
+    pins = []
+    real = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: pins.append(t.shape) or real(t, *a))
+    for _ in range(6):  # across a pass's end (`done` left out: the next pass starts)
+        a, b = read_op(None, on_cpu, ("x", "y")), read_op(None, on_gpu, ("x", "y"))
+        assert b[0].is_cuda and torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu())
+    assert pins == []
+    from jobrun.ops.transfer import ToDevice
+
+    gathered = ToDevice("cuda").gather(x, torch.tensor([5, 1]))
+    assert gathered.is_pinned() and torch.equal(gathered, x[[5, 1]])

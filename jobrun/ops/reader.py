@@ -383,7 +383,8 @@ class TensorReader(Reader):
 
     def _gather(self, field: Any, idx: torch.Tensor) -> Any:
         if isinstance(field, torch.Tensor):
-            return field[idx] if field.is_cpu else field[idx.to(field.device)]
+            # on the host: gathered where the copy to the device starts (pinned on CUDA)
+            return self._to_device.gather(field, idx) if field.is_cpu else field[idx.to(field.device)]
         if isinstance(field, np.ndarray):
             return field[idx.numpy()]
         return [field[i] for i in idx.tolist()]
