@@ -32,8 +32,10 @@ numbers bit for bit.
 
 from __future__ import annotations
 
+import queue
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,18 +102,26 @@ def plan(size: Size, steps: int) -> str:
     ], steps, head="device: DEVICE\n")
 
 
-class HandLoop:
-    """The plan's training by hand, naive (``prefetch=False``) or with the look-ahead's
-    pattern: the same initial weights (built as `build` builds them after the job's
-    ``torch.manual_seed(0)``), the same batches in the same order."""
+# The hand loops: how each gets its batches.
+NAIVE, AHEAD, THREAD = "naive", "ahead", "thread"
 
-    def __init__(self, size: Size, device: str, data: tuple[Any, Any], *, prefetch: bool) -> None:
+
+class HandLoop:
+    """The plan's training by hand: the same initial weights (built as `build` builds them
+    after the job's ``torch.manual_seed(0)``), the same batches in the same order, each
+    had by `kind`: NAIVE (``x[idx].to(device)``, blocking, from pageable memory), AHEAD
+    (the look-ahead's pattern: the next batch gathered into pinned memory and its copy
+    issued on a side stream when the current one is handed out) or THREAD (the same, done
+    by a thread of its own while this one launches the steps, as a DataLoader's pin-memory
+    thread works). ``sync``: the loss is read every step, as a loop printing it does."""
+
+    def __init__(self, size: Size, device: str, data: tuple[Any, Any], kind: str, sync: bool = False) -> None:
         import torch
 
         from jobrun.ops.context import OpContext
         from jobrun.ops.models import build
 
-        self.torch, self.device, self.prefetch = torch, torch.device(device), prefetch
+        self.torch, self.device, self.kind, self.sync = torch, torch.device(device), kind, sync
         self.cuda = self.device.type == "cuda"
         self.x, self.y = data  # the plan's images, made alike
         with torch.random.fork_rng(devices=[]):
@@ -120,9 +130,14 @@ class HandLoop:
                                target="benchmarks.gpu_images:ConvNet", width=size.width)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.batches = ReaderBatches(size.n, size.batch)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda and prefetch else None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda and kind != NAIVE else None
         self.ahead: Any = None
         self.losses: list[float] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, daemon=True) if kind == THREAD else None
+        if self._thread is not None:
+            self._thread.start()
 
     def _send(self, idx: Any) -> Any:
         """The records `idx` gathered into pinned memory, their copy issued on the side
@@ -146,10 +161,28 @@ class HandLoop:
                 t.record_stream(current)
         return fields
 
+    def _feed(self) -> None:
+        """THREAD's thread: batches sent in order, one waiting in the queue."""
+        while not self._stop.is_set():
+            sent = self._send(self.batches.next())
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(sent, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
     def _batch(self) -> Any:
-        if not self.prefetch:  # the naive copy: pageable memory, blocking
+        if self.kind == NAIVE:  # pageable memory, blocking
             idx = self.batches.next()
             return self.x[idx].to(self.device), self.y[idx].to(self.device)
+        if self.kind == THREAD:
+            return self._land(self._queue.get())
         sent = self.ahead if self.ahead is not None else self._send(self.batches.next())
         self.ahead = self._send(self.batches.next())  # prepared while this step runs
         return self._land(sent)
@@ -165,8 +198,15 @@ class HandLoop:
             loss = cross_entropy(model(xb), yb)
             loss.backward()
             opt.step()
+            if self.sync:
+                value(loss)
         self.losses.append(loss.item())  # waits for the epoch's kernels
         return time.perf_counter() - t0
+
+
+def value(loss: Any) -> float:
+    """The loss read to the host (the sync variant's plan calls this every step)."""
+    return loss.item()
 
 
 class LookAhead:
@@ -203,22 +243,24 @@ class Measured:
 
     on: list[float] = field(default_factory=list)  # jobrun's epochs 1, 3, 5...
     off: list[float] = field(default_factory=list)  # jobrun's epochs 2, 4, 6...
-    naive: list[float] = field(default_factory=list)
-    prefetch: list[float] = field(default_factory=list)
+    hand: dict[str, list[float]] = field(default_factory=dict)  # by kind
     losses: dict[str, list[float]] = field(default_factory=dict)
     prepared: dict[str, int] = field(default_factory=dict)  # preparations made/skipped
     reads: list[int] = field(default_factory=list)  # host reads of GPU tensors, each jobrun epoch
 
 
-def measure(size: Size, device: str, epochs: int, steps: int = STEPS, reads: Any = None) -> Measured:
+def measure(size: Size, device: str, epochs: int, steps: int = STEPS, reads: Any = None,
+            sync: bool = False, data: Any = None) -> Measured:
     """`epochs` of jobrun's epochs (look-ahead on in the odd ones, off in the even ones),
-    each followed by one of each hand loop (their order alternating). `reads`: a counter
-    of host reads (bench_gpu's), active during jobrun's epochs."""
+    each followed by one epoch of each hand loop (their order turning). `reads`: a
+    counter of host reads (bench_gpu's), active during jobrun's epochs. ``sync``: the
+    plan and the hand loops read the loss every step."""
     from benchmarks.inproc import run_plan
 
     got = Measured()
-    data = images(size.n, size.side)
-    naive, prefetch = HandLoop(size, device, data, prefetch=False), HandLoop(size, device, data, prefetch=True)
+    data = data if data is not None else images(size.n, size.side)
+    loops = {kind: HandLoop(size, device, data, kind, sync) for kind in (NAIVE, AHEAD, THREAD)}
+    got.hand = {kind: [] for kind in loops}
     switch = LookAhead()
     counts = {"on": 0, "off_skipped": 0, "off_prepared": 0}
 
@@ -231,41 +273,48 @@ def measure(size: Size, device: str, epochs: int, steps: int = STEPS, reads: Any
         else:
             counts["off_skipped"] += switch.skipped
             counts["off_prepared"] += switch.prepared
-        pair = [(naive, got.naive), (prefetch, got.prefetch)]
-        for loop, times in pair if epoch % 2 else pair[::-1]:
-            times.append(loop.epoch(steps))
+        kinds = list(loops)
+        for kind in kinds[epoch % 3:] + kinds[:epoch % 3]:  # each goes first in turn
+            got.hand[kind].append(loops[kind].epoch(steps))
         switch.on = epoch % 2 == 0  # the next epoch: off after an odd one
         switch.prepared = switch.skipped = 0
         if reads is not None:
             reads.count, reads.active = 0, True
 
+    text = plan(size, steps).replace("EPOCHS", str(epochs)).replace("DEVICE", device)
+    if sync:
+        step = "          - train.step: {in: [model, opt, xb, yb], out: loss}\n"
+        assert step in text
+        text = text.replace(step, step + '          - call: {fn: "benchmarks.gpu_images:value", in: [loss]}\n')
     try:
         with tempfile.TemporaryDirectory(prefix="jobrun-bench-images-") as tmp:
             path = Path(tmp) / "plan.yaml"
-            path.write_text(plan(size, steps).replace("EPOCHS", str(epochs)).replace("DEVICE", device))
+            path.write_text(text)
             if reads is not None:
                 reads.count, reads.active = 0, True
             epochs_run = run_plan(path, Path(tmp) / "run", between, device=device)
     finally:
         switch.restore()
+        for loop in loops.values():
+            loop.close()
         if reads is not None:
             reads.active = False
     ours = [e.seconds for e in epochs_run]
     got.on, got.off = ours[0::2], ours[1::2]
     jobrun = [float(e.outputs["train"]["loss_last"]) for e in epochs_run]  # type: ignore[index]
-    got.losses = {"jobrun": jobrun, "naive": naive.losses, "prefetch": prefetch.losses}
+    got.losses = {"jobrun": jobrun, **{kind: loop.losses for kind, loop in loops.items()}}
     got.prepared = counts
     return got
 
 
-def _costs(size: Size, device: str) -> dict[str, float]:
+def _costs(size: Size, device: str, data: tuple[Any, Any]) -> dict[str, float]:
     """Milliseconds a batch costs, medians of 20: its gather into pinned memory, the copy
     of that to the device, and the naive gather + blocking copy from pageable memory."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    x, _ = images(size.n, size.side)
+    x = data[0]
     batches = ReaderBatches(size.n, size.batch)
     times: dict[str, list[float]] = {"gather_pinned_ms": [], "copy_pinned_ms": [], "naive_gather_copy_ms": []}
     for _ in range(20):
@@ -290,57 +339,82 @@ def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= 2e-2 * max(1.0, abs(y)) for x, y in zip(a, b))
 
 
+def _pairs(subject: list[float], baseline: list[float]) -> list[float]:
+    """Speed ratios subject/baseline of paired epochs (baseline time / subject time)."""
+    return [b / s for s, b in zip(subject, baseline)]
+
+
 def rows(mode: Any, reads: Any, device: str = "cuda", size: Size = GPU, steps: int = STEPS) -> list[Any]:
     """The section's image rows (bench_gpu.run calls this on the GPU; the test, on the CPU
-    at a tiny size). `reads`: bench_gpu's counter of host reads."""
+    at a tiny size): the plan as it is, then with the loss read every step. `reads`:
+    bench_gpu's counter of host reads."""
+    data = images(size.n, size.side)
+    costs = _costs(size, device, data)
+    epochs = mode.pick(20, 12, 4)  # even: as many epochs on as off
+    out = []
+    for sync in (False, True):
+        got = measure(size, device, epochs, steps, reads=None if sync else reads, sync=sync, data=data)
+        out += _rows(got, size, device, steps, epochs, costs, sync)
+    return out
+
+
+def _rows(got: Measured, size: Size, device: str, steps: int, epochs: int, costs: dict[str, float],
+          sync: bool) -> list[Any]:
     import torch
 
     from benchmarks.common import Row
 
-    epochs = mode.pick(20, 12, 4)  # even: as many epochs on as off
-    got = measure(size, device, epochs, steps, reads=reads)
-    costs = _costs(size, device)
     # The first epoch of each side warms up (cudnn's choice of algorithms, pinned memory).
-    on, off, naive, pre = got.on[1:], got.off[1:], got.naive[1:], got.prefetch[1:]
-    # Each jobrun epoch (look-ahead on) against the hand epochs right after it, and
-    # against the next jobrun epoch (look-ahead off).
-    vs_pre = [h / o for o, h in zip(on, got.prefetch[2::2])]
-    vs_naive = [h / o for o, h in zip(on, got.naive[2::2])]
-    on_off = [f / o for o, f in zip(on, off)]
-    step_ms = 1000 * statistics.median(pre) / steps
-    same = all(_close(got.losses[k], got.losses["jobrun"]) for k in ("naive", "prefetch"))
-    per_step = sum(got.reads[1:]) / (steps * max(1, len(got.reads) - 1))
+    # Each jobrun epoch with the look-ahead is paired with the hand epochs right after it
+    # and with the next jobrun epoch (look-ahead off).
+    on, off = got.on[1:], got.off[1:]
+    after_on = {kind: times[2::2] for kind, times in got.hand.items()}
+    vs_ahead, vs_naive = _pairs(on, after_on[AHEAD]), _pairs(on, after_on[NAIVE])
+    on_off = _pairs(on, off)
+    thread_ahead = _pairs(got.hand[THREAD][1:], got.hand[AHEAD][1:])
+    med = statistics.median
+    same = all(_close(got.losses[k], got.losses["jobrun"]) for k in got.hand)
     switched = got.prepared["on"] > 0 and got.prepared["off_skipped"] > 0 == got.prepared["off_prepared"]
+    step_ms = {kind: 1000 * med(times[1:]) / steps for kind, times in got.hand.items()}
     mb = size.batch * 3 * size.side ** 2 * 4 / 1e6
-    shape = f"{size.batch}x3x{size.side}x{size.side} float32, {mb:.1f} MB"
     where = torch.cuda.get_device_name() if device == "cuda" else device
-    note = (f"{steps} steps an epoch, {epochs} jobrun epochs (look-ahead on, off, on...), each followed "
-            "by one epoch of each hand loop, first of each side dropped; ratios: medians over adjacent "
-            f"epochs. A batch: gather into pinned memory {costs['gather_pinned_ms']:.2f} ms, its copy "
-            f"{costs['copy_pinned_ms']:.2f} ms; naive gather + blocking copy "
-            f"{costs['naive_gather_copy_ms']:.2f} ms; a step of the hand prefetch loop {step_ms:.2f} ms")
-    extra = {"on_epoch_seconds": got.on, "off_epoch_seconds": got.off, "naive_epoch_seconds": got.naive,
-             "prefetch_epoch_seconds": got.prefetch, "losses": got.losses, "same_losses": same,
-             "prepared": got.prepared, "batch_costs_ms": costs, "prefetch_step_ms": step_ms,
-             "pairs": {"jobrun_vs_prefetch": vs_pre, "on_vs_off": on_off, "jobrun_vs_naive": vs_naive}}
-    speed = steps / statistics.median(on)
-    return [
-        Row(section="gpu", name=f"image batches ({shape}) steps/s ({where})", value=speed, unit="steps/s",
-            baseline=steps / statistics.median(pre), baseline_name="hand loop with the same prefetch",
-            ratio=statistics.median(vs_pre), goal="jobrun/hand >= 0.98",
-            ok=statistics.median(vs_pre) >= 0.98 and same, note=note, extra=extra),
-        Row(section="gpu", name="image batches: look-ahead on / off", value=speed, unit="steps/s",
-            baseline=steps / statistics.median(off), baseline_name="look-ahead switched off",
-            ratio=statistics.median(on_off), goal="on/off >= 1.02 (a gain, or the look-ahead goes)",
-            ok=statistics.median(on_off) >= 1.02 and switched,
+    what = "image batches, loss read every step" if sync else "image batches"
+    note = (f"{steps} steps an epoch, {epochs} jobrun epochs (look-ahead on, off, on...), each followed by "
+            "one epoch of each hand loop, first of each side dropped; ratios: medians over adjacent epochs. "
+            f"A batch: gather into pinned memory {costs['gather_pinned_ms']:.2f} ms, its copy "
+            f"{costs['copy_pinned_ms']:.2f} ms; naive gather + blocking copy {costs['naive_gather_copy_ms']:.2f} "
+            f"ms; a step of the hand loops: " + ", ".join(f"{k} {v:.2f} ms" for k, v in step_ms.items()))
+    extra = {"sync_every_step": sync, "on_epoch_seconds": got.on, "off_epoch_seconds": got.off,
+             "hand_epoch_seconds": got.hand, "losses": got.losses, "same_losses": same,
+             "prepared": got.prepared, "batch_costs_ms": costs, "hand_step_ms": step_ms,
+             "pairs": {"jobrun_vs_ahead": vs_ahead, "on_vs_off": on_off, "jobrun_vs_naive": vs_naive,
+                       "thread_vs_ahead": thread_ahead}}
+    speed = steps / med(on)
+    out = [
+        Row(section="gpu", name=f"{what} ({size.batch}x3x{size.side}x{size.side} float32, {mb:.1f} MB) "
+                               f"steps/s ({where})",
+            value=speed, unit="steps/s", baseline=steps / med(got.hand[AHEAD][1:]),
+            baseline_name="hand loop with the same look-ahead", ratio=med(vs_ahead), goal="jobrun/hand >= 0.98",
+            ok=med(vs_ahead) >= 0.98 and same, note=note, extra=extra),
+        Row(section="gpu", name=f"{what}: look-ahead on / off", value=speed, unit="steps/s",
+            baseline=steps / med(off), baseline_name="look-ahead switched off", ratio=med(on_off),
+            goal="on/off >= 1.02 (a gain, or the look-ahead goes)", ok=med(on_off) >= 1.02 and switched,
             note="off: each read gathers and sends its own batch (pinned, non_blocking) when it runs",
             extra={"switched": switched, "pairs": on_off}),
-        Row(section="gpu", name="image batches: jobrun / naive hand loop", value=speed, unit="steps/s",
-            baseline=steps / statistics.median(naive), baseline_name="x[idx].to(device): pageable, blocking",
-            ratio=statistics.median(vs_naive), goal="information (what pinned, non_blocking copies are worth)",
-            ok=None, extra={"pairs": vs_naive}),
-        Row(section="gpu", name="host syncs per step (image batches, jobrun)", value=per_step,
-            unit="reads/step", baseline=1.0, baseline_name="one loss.item() a step", ratio=per_step,
-            goal="0 per step (a few at an epoch's end)", ok=len(got.reads) > 1 and max(got.reads[1:]) <= 4,
-            extra={"reads_per_epoch": got.reads}),
+        Row(section="gpu", name=f"{what}: jobrun / naive hand loop", value=speed, unit="steps/s",
+            baseline=steps / med(got.hand[NAIVE][1:]), baseline_name="x[idx].to(device): pageable, blocking",
+            ratio=med(vs_naive), goal="information (what pinned, non_blocking copies are worth)", ok=None,
+            extra={"pairs": vs_naive}),
+        Row(section="gpu", name=f"{what}: hand look-ahead in a thread / in the loop",
+            value=steps / med(got.hand[THREAD][1:]), unit="steps/s", baseline=steps / med(got.hand[AHEAD][1:]),
+            baseline_name="hand loop with the same look-ahead", ratio=med(thread_ahead),
+            goal="information (what preparing batches in a thread would add)", ok=None,
+            extra={"pairs": thread_ahead}),
     ]
+    if not sync:
+        per_step = sum(got.reads[1:]) / (steps * max(1, len(got.reads) - 1))
+        out.append(Row(section="gpu", name="host syncs per step (image batches, jobrun)", value=per_step,
+                       unit="reads/step", baseline=1.0, baseline_name="one loss.item() a step", ratio=per_step,
+                       goal="0 per step (a few at an epoch's end)",
+                       ok=len(got.reads) > 1 and max(got.reads[1:]) <= 4, extra={"reads_per_epoch": got.reads}))
+    return out
