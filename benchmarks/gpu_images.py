@@ -43,7 +43,7 @@ from typing import Any
 
 from benchmarks.common import ReaderBatches, loop_plan
 
-STEPS = 100  # steps an epoch
+STEPS = 80  # steps an epoch
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,7 @@ def rows(mode: Any, reads: Any, device: str = "cuda", size: Size = GPU, steps: i
     bench_gpu's counter of host reads."""
     data = images(size.n, size.side)
     costs = _costs(size, device, data)
-    epochs = mode.pick(20, 12, 4)  # even: as many epochs on as off
+    epochs = mode.pick(16, 10, 4)  # even: as many epochs on as off
     out = []
     for sync in (False, True):
         got = measure(size, device, epochs, steps, reads=None if sync else reads, sync=sync, data=data)
