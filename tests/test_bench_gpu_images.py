@@ -17,9 +17,18 @@ from jobrun.ops.reader import Reader, TensorReader
 
 @pytest.mark.usefixtures("one_thread")
 def test_the_image_rows_sides_compute_the_same_losses_and_the_switch_takes_effect(monkeypatch):
-    # The path a reader sending batches to a GPU takes (on the CPU a plain reader has a
-    # shortcut of its own that does not prepare through `_prepare`).
+    # The path a reader sending batches to a GPU takes: preparing on the look-ahead's
+    # thread (on the CPU a plain reader has a shortcut of its own that prepares inline).
     monkeypatch.setattr(TensorReader, "_plain_fields", lambda self: False)
+    made = []
+    init = TensorReader.__init__
+
+    def threaded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._threaded = True
+        made.append(self)
+
+    monkeypatch.setattr(TensorReader, "__init__", threaded)
     real = Reader._prepare
     reads = _HostReads()
     try:
@@ -27,6 +36,7 @@ def test_the_image_rows_sides_compute_the_same_losses_and_the_switch_takes_effec
     finally:
         reads.restore()
     assert Reader._prepare is real  # the switch is undone
+    assert len(made) == 2 and all(r._to_device._thread is not None for r in made)  # prepared on it
     image = "image batches (4x3x8x8 float32, 0.0 MB) steps/s (cpu)"
     synced = "image batches, loss read every step"
     assert [r.name for r in rows] == [

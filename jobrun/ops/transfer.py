@@ -24,6 +24,8 @@ already on the device is left as it is.
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -46,6 +48,7 @@ class ToDevice:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._stream: Any = None  # made at the first copy: CUDA is initialised by then
+        self._thread: ThreadPoolExecutor | None = None  # the look-ahead's, made at its first use
 
     def __call__(self, fields: tuple[Any, ...]) -> tuple[Any, ...]:
         """`fields` on the device, ready for the current stream (a batch used at once)."""
@@ -73,6 +76,22 @@ class ToDevice:
             out = torch.empty((len(idx), *field.shape[1:]), dtype=field.dtype, pin_memory=True)
             return torch.index_select(field, 0, idx, out=out)
         return field.index_select(0, idx)
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(*args)`` (a reader preparing its next batch: gathering it into pinned
+        memory and sending it) on a thread of this device's own, while the calling thread
+        goes on launching the step's kernels: one thread, so batches are prepared in the
+        order asked. torch releases the GIL while it gathers and copies, so the batch's
+        host work (2 ms for 12.6 MB on one core) overlaps the step's launches instead of
+        delaying them. The thread's current CUDA device is the caller's (a thread starts
+        on device 0), as in the DataLoader's pin-memory thread."""
+        if self._thread is None:
+            setup: Any = None
+            if self.cuda:
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                setup = functools.partial(torch.cuda.set_device, index)
+            self._thread = ThreadPoolExecutor(1, "jobrun-look-ahead", initializer=setup)
+        return self._thread.submit(fn, *args)
 
     def land(self, sent: Any) -> tuple[Any, ...]:
         """The fields `send` started moving, usable by the current stream."""
