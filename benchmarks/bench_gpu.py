@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,17 @@ class _HostReads:
             setattr(self.torch.Tensor, name, real)
 
 
+def _image_rows(mode: Mode, reads: _HostReads) -> list[Row]:
+    """Large host batches, the look-ahead on and off (:mod:`benchmarks.gpu_images`); a
+    failure there is one MISS row with its traceback printed, and the GPT rows stay."""
+    try:
+        return gpu_images.rows(mode, reads)
+    except Exception as e:  # noqa: BLE001 - one GPU run must keep what it measured
+        traceback.print_exc()
+        return [Row(section="gpu", name="image batches: FAILED", value=0.0, unit="-", baseline=1.0,
+                    baseline_name="-", ratio=0.0, goal="runs", ok=False, note=f"{type(e).__name__}: {e}")]
+
+
 def run(mode: Mode) -> list[Row]:
     import torch
 
@@ -173,7 +185,7 @@ def run(mode: Mode) -> list[Row]:
             ours = [e.seconds for e in run_plan(plan, Path(tmp) / "run", between, device="cuda")]
             losses = [e["outputs"]["train"]["loss"] for e in metrics(Path(tmp) / "run") if e.get("event") == "epoch"]
         reads.active = False
-        images = gpu_images.rows(mode, reads)  # large host batches: the look-ahead on and off
+        images = _image_rows(mode, reads)
     finally:
         reads.restore()
     # Each epoch ends by reading its outputs (the loss, for metrics.jsonl and the stop
