@@ -300,15 +300,17 @@ def _readers_on(device: str) -> dict:
 
 @_cuda
 def test_the_next_batch_is_on_the_gpu_before_the_next_read():
-    """When a read hands out batch k, the copy of batch k+1 is already issued (on the
-    reader's side stream): after a device sync, and no other read, it is on the GPU."""
+    """When a read hands out batch k, batch k+1 is prepared on the reader's thread, its
+    copy issued on the reader's side stream: after a device sync, and no other read, it is
+    on the GPU."""
     from jobrun.ops.transfer import _Sent
 
     on_cpu, on_gpu = _readers_on("cpu"), _readers_on("cuda")
     for kind, reader in on_gpu.items():
         read_op(None, reader)
+        assert reader._threaded and isinstance(reader._ahead, Future), kind  # on the reader's thread
         expected = read_op(None, on_cpu[kind]), read_op(None, on_cpu[kind])
-        sent = _ahead(reader)  # prepared on the look-ahead's thread
+        sent = _ahead(reader)
         assert isinstance(sent, _Sent), kind
         assert all(t.is_cuda for t in sent.fields), kind
         torch.cuda.synchronize()
