@@ -1,6 +1,7 @@
 """11. gpu (``run.py --device cuda``): training steps/s of a small GPT-shaped model on one
 CUDA GPU, bf16 autocast, against a hand-written loop of the same model and data, and the
-host syncs per step.
+host syncs per step; then large image batches, where the reader's look-ahead is measured
+on and off (:mod:`benchmarks.gpu_images`).
 
 The model: token embedding + learned positions, 4 pre-norm transformer blocks (d 256,
 4 heads, causal), a linear head over a vocabulary of 1024; sequences of 128 tokens, a
@@ -22,9 +23,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_images
 from benchmarks.common import Mode, ReaderBatches, Row, loop_plan
 
 GOAL = 0.98
@@ -146,6 +149,17 @@ class _HostReads:
             setattr(self.torch.Tensor, name, real)
 
 
+def _image_rows(mode: Mode, reads: _HostReads) -> list[Row]:
+    """Large host batches, the look-ahead on and off (:mod:`benchmarks.gpu_images`); a
+    failure there is one MISS row with its traceback printed, and the GPT rows stay."""
+    try:
+        return gpu_images.rows(mode, reads)
+    except Exception as e:  # noqa: BLE001 - one GPU run must keep what it measured
+        traceback.print_exc()
+        return [Row(section="gpu", name="image batches: FAILED", value=0.0, unit="-", baseline=1.0,
+                    baseline_name="-", ratio=0.0, goal="runs", ok=False, note=f"{type(e).__name__}: {e}")]
+
+
 def run(mode: Mode) -> list[Row]:
     import torch
 
@@ -174,6 +188,8 @@ def run(mode: Mode) -> list[Row]:
             plan.write_text(PLAN.replace("EPOCHS", str(epochs)))
             ours = [e.seconds for e in run_plan(plan, Path(tmp) / "run", between, device="cuda")]
             losses = [e["outputs"]["train"]["loss"] for e in metrics(Path(tmp) / "run") if e.get("event") == "epoch"]
+        reads.active = False
+        images = _image_rows(mode, reads)
     finally:
         reads.restore()
     # Each epoch ends by reading its outputs (the loss, for metrics.jsonl and the stop
@@ -194,4 +210,5 @@ def run(mode: Mode) -> list[Row]:
             goal="0 per step (a few at an epoch's end)", ok=bool(per_epoch) and max(per_epoch) <= _EPOCH_END,
             note=f"reads of tensor values in each of jobrun's epochs of {STEPS} steps, first dropped",
             extra={"reads_per_epoch": per_epoch}),
+        *images,
     ]

@@ -26,6 +26,7 @@ class Epoch:
     cpu: float  # CPU time of this process from the start of the epoch group to its end
     wall: float  # wall clock over the same span (the checkpoint save included)
     ckpt: str  # the epoch line's checkpoint note ("ckpt 12 MB in 30 ms", "... async")
+    outputs: dict[str, Any] | None = None  # the epoch's outputs, unrounded (metrics.jsonl rounds)
 
 
 class _Capture:
@@ -56,7 +57,8 @@ class _Capture:
     def epoch_line(self, result: Any, max_epochs: int | None, max_steps: int | None = None) -> None:
         cpu = time.process_time() - self._cpu0
         wall = time.perf_counter() - self._wall0
-        self.epochs.append(Epoch(result.seconds, cpu, wall, getattr(result, "ckpt", "") or ""))
+        self.epochs.append(Epoch(result.seconds, cpu, wall, getattr(result, "ckpt", "") or "",
+                                 getattr(result, "outputs", None)))
         if self._between is not None:
             self._between(result.epoch)
 

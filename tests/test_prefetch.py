@@ -6,6 +6,8 @@ the failures are those of a reader that reads each batch when `read` runs."""
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -39,6 +41,24 @@ MAKERS = {
 }
 
 
+def _threaded(make):
+    """A reader preparing on the look-ahead's thread, as readers sending to a GPU do."""
+    def made(**a):
+        r = make(**a)
+        r._threaded = True
+        return r
+    return made
+
+
+MAKERS.update({f"{k}, threaded": _threaded(v) for k, v in list(MAKERS.items()) if k != "tensors plain"})
+
+
+def _ahead(reader: Reader):
+    """What the reader prepared (waited for when its thread prepares it), not taken."""
+    ahead = reader._ahead
+    return ahead.result() if isinstance(ahead, Future) else ahead
+
+
 def _batch(fields) -> list:
     return ["done" if fields[-1] else [f.tolist() for f in fields[:-1]]]
 
@@ -52,7 +72,7 @@ def test_the_next_batch_of_the_pass_is_prepared_when_one_is_handed_out(kind):
     r = MAKERS[kind](batch_size=4, shuffle=True, passes=2)
     r.read()
     assert r._ahead is not None and r._ahead_at == r.state_dict()["position"] == 4
-    prepared = r._ahead
+    prepared = _ahead(r)
     second = r.read()[:-1]
     assert all(a is b for a, b in zip(second, prepared))  # handed out as prepared
     r.read(), r.read()  # the pass's last batch (1 record): nothing left to prepare
@@ -83,13 +103,13 @@ def test_a_checkpoint_taken_while_a_batch_is_prepared_resumes_bit_for_bit(kind, 
 def test_look_ahead_reads_what_a_reader_without_it_reads(kind):
     """A reader whose prepared batches are dropped before every read reads each batch
     when `read` runs: the same batches, in the same layout, and the same states."""
-    args = dict(batch_size=3, shuffle=True, passes=2, drop_last=kind != "windows in order")
+    args = dict(batch_size=3, shuffle=True, passes=2, drop_last=not kind.startswith("windows in order"))
     ahead, now = MAKERS[kind](**args), MAKERS[kind](**args)
     got, expected = [], []
     for _ in range(13):
         got.append((_layout(ahead.read()), ahead.state_dict()))
-        now._ahead = None  # what look-ahead prepared is never used: read at `read`
-        if kind == "dataset with workers":
+        now._prepared(-1)  # what look-ahead prepared is never used: read at `read`
+        if kind.startswith("dataset with workers"):
             now._stop()  # its iterator ran one batch ahead; restart at the position
         expected.append((_layout(now.read()), now.state_dict()))
     assert got == expected
@@ -119,8 +139,10 @@ def test_each_rank_reads_its_part_tagged_with_the_global_batch(kind):
         assert [len(p[1]) for p in parts] == ([1, 0] if step == 3 else [2, 2])
 
 
-def test_a_stream_read_by_workers_looks_ahead_to_its_end():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_stream_read_by_workers_looks_ahead_to_its_end(threaded):
     r = _reader(Stream(), batch_size=3, passes=2, num_workers=2)
+    r._threaded = threaded
     # 2 workers batch their own parts: [0, 2, 4], [1, 3, 5], [6, 8], [7, 9]
     assert _reads(r, 4)[-1][0] == [7, 9]  # the stream's last batch: its end is prepared next
     assert r._ahead is not None and r.state_dict()["batches"] == 4
@@ -154,8 +176,10 @@ def test_without_workers_a_dataset_is_read_when_read_runs():
     assert [noise.tolist(), noise2.tolist()] == [first, second]
 
 
-def test_a_failure_preparing_a_batch_is_raised_by_the_read_that_hands_it_out():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failure_preparing_a_batch_is_raised_by_the_read_that_hands_it_out(threaded):
     r = _reader(Noisy(fail_at=5), batch_size=4, num_workers=2)
+    r._threaded = threaded
     noise, index, done = read_op(None, r)  # batch 2 (samples 4-7) fails while prepared
     assert index.tolist() == [0, 1, 2, 3] and r.state_dict()["position"] == 4
     with pytest.raises(RunError, match=r"dataset Noisy: sample 5: ValueError: bad pixel"):
@@ -183,6 +207,22 @@ def test_random_windows_draw_from_the_nodes_generator_when_read_runs():
     assert x is prepared[0] and torch.equal(x, expected())  # the prepared batch, handed out
     torch.randint(10, (3,), generator=ctx.generator), torch.randint(10, (3,), generator=gen)
     assert torch.equal(r.read()[0], expected())  # drawn again: the prepared one was stale
+
+
+def test_batches_going_to_a_gpu_are_prepared_on_the_look_aheads_thread(monkeypatch):
+    """On the look-ahead's thread, in order: the gather (and the copy's start) of batch k+1
+    overlaps the launches of step k, which the calling thread goes on with."""
+    r = MAKERS["tensors general, threaded"](batch_size=4, shuffle=True, passes=1)
+    plain = MAKERS["tensors general"](batch_size=4, shuffle=True, passes=1)
+    assert not plain._threaded and not reader_op(OpContext(device="cpu"), TOKENS[:20])._threaded
+    where = []
+    take = r._take
+    monkeypatch.setattr(r, "_take", lambda *a: where.append(threading.current_thread().name) or take(*a))
+    got = [_batch(r.read()) for _ in range(5)]
+    assert got == [_batch(plain.read()) for _ in range(5)]
+    # the pass's first batch is taken by the read; the next three, ahead on the thread
+    assert where[0] == threading.current_thread().name and len(where) == 4
+    assert all(name.startswith("jobrun-look-ahead") for name in where[1:]), where
 
 
 # -- in a job: checkpoints taken while batches are prepared ----------------------------
@@ -260,15 +300,17 @@ def _readers_on(device: str) -> dict:
 
 @_cuda
 def test_the_next_batch_is_on_the_gpu_before_the_next_read():
-    """When a read hands out batch k, the copy of batch k+1 is already issued (on the
-    reader's side stream): after a device sync, and no other read, it is on the GPU."""
+    """When a read hands out batch k, batch k+1 is prepared on the reader's thread, its
+    copy issued on the reader's side stream: after a device sync, and no other read, it is
+    on the GPU."""
     from jobrun.ops.transfer import _Sent
 
     on_cpu, on_gpu = _readers_on("cpu"), _readers_on("cuda")
     for kind, reader in on_gpu.items():
         read_op(None, reader)
+        assert reader._threaded and isinstance(reader._ahead, Future), kind  # on the reader's thread
         expected = read_op(None, on_cpu[kind]), read_op(None, on_cpu[kind])
-        sent = reader._ahead
+        sent = _ahead(reader)
         assert isinstance(sent, _Sent), kind
         assert all(t.is_cuda for t in sent.fields), kind
         torch.cuda.synchronize()
@@ -293,3 +335,35 @@ def test_steady_state_reads_of_every_reader_never_wait_for_the_device():
                 torch.cuda.set_sync_debug_mode("default")
             assert xb.is_cuda and yb.is_cuda and not done, kind
         getattr(reader, "close", lambda: None)()
+
+
+def test_a_shuffled_tensor_batch_is_gathered_by_index_like_indexing():
+    """`ToDevice.gather` (what a tensor reader gathers a shuffled batch with, off the plain
+    path): the records of `x[idx]`, in a tensor of its own; on the CPU nothing is pinned."""
+    from jobrun.ops.transfer import ToDevice
+
+    x, idx = torch.randn(10, 3, 2), torch.tensor([7, 0, 3])
+    got = ToDevice("cpu").gather(x, idx)
+    assert torch.equal(got, x[idx]) and got.is_contiguous() and got.data_ptr() != x.data_ptr()
+    assert torch.equal(ToDevice("cpu").gather(x[:, 1], idx), x[idx, 1])  # a strided view too
+
+
+@_cuda
+def test_a_tensor_batch_is_gathered_straight_into_pinned_memory(monkeypatch):
+    """One copy of a batch on the host: gathered into pinned memory, not gathered and then
+    pinned (`Tensor.pin_memory` is never called), and the batches are the CPU reader's."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+    on_cpu = reader_op(OpContext(device="cpu"), x, y, batch_size=16, shuffle=True, passes=0)
+    on_gpu = reader_op(OpContext(device="cuda"), x, y, batch_size=16, shuffle=True, passes=0)
+    pins = []
+    real = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: pins.append(t.shape) or real(t, *a))
+    for _ in range(6):  # across a pass's end (`done` left out: the next pass starts)
+        a, b = read_op(None, on_cpu, ("x", "y")), read_op(None, on_gpu, ("x", "y"))
+        assert b[0].is_cuda and torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu())
+    assert pins == []
+    from jobrun.ops.transfer import ToDevice
+
+    gathered = ToDevice("cuda").gather(x, torch.tensor([5, 1]))
+    assert gathered.is_pinned() and torch.equal(gathered, x[[5, 1]])

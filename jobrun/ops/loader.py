@@ -344,6 +344,7 @@ class DatasetReader(Reader):
 
     def close(self) -> None:
         """Stop every worker of this reader, persistent ones too (at exit)."""
+        self._prepared(-1)  # a batch being prepared is waited for: its thread uses the iterator
         self._stop()
         for loader in (self._loader, self._eval_loader):
             shutdown(getattr(loader, "_iterator", None))

@@ -35,6 +35,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,14 @@ class Failed:
         self.error = error
 
 
+def _attempt(prepare: Any, args: tuple[Any, ...]) -> Any:
+    """`prepare(*args)`, or its failure as a `Failed`."""
+    try:
+        return prepare(*args)
+    except Exception as e:
+        return Failed(e)
+
+
 def global_records(t: Any) -> int | None:
     """The records of the global batch a tensor is a rank's part of (see
     :func:`mark_records`); None for a tensor a reader did not split."""
@@ -149,6 +158,8 @@ class Reader:
         self._pass_end = self._records_per_pass()  # the geometry is fixed from here on
         self._to_device = ToDevice(self.device)
         self._move = self.device.type != "cpu"  # batches are sent to the device
+        # Batches are prepared on a thread of their own (those sent to a GPU; `_prepare`).
+        self._threaded = self._move and self._to_device.cuda
         # Look-ahead (module docstring): the batch prepared by the last read, what
         # `ToDevice.send` returned or a `Failed`, and the position it starts at.
         self._ahead: Any = None
@@ -204,17 +215,23 @@ class Reader:
         raise NotImplementedError
 
     def _prepared(self, start: int) -> Any:
-        """The batch the last read prepared if it starts at `start`, else None; taken."""
+        """The batch the last read prepared if it starts at `start`, else None; taken.
+        A batch being prepared on the look-ahead's thread is waited for either way, so
+        nothing of the reader is used by two threads at once."""
         ahead, self._ahead = self._ahead, None
+        if type(ahead) is Future:
+            ahead = ahead.result()
         return ahead if self._ahead_at == start else None
 
     def _prepare(self, at: int, prepare: Any, *args: Any) -> None:
-        """Prepare the batch at position `at` (look-ahead): `prepare(*args)` now, its
-        failure raised when the batch is handed out (by `_land`)."""
-        try:
-            self._ahead = prepare(*args)
-        except Exception as e:
-            self._ahead = Failed(e)
+        """Prepare the batch at position `at` (look-ahead): `prepare(*args)`, its failure
+        raised when the batch is handed out (by `_land`). Batches on their way to a GPU
+        are prepared on a thread of the reader's (:meth:`ToDevice.submit`) while this one
+        launches the step; elsewhere now."""
+        if self._threaded:
+            self._ahead = self._to_device.submit(_attempt, prepare, args)
+        else:
+            self._ahead = _attempt(prepare, args)
         self._ahead_at = at
 
     def _land(self, ahead: Any) -> tuple[Any, ...]:
@@ -260,7 +277,7 @@ class Reader:
         self.position = values["position"]
         self.seed = values["seed"]
         self._order_pass = -1  # recompute the permutation lazily
-        self._ahead = None  # prepared for the position left
+        self._prepared(-1)  # prepared for the position left: dropped (once its thread is done)
 
     def __repr__(self) -> str:
         return (
@@ -292,6 +309,7 @@ class TensorReader(Reader):
         self.field_count = len(self.fields)
         # Batches already on the target device skip the move (a dispatch per field per read).
         self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
+        self._threaded = self._move and self._to_device.cuda
         self._plain = self._plain_fields()
 
     def _plain_fields(self) -> bool:
@@ -383,7 +401,8 @@ class TensorReader(Reader):
 
     def _gather(self, field: Any, idx: torch.Tensor) -> Any:
         if isinstance(field, torch.Tensor):
-            return field[idx] if field.is_cpu else field[idx.to(field.device)]
+            # on the host: gathered where the copy to the device starts (pinned on CUDA)
+            return self._to_device.gather(field, idx) if field.is_cpu else field[idx.to(field.device)]
         if isinstance(field, np.ndarray):
             return field[idx.numpy()]
         return [field[i] for i in idx.tolist()]

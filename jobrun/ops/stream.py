@@ -140,6 +140,7 @@ class IterableReader(Reader):
             shutdown(iterator)
 
     def close(self) -> None:
+        self._prepared(-1)  # a batch being prepared is waited for: its thread uses the iterator
         self._stop()
         shutdown(getattr(self._loader, "_iterator", None))
 
@@ -158,4 +159,5 @@ class IterableReader(Reader):
             raise RunError(f"reader state is out of range: {values}")
         self.pass_index, self.position = values["pass"], values["batches"]
         self.seed, self.field_count = values["seed"], values["fields"]
+        self._prepared(-1)  # prepared for the position left: dropped (once its thread is done)
         self._stop()

@@ -87,7 +87,7 @@ class WindowReader(Reader):
         """A batch of random windows: this rank's part of B starts drawn now."""
         lo, hi = self.rank_part(0, self.batch_size)
         starts = torch.randint(self.length, (self.batch_size,), generator=self.generator)[lo:hi]
-        ahead, prepared = self._ahead, self._ahead_starts
+        ahead, prepared = self._prepared(0), self._ahead_starts
         if ahead is None or prepared is None or not torch.equal(prepared, starts):
             ahead = self._send(starts)
         fields = self._land(ahead)
