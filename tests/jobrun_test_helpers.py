@@ -297,3 +297,32 @@ def plain_mlp(sizes: list[int]):
     for a, b in zip(sizes, sizes[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
+
+
+def tokens(n: int, vocab: int = 11, length: int = 6):
+    """``n`` sequences of ``length`` token ids below ``vocab`` (seeded)."""
+    import torch
+
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(5))
+
+
+def TiedLM(vocab: int = 11, width: int = 8):  # noqa: N802 - a `build` target, named like the class it makes
+    """A model of Hugging Face's shape: called as model(input_ids=..., labels=...), it
+    computes its own loss (next-token cross entropy) and returns a dict; its head's weight
+    is its input embedding (tied, as GPT-2's), with a layer of its own between them."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mix = nn.Embedding(vocab, width), nn.Linear(width, width)
+            self.head = nn.Linear(width, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, input_ids, labels):
+            logits = self.head(self.mix(self.emb(input_ids)).tanh())
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+            return {"loss": loss, "logits": logits}
+
+    return Model()

@@ -127,7 +127,7 @@ def test_three_inputs_whose_batch_is_not_a_mapping_is_one_clear_error():
     assert "in: [model, opt, xb, yb]" in e.value.hint
     with pytest.raises(RunError, match="train.step input batch is null"):
         _one(None)  # a `read` at the end of its pass
-    with pytest.raises(RunError, match="holds no tensor"):
+    with pytest.raises(RunError, match="counted by its first tensor of records; its values are note: str"):
         _one({"note": "x"})
     model = DictLM()  # four inputs, y null: the error of a finished read, not of a dict batch
     with pytest.raises(RunError, match="train.step input y is null"):
@@ -435,3 +435,69 @@ def test_read_with_one_output_gives_the_dict_batch_itself_and_runs_on_past_a_pas
     assert torch.equal(got[2]["input_ids"], x[:4]) and keyed.pass_index == 1
     single = reader_op(OpContext(), x, batch_size=4, passes=0)
     assert torch.equal(read_op(None, single, ("xb",)), x[:4])
+
+
+# ------------------------------------------------- one rule for a dict batch's records
+
+
+class Texts(torch.utils.data.Dataset):
+    """Items of Hugging Face's shape with a string first: {text, input_ids, labels}."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = _data(n)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"text": f"record {i}", "input_ids": self.x[i], "labels": self.y[i]}
+
+
+class TextStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(Texts(10)[i] for i in range(10))
+
+
+class TextLM(DictLM):
+    def forward(self, text, input_ids, labels=None):  # type: ignore[override]
+        assert len(text) == input_ids.shape[0]  # the strings of the batch's records
+        return super().forward(input_ids, labels)
+
+
+def test_a_dict_batch_whose_first_value_is_no_tensor_is_counted_by_its_first_tensor_everywhere():
+    """train.step's weight, the throughput feed (samples/s, tokens/s), evaluate and the
+    split of a stream's batch over replicas count the records of a collated batch
+    {text: [5 strings], input_ids, labels} by one rule (jobrun.ops.batches): 5, not one
+    list (the feed counted 1 record and no tokens)."""
+    from collections import UserDict
+
+    from jobrun.ops.batches import counter, records
+    from jobrun.runner.throughput import Feed
+
+    ctx = OpContext()
+    reader = reader_op(ctx, Texts(10), batch_size=5)
+    batch, done = reader.read()
+    assert not done and list(batch) == ["text", "input_ids", "labels"] and len(batch["text"]) == 5
+    assert counter(batch) is batch["input_ids"] and records(batch) == 5
+    feed = Feed()
+    feed.add((batch, False), 0.0, reader)
+    feed.add((UserDict(batch), False), 0.0, reader)  # any mapping (Hugging Face's BatchEncoding)
+    assert feed.snapshot()[:2] == (10, 10 * T)  # records, tokens
+    # one rule's corners: a 0-d value beside batched ones counts nothing; a single record
+    # (unbatched, batch_size 1) counts one; lists of strings alone count by their length
+    flagged = {"scale": torch.tensor(0.5), "input_ids": batch["input_ids"]}
+    assert counter(flagged) is batch["input_ids"] and records(flagged) == 5
+    assert records({"text": "one", "label": torch.tensor(2)}) == 1 and records({"text": ["a", "b"]}) == 2
+    # train.step trains on it as on the same batch without its strings
+    model, plain = TextLM(), DictLM()
+    got = _steps(model, [(batch,)])
+    want = _steps(plain, [({"input_ids": batch["input_ids"], "labels": batch["labels"]},)])
+    assert got == want and torch.equal(model.head.weight, plain.head.weight)
+    assert train.evaluate(ctx, model, reader_op(ctx, Texts(10), batch_size=4), loss="model") == \
+        train.evaluate(ctx, plain, reader_op(ctx, *_data(10), batch_size=4, keys=["input_ids", "labels"]),
+                       loss="model")
+    # a stream's global batch of 5 over 2 replicas: rank 1 reads records 3..4 of every
+    # value, each tensor tagged with the 5 records train.step weights rank 1's loss by
+    part, _ = reader_op(OpContext(rank=1, world_size=2), TextStream(), batch_size=5).read()
+    assert part["text"] == ["record 3", "record 4"] and torch.equal(part["labels"], _data(10)[1][3:5])
+    assert global_records(counter(part)) == 5

@@ -71,6 +71,38 @@ def test_fsdp_layers_is_a_list_of_classes(tmp_path):
     assert r.code == 0 and "fsdp_layers: [torch.nn.Linear]" in r.out
 
 
+def test_layers_that_share_a_parameter_are_left_to_the_root():
+    """Tied weights (an LM's head is its embedding): FSDP manages a parameter in one unit
+    only, so the units holding a shared one are not sharded apart (their parameters are
+    gathered with the root's); the others are, and a unit inside another is no tie."""
+    import torch
+    from jobrun_test_helpers import TiedLM
+
+    from jobrun.ops.fsdp import layers, layers_of_types, untied
+
+    lm = TiedLM()
+    assert layers(lm) == [lm.emb, lm.mix, lm.head]
+    assert untied(lm, layers(lm)) == [lm.mix]
+    outer = torch.nn.Sequential(lm, torch.nn.Linear(11, 2))  # the tie one level down
+    assert untied(outer, layers_of_types(outer, ("torch.nn.Embedding", "torch.nn.Linear"))) == [
+        outer[1], lm.mix]
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16), 2)
+    nested = layers_of_types(enc, ("torch.nn.TransformerEncoderLayer", "torch.nn.Linear"))
+    assert len(nested) == 2 * 4 and untied(enc, nested) == nested  # a layer, its 3 Linears
+
+
+def test_a_hugging_face_lm_with_tied_embeddings_keeps_its_blocks_sharded():
+    transformers = pytest.importorskip("transformers")
+    from jobrun.ops.fsdp import layers, layers_of_types, untied
+
+    config = transformers.GPT2Config(vocab_size=11, n_positions=6, n_embd=8, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert untied(model, layers(model)) == []  # transformer and lm_head share wte
+    blocks = layers_of_types(model, ("transformers.models.gpt2.modeling_gpt2.GPT2Block",))
+    assert len(blocks) == 2 and untied(model, blocks) == blocks
+
+
 # -- precision: FSDP's MixedPrecisionPolicy follows train.step's amp --------------------
 
 AMP = "epoch.train.train.step.amp="

@@ -45,7 +45,8 @@ def shard(module: nn.Module, types: tuple[str, ...] = (), amp: str | None = None
     # cuda.set_device(rank) there, and rank 1 failed ("invalid device ordinal").
     device = next(iter(module.parameters()), torch.empty(0)).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in layers_of_types(module, types) if types else layers(module):
+    units = layers_of_types(module, types) if types else layers(module)
+    for layer in untied(module, units):
         fully_shard(layer, mesh=mesh, mp_policy=policy(amp, root=False))
     fully_shard(module, mesh=mesh, mp_policy=policy(amp, root=True))
     totals = StepTotals() if hasattr(FSDPModule, "set_custom_reduce_scatter") else None
@@ -129,6 +130,33 @@ def layers(module: nn.Module) -> list[nn.Module]:
         elif any(True for _ in child.parameters()):
             out.append(child)
     return out
+
+
+def untied(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``units`` less those that share a parameter with another unit or with the root's
+    own (tied weights: a Hugging Face LM's head is its input embedding): FSDP manages a
+    parameter in one unit only, and refuses the model at its first forward otherwise.
+    Their parameters are gathered with the root's instead (once per step)."""
+    units = list(units)
+    while True:
+        index = {id(u): i for i, u in enumerate(units)}
+        owners: dict[int, set[int]] = {}  # parameter -> the units holding it (-1: the root)
+        for name, p in root.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(_owner(root, name, index))
+        tied = {u for held in owners.values() if len(held) > 1 for u in held if u >= 0}
+        if not tied:
+            return units
+        units = [u for i, u in enumerate(units) if i not in tied]
+
+
+def _owner(root: nn.Module, name: str, index: dict[int, int]) -> int:
+    """The index of the innermost unit on the path of parameter ``name`` (-1: none, the
+    root's own)."""
+    found, module = -1, root
+    for part in name.split(".")[:-1]:
+        module = module.get_submodule(part)
+        found = index.get(id(module), found)
+    return found
 
 
 def layers_of_types(module: nn.Module, types: tuple[str, ...]) -> list[nn.Module]:

@@ -42,7 +42,7 @@ import random
 import re
 import signal
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -367,17 +367,9 @@ def as_fields(batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, tuple | list) else (batch,)
 
 
-def records(value: Any) -> int:
-    if isinstance(value, torch.Tensor | np.ndarray):
-        return int(value.shape[0]) if value.ndim else 1
-    if isinstance(value, dict):
-        return records(next(iter(value.values()))) if value else 0
-    return len(value) if isinstance(value, list | tuple) else 1
-
-
 def part(value: Any, lo: int, hi: int) -> Any:
     """Records [lo, hi) of a collated field (tensors, arrays, lists; dicts of them)."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {k: part(v, lo, hi) for k, v in value.items()}
     if isinstance(value, torch.Tensor | np.ndarray | list | tuple) and (
         not hasattr(value, "ndim") or value.ndim

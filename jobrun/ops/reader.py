@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -86,9 +86,10 @@ def mark_records(fields: tuple[Any, ...], records: int) -> tuple[Any, ...]:
     """Tag the tensors of a rank's part of a global batch with the records of the whole
     batch (all ranks together): every rank knows them from the split, so `train.step`
     weights its loss by its share without a collective to count them. A dict batch's
-    tensors are tagged each (train.step counts a dict batch by its first tensor)."""
+    tensors are tagged each (train.step reads the tag of the one that counts its records,
+    see :mod:`jobrun.ops.batches`)."""
     for f in fields:
-        for t in f.values() if isinstance(f, dict) else (f,):
+        for t in f.values() if f.__class__ is not torch.Tensor and isinstance(f, Mapping) else (f,):
             if isinstance(t, torch.Tensor):
                 setattr(t, _RECORDS, records)
     return fields

@@ -24,13 +24,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from jobrun.errors import RunError
+from jobrun.ops.batches import records
 from jobrun.ops.loader import (
     Options,
     as_fields,
     fetch,
     open_readers,
     part,
-    records,
     shutdown,
 )
 from jobrun.ops.reader import Failed, Reader, _as_int, _mix, _rank_bounds, mark_records

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from jobrun.errors import RunError
+from jobrun.ops.batches import counter, records
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
 from jobrun.ops.dist import (
@@ -285,8 +286,8 @@ def _keep_scaler_state(opt: Any) -> None:
 
 def _dict_batch(x: Any, y: Any, device: str, loss_fn: Any) -> tuple[dict[str, Any], torch.Tensor]:
     """A dict batch (the model's keyword arguments, `model(**batch)`) on the run's device,
-    and its first tensor, which counts its records and carries the reader's tag of the
-    global batch (see :func:`jobrun.ops.reader.mark_records`)."""
+    and the tensor that counts its records (:func:`jobrun.ops.batches.counter`), which
+    carries the reader's tag of the global batch (see :func:`jobrun.ops.reader.mark_records`)."""
     if not isinstance(x, Mapping):
         if x is None:
             as_tensor(x, device, "train.step input batch")  # the error of a finished read
@@ -309,10 +310,11 @@ def _dict_batch(x: Any, y: Any, device: str, loss_fn: Any) -> tuple[dict[str, An
             hint="in: [model, opt, batch] with `loss: model`",
         )
     batch = batch_on(x, device, "train.step")
-    first = next((v for v in batch.values() if isinstance(v, _Tensor)), None)
-    if first is None:
+    first = counter(batch)
+    if not isinstance(first, _Tensor):
         raise RunError(
-            f"train.step: the dict batch holds no tensor (keys: {', '.join(map(str, batch)) or 'none'})",
+            f"train.step: a dict batch's records are counted by its first tensor of records; "
+            f"its values are {', '.join(f'{k}: {type(v).__name__}' for k, v in batch.items()) or 'none'}",
             hint="its values are the model's arguments: tensors of one record per row",
         )
     return batch, first
@@ -469,8 +471,7 @@ def _eval_batch(ctx: OpContext, fields: tuple, loss: str) -> tuple[Any, Any, int
     if loss == MODEL and isinstance(first, Mapping):
         x = batch_on(first, ctx.device, "evaluate")
         y = as_tensor(fields[1], ctx.device, "evaluate input y") if len(fields) > 1 else None
-        sizes = [v for v in (y, *x.values()) if isinstance(v, _Tensor)]
-        return x, y, _count(sizes[0]) if sizes else 0
+        return x, y, _count(y) if y is not None else records(x)
     if len(fields) < 2:
         raise RunError("evaluate needs a reader over (x, y)", hint="a sample is a tuple (x, y)")
     x = as_tensor(fields[0], ctx.device, "evaluate input x")

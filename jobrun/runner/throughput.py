@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Mapping
 from typing import Any
+
+from jobrun.ops.batches import counter, records
 
 INT_KINDS = frozenset("iu")  # numpy/torch dtype kinds that hold token ids
 
@@ -38,13 +41,17 @@ class Feed:
         (fields..., done) and the seconds it took (every step runs this: a shape and a
         dtype test, no call into torch beyond them)."""
         x = batch[0]
-        if x.__class__ is dict and x:  # a dict batch: its first field counts its records
-            x = next(iter(x.values()))
         if batch[-1] is True:  # the end of a pass: no records
             shape, n = None, 0
         else:  # a batch, or one record (batch_size 1, or no shape: a Python value)
             shape = getattr(x, "shape", None)
-            n = shape[0] if shape else 1
+            if shape:
+                n = shape[0]
+            elif isinstance(x, Mapping):  # a dict batch: counted as train.step counts it
+                n, x = records(x), counter(x)
+                shape = getattr(x, "shape", None)
+            else:
+                n = 1
         # Token ids: an integer (batch, sequence) tensor; its records are sequences.
         tokens = n * shape[1] if shape and len(shape) == 2 and _is_int(x) else 0
         tally = self.tallies.get(id(source))
