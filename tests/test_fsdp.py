@@ -20,6 +20,7 @@ job: fs
 seed: 7
 max_epochs: 3
 parallel: fsdp
+device: cpu  # gloo ranks on the CPU even where a GPU is (benchmarks/gpu.sh runs this file there)
 checkpoint: {dir: ckpt}
 init:
   - task: setup
@@ -277,7 +278,7 @@ def test_char_lm_trains_the_same_with_fsdp_and_ddp(tmp_path):
     for name, sets in (("ddp", ["parallel=ddp"]), ("fsdp", ["parallel=fsdp"]),
                        ("typed", ["parallel=fsdp", layers])):
         r = jobrun_proc("train", plan, "--run-dir", tmp_path / name, "--replicas", "2", "max_epochs=1",
-                        "vars.layers=1", *sets, timeout=HANG_S)
+                        "vars.layers=1", "device=cpu", *sets, timeout=HANG_S)
         assert r.code == 0, r.text
         losses[name] = logged(tmp_path / name)[0]
     for name in ("fsdp", "typed"):
