@@ -11,6 +11,7 @@ from typing import Any
 
 # Argument types understood by the compiler's checks:
 #   "int", "float" (an int is accepted too), "number" (int or float), "bool", "str",
+#   "int>=0", "int>=1", "number>=0" (sizes and rates: a bad one is refused before a run),
 #   "list", "dict", "shape" (list of ints >= 0, at most 2**34 elements in all),
 #   "sizes" (a non-empty list of ints >= 1, e.g. layer widths), "any", "duration",
 #   "loss" (one of LOSS_NAMES, or a dotted path: "pkg.mod:fn"),

@@ -127,6 +127,9 @@ def type_schema(t: ArgType) -> dict[str, Any]:
 
 _SIMPLE: dict[str, dict[str, Any]] = {
     "int": {"type": "integer"},
+    "int>=0": {"type": "integer", "minimum": 0},
+    "int>=1": {"type": "integer", "minimum": 1},
+    "number>=0": {"type": "number", "minimum": 0},
     "float": {"type": "number"},
     "number": {"type": "number"},
     "bool": {"type": "boolean"},

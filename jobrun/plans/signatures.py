@@ -127,8 +127,9 @@ def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem |
 # -- argument types ------------------------------------------------------------------------
 
 # Keys an op passes on to a constructor whose type is known all the same: `vars.lr=abc`
-# is refused by analyze at the argument, not by torch after init.
-_PASSED_ON = {"optimizer": {"lr": "float", "momentum": "float", "weight_decay": "float"}}
+# (or -1: torch's optimizers refuse a negative one) is refused by analyze at the
+# argument, not by torch after init.
+_PASSED_ON = {"optimizer": {"lr": "number>=0", "momentum": "number>=0", "weight_decay": "number>=0"}}
 
 
 def _is_int(v: Any) -> bool:
@@ -141,6 +142,9 @@ def _is_number(v: Any) -> bool:
 
 _CHECKS = {
     "int": _is_int,
+    "int>=0": lambda v: _is_int(v) and v >= 0,
+    "int>=1": lambda v: _is_int(v) and v >= 1,
+    "number>=0": lambda v: _is_number(v) and v >= 0,
     "float": _is_number,
     "number": _is_number,
     "bool": lambda v: isinstance(v, bool),
@@ -159,6 +163,7 @@ _NAMES = {
     "str": "a string", "list": "a list", "dict": "a mapping", "duration": "a duration (500ms, 2s)",
     "shape": "a shape (a list of integers >= 0)", "null": "null", "any": "any value",
     "sizes": "a list of sizes (integers >= 1)",
+    "int>=0": "an integer >= 0", "int>=1": "an integer >= 1", "number>=0": "a number >= 0",
     "loss": "cross_entropy, mse, model or a dotted path (pkg.mod:fn)",
 }
 
