@@ -183,11 +183,13 @@ def test_a_blob_made_only_in_a_loop_that_made_none_says_why(tmp_path):
 
 
 def test_a_function_in_a_module_not_found_shows_no_traceback_of_importlib(tmp_path):
-    r, info = _train(tmp_path, "user_present", 'call: {fn: "user_absent_module:f", out: b}')
-    assert r.code == 1
+    # Refused before the run directory is made (tests/test_train_early.py has the rest).
+    (tmp_path / "plan.yaml").write_text(PLAN.format(step='call: {fn: "user_absent_module:f", out: b}'))
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run")
+    assert r.code == 2
     assert "fn 'user_absent_module:f' cannot be imported: ModuleNotFoundError" in r.err
     assert "traceback of your code" not in r.err and "importlib" not in r.err
-    assert info["status"] == "failed"
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_batch_ops_give_a_null_batch_the_same_fix():
