@@ -43,6 +43,11 @@ def _at(tmp_path, token: str) -> str:
     return f"{number}:{line.index(token) + 1}"
 
 
+def _files(run) -> dict:
+    """Every file of a run directory and its bytes, but the lock's (the pid holding it)."""
+    return {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
 # init step, where the message points, the message, the hint
 CASES = {
     "class-misspelt": (
@@ -101,10 +106,10 @@ def test_overwrite_of_a_run_keeps_it_when_the_plan_is_refused(tmp_path):
     run = tmp_path / "run"
     assert jobrun("train", good, "--run-dir", run).code == 0
     (run / "notes.txt").write_text("mine")
-    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    before = _files(run)
     r = jobrun("train", _plan(tmp_path, CASES["class-misspelt"][0]), "--run-dir", run, "--overwrite")
     assert r.code == 2 and "has no attribute 'Nett'" in r.err
-    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    assert _files(run) == before
 
 
 def test_in_a_process_of_its_own_the_message_comes_without_a_traceback(tmp_path):
@@ -123,3 +128,54 @@ def test_a_module_that_fails_on_its_own_is_left_to_the_run_which_shows_its_trace
     assert r.code == 1
     assert "fn 'early_broken:f' cannot be imported: ZeroDivisionError: division by zero" in r.err
     assert f'File "{tmp_path / "early_broken.py"}", line 5, in <module>' in r.err
+
+
+# -- analyze's warnings, printed by train -----------------------------------------------------
+
+LOSS = "const: {out: loss, value: 0.0}"  # an epoch output defined even where the loop reads nothing
+
+
+def test_train_prints_analyzes_warnings_once_one_line_each_before_the_run_starts(tmp_path, monkeypatch):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(mlp_plan("drained", "max_epochs: 2", init=[LOSS], outputs="[loss]").replace("passes: 0", "passes: 1"))
+    monkeypatch.chdir(tmp_path)
+    r = jobrun("train", plan)
+    assert r.code == 0, r.err
+    line, col = _at(tmp_path, "passes: 1").split(":")
+    where = f"{line}:{int(col) + len('passes: ')}"  # at the value
+    assert r.err.splitlines()[:3] == [
+        f"warning: {plan}:{where}: reader 'data' is made once, in init, with passes: 1, and every "
+        f"epoch reads it to the end of a pass (line {_at(tmp_path, 'read:').split(':')[0]}): only "
+        "the first epoch gets batches, the later ones train on nothing",
+        f"  (`jobrun analyze {plan}` shows how to fix it)",
+        "run directory runs/drained/1"]
+    assert r.err.count("warning:") == 1 and "epoch 2/2" in r.out
+
+
+def test_train_of_a_plan_without_warnings_prints_none(tmp_path, monkeypatch):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(mlp_plan("clean", "max_epochs: 1", init=[LOSS], outputs="[loss]"))
+    monkeypatch.chdir(tmp_path)
+    r = jobrun("train", plan)
+    assert r.code == 0 and r.err.splitlines()[0] == "run directory runs/clean/1"
+    assert "warning" not in r.err
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+
+def test_resume_refuses_code_that_is_gone_before_it_records_anything(tmp_path):
+    plan = _plan(tmp_path, 'build: {out: net, target: "early_models:Net", width: 2}')
+    (tmp_path / "plan.yaml").write_text((tmp_path / "plan.yaml").read_text().replace(
+        "max_epochs: 2", "max_epochs: 1\ncheckpoint: {}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    (tmp_path / "early_models.py").write_text(MODEL.replace("class Net(", "class Network("))
+    before = _files(run)
+    r = jobrun_proc("resume", run, "max_epochs=2")  # a process of its own: this one imported Net
+    assert r.code == 2, r.err
+    where = _at(tmp_path, '"early_models:Net"')
+    assert r.err.splitlines()[0] == (f"{plan}:{where}: error: build: target 'early_models:Net' cannot be "
+                                     "imported: 'early_models' has no attribute 'Net'")
+    assert "did you mean 'Network'?" in r.err and "Traceback" not in r.err
+    assert _files(run) == before

@@ -94,6 +94,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
             return 0
         inputs.check(plan, run.plan_dir, run.path.resolve())
         _ready()
+        inputs.check_code(plan, run.plan_dir)  # before run.json records the resume
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, n, select=False)
