@@ -192,3 +192,21 @@ def test_a_plan_with_the_smallest_sizes_is_fine() -> None:
           - log: {in: [xb, yb]}
     """
     assert [d.code for d in run(text) if d.severity == "error"] == []
+
+
+def test_a_misspelt_choice_that_may_also_be_null_gets_did_you_mean() -> None:
+    text = """
+    job: optim
+    max_epochs: 1
+    init:
+      - task: setup
+        do:
+          - model.mlp: {out: model, sizes: [4, 2]}
+          - optimizer: {in: model, out: opt, class: AdamWW}
+    epoch:
+      - task: train
+        do:
+          - log: {in: [opt]}
+    """
+    expect(only(text, "arg-type"), "error", at(text, "class:", "AdamWW"),
+           ("argument `class` of `optimizer` is 'AdamWW'",), ("did you mean 'AdamW'?",))

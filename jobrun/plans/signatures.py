@@ -208,10 +208,10 @@ def _bounds_text(lo: int, hi: int | None, word: str) -> str:
 
 
 def _type_hint(key: str, value: Any, t: Any) -> str:
-    if isinstance(value, str) and isinstance(t, tuple) and t[:1] == ("choice",):
-        close = did_you_mean(value, t[1:])
-        if close:
-            return close
+    choices = [c for option in (t[1:] if isinstance(t, tuple) and t[:1] == ("or",) else (t,))
+               if isinstance(option, tuple) and option[:1] == ("choice",) for c in option[1:]]
+    if isinstance(value, str) and (close := did_you_mean(value, choices)):
+        return close  # optimizer `class: AdamWW`, a choice or null
     if isinstance(value, str) and t == "loss" and (close := did_you_mean(value, LOSS_NAMES)):
         return close
     return f"give `{key}` {_describe(t)}"
