@@ -68,7 +68,8 @@ def test_a_reader_of_n_passes_is_warned_at_its_passes_when_the_job_may_run_longe
                     "      - const: {out: none, value: 0}\n")
            .replace("epoch:\n  - task: train\n    do:\n", "epoch:\n  - task: train\n    do:\n"
                     "      - reader: {in: [x, y], out: data, batch_size: 8}\n"),  # made anew each epoch
-], ids=["passes-0", "one-epoch", "a-pass-an-epoch", "counted-loop", "no-done", "made-in-epoch"])
+    drain(epochs="10\nstop_when: [end]") + "    outputs: [end]\n",  # the job ends with the pass
+], ids=["passes-0", "one-epoch", "a-pass-an-epoch", "counted-loop", "no-done", "made-in-epoch", "stop-when"])
 def test_readers_that_do_not_run_out_are_not_warned(text: str) -> None:
     assert [d.format() for d in run(text)] == []
 

@@ -87,11 +87,12 @@ def _drained_readers(plan: ir.Plan) -> Iterator[Problem]:
                 if key not in made_in_epoch:
                     readers[key] = call
     warned: set[tuple[str, str]] = set()
+    stops = {ref.name for ref in plan.stop_when}  # `stop_when: [end]`: the job ends with the pass
     for task in plan.epoch.tasks:
         for read in (r for block in children(task) for r in _reads_to_end(block)):
             key = (task.node, read.ins[0].name)  # type: ignore[union-attr]
             made = readers.get(key)
-            if made is None or key in warned:
+            if made is None or key in warned or read.outs[-1].name in stops:
                 continue
             passes = made.kwargs.get("passes", 1)
             if plan.max_epochs is not None and plan.max_epochs <= passes:
