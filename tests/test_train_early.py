@@ -179,3 +179,18 @@ def test_resume_refuses_code_that_is_gone_before_it_records_anything(tmp_path):
                                      "imported: 'early_models' has no attribute 'Net'")
     assert "did you mean 'Network'?" in r.err and "Traceback" not in r.err
     assert _files(run) == before
+
+
+def test_resume_prints_the_warnings_its_overrides_bring_and_only_those(tmp_path, monkeypatch):
+    # One epoch of a one-pass reader is fine; resumed to 3 epochs, epochs 2 and 3 would
+    # read nothing. The plan's own warning (a blob never read) was shown by train already.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(mlp_plan("more", "max_epochs: 1\ncheckpoint: {}", init=[LOSS]).replace("passes: 0", "passes: 1"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0 and r.err.count("warning:") == 1 and "defined but never read" in r.err
+    r = jobrun("resume", run, "max_epochs=3")
+    assert r.code == 0, r.err
+    warnings = [line for line in r.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "reader 'data' is made once, in init, with passes: 1" in warnings[0]
+    assert "resuming with max_epochs: 1 -> 3" in r.err

@@ -212,8 +212,14 @@ def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str],
               f"plan stored in {run.plan_file} (give changes as KEY=VALUE overrides)", file=sys.stderr)
     if not sets:
         return run.plan(), [], None
+    original = run.plan()  # before changed_plan, which makes the changed one the run's
     plan, changes, stored = run.changed_plan(sets)
-    refuse_errors(plan)
+    found = refuse_errors(plan)
+    if found:  # the warnings the overrides brought (max_epochs=5 past a reader's one pass)
+        from jobrun.plans.analyze import analyze
+
+        known = {(d.code, d.pos) for d in analyze(original)}
+        print_warnings([d for d in found if (d.code, d.pos) not in known])
     return plan, changes, stored
 
 
