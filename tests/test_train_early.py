@@ -147,7 +147,7 @@ def test_train_prints_analyzes_warnings_once_one_line_each_before_the_run_starts
         f"warning: {plan}:{where}: reader 'data' is made once, in init, with passes: 1, and every "
         f"epoch reads it to the end of a pass (line {_at(tmp_path, 'read:').split(':')[0]}): only "
         "the first epoch gets batches, the later ones train on nothing",
-        f"  (`jobrun analyze {plan}` shows how to fix it)",
+        "  (`jobrun analyze PLAN` shows how to fix it)",
         "run directory runs/drained/1"]
     assert r.err.count("warning:") == 1 and "epoch 2/2" in r.out
 

@@ -200,8 +200,7 @@ def print_warnings(warnings: list[Any]) -> None:
         for line in lines:
             print(f"warning: {line}", file=sys.stderr)
     if lines:
-        print(f"  (`jobrun analyze {warnings[0].pos.file}` shows how to fix {'it' if len(lines) == 1 else 'them'})",
-              file=sys.stderr)
+        print(f"  (`jobrun analyze PLAN` shows how to fix {'it' if len(lines) == 1 else 'them'})", file=sys.stderr)
 
 
 def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str], Any]:
