@@ -145,6 +145,9 @@ def test_data_load_arguments_that_fit_are_fine() -> None:
     ("optimizer: {in: model, out: opt, lr: BAD}", "lr", "-0.1", "a number >= 0"),
     ("data.synthetic: {out: [a, b], task: regression, n: BAD, features: 4}", "n", "0", "an integer >= 1"),
     ("train.step: {in: [model, opt, x, y], out: loss, accumulate: BAD}", "accumulate", "0", "an integer >= 1"),
+    ("train.step: {in: [model, opt, x, y], out: loss, clip_grad_norm: BAD}", "clip_grad_norm", "0", "a number > 0"),
+    ("data.synthetic: {out: [a, b], task: classification, n: 4, features: 4, classes: BAD}", "classes", "1",
+     "an integer >= 2"),
 ])
 def test_a_size_or_rate_out_of_range_is_refused_at_its_value(op, key, bad, expected) -> None:
     text = textwrap.dedent(f"""
@@ -174,7 +177,17 @@ def test_the_schema_gives_the_same_minimums() -> None:
     from jobrun.plans.schema import plan_schema
 
     text = str(plan_schema())
-    assert "'minimum': 1" in text and "'minimum': 0" in text
+    assert "'minimum': 1" in text and "'minimum': 2" in text and "'exclusiveMinimum': 0" in text
+
+
+@pytest.mark.parametrize(("t", "bound"), [
+    ("int>=1", ("int", ">=", 1.0)), ("number>0", ("number", ">", 0.0)), ("number>=-1.5", ("number", ">=", -1.5)),
+    ("int", None), ("int>=", None), ("float>=1", None), (("or", "int>=1", "null"), None),
+])
+def test_bounded_types_are_read_from_their_name(t, bound) -> None:
+    from jobrun.ops.spec import bounded
+
+    assert bounded(t) == bound
 
 
 def test_a_plan_with_the_smallest_sizes_is_fine() -> None:

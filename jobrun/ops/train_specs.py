@@ -41,7 +41,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("task", ("choice", "classification", "regression"), doc="what y is"),
             arg("n", "int>=1", doc="number of records"),
             arg("features", "int>=1", doc="columns of x"),
-            arg("classes", ("or", "int", "null"), None, "number of classes (classification)"),
+            arg("classes", ("or", "int>=2", "null"), None, "number of classes (classification)"),
             arg("noise", "number>=0", 0.1, "standard deviation of the noise added"),
             arg("seed", "int", 0, "the problem (centres, teacher) and, by default, the samples"),
             arg("sample_seed", ("or", "int", "null"), None,
@@ -174,7 +174,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         mutates=("model", "opt"),
         args=(
             arg("loss", "loss", "cross_entropy", _LOSS_DOC),
-            arg("clip_grad_norm", ("or", "number", "null"), None, "clip the gradient norm to this"),
+            arg("clip_grad_norm", ("or", "number>0", "null"), None, "clip the gradient norm to this"),
             arg("accumulate", "int>=1", 1, "micro-batches per step (same step, less memory)"),
             arg(
                 "amp",

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from jobrun.ops.spec import LOSS_NAMES, REQUIRED, ArgSpec, ArgType, OpSpec
+from jobrun.ops.spec import LOSS_NAMES, REQUIRED, ArgSpec, ArgType, OpSpec, bounded
 from jobrun.plans import keys as plan_keys
 
 VAR = {"$ref": "#/$defs/var"}
@@ -127,9 +127,6 @@ def type_schema(t: ArgType) -> dict[str, Any]:
 
 _SIMPLE: dict[str, dict[str, Any]] = {
     "int": {"type": "integer"},
-    "int>=0": {"type": "integer", "minimum": 0},
-    "int>=1": {"type": "integer", "minimum": 1},
-    "number>=0": {"type": "number", "minimum": 0},
     "float": {"type": "number"},
     "number": {"type": "number"},
     "bool": {"type": "boolean"},
@@ -152,6 +149,10 @@ def _alternatives(t: ArgType) -> list[dict[str, Any]]:
         return [{"enum": list(t[1:])}]
     if isinstance(t, str) and t in _SIMPLE:
         return [dict(_SIMPLE[t])]
+    if bound := bounded(t):
+        base, op, least = bound
+        return [{"type": "integer" if base == "int" else "number",
+                 "minimum" if op == ">=" else "exclusiveMinimum": int(least) if least.is_integer() else least}]
     return [{}]  # a type this module does not know (a plug-in's): accept anything
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from jobrun.errors import Pos, did_you_mean
-from jobrun.ops.spec import LOSS_NAMES, OpSpec, arg
+from jobrun.ops.spec import LOSS_NAMES, OpSpec, arg, bounded
 from jobrun.plans import ir
 from jobrun.plans.keys import DURATION, EVERY_KEY
 
@@ -142,9 +142,6 @@ def _is_number(v: Any) -> bool:
 
 _CHECKS = {
     "int": _is_int,
-    "int>=0": lambda v: _is_int(v) and v >= 0,
-    "int>=1": lambda v: _is_int(v) and v >= 1,
-    "number>=0": lambda v: _is_number(v) and v >= 0,
     "float": _is_number,
     "number": _is_number,
     "bool": lambda v: isinstance(v, bool),
@@ -163,7 +160,6 @@ _NAMES = {
     "str": "a string", "list": "a list", "dict": "a mapping", "duration": "a duration (500ms, 2s)",
     "shape": "a shape (a list of integers >= 0)", "null": "null", "any": "any value",
     "sizes": "a list of sizes (integers >= 1)",
-    "int>=0": "an integer >= 0", "int>=1": "an integer >= 1", "number>=0": "a number >= 0",
     "loss": "cross_entropy, mse, model or a dotted path (pkg.mod:fn)",
 }
 
@@ -173,6 +169,9 @@ def _type_ok(value: Any, t: Any) -> bool:
         return isinstance(value, str) and value in t[1:]
     if isinstance(t, tuple) and t and t[0] == "or":
         return any(_type_ok(value, option) for option in t[1:])
+    if bound := bounded(t):
+        base, op, least = bound
+        return _CHECKS[base](value) and (value >= least if op == ">=" else value > least)
     # A type this version does not know is accepted: a newer spec must not break analyze.
     check = _CHECKS.get(t) if isinstance(t, str) else None
     return check is None or check(value)
@@ -183,6 +182,8 @@ def _describe(t: Any) -> str:
         return "one of " + ", ".join(repr(c) for c in t[1:])
     if isinstance(t, tuple) and t and t[0] == "or":
         return " or ".join(_describe(option) for option in t[1:])
+    if bound := bounded(t):
+        return f"{'an integer' if bound[0] == 'int' else 'a number'} {bound[1]} {bound[2]:g}"
     return _NAMES.get(t, str(t))
 
 
