@@ -6,9 +6,13 @@ and `--run-dir DIR --overwrite` leaves DIR as it was."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from jobrun_test_helpers import mlp_plan
-from runner_util import jobrun, jobrun_proc
+from runner_util import HANG_S, jobrun, jobrun_proc
 
 MODEL = """\
 import torch
@@ -194,3 +198,18 @@ def test_resume_prints_the_warnings_its_overrides_bring_and_only_those(tmp_path,
     warnings = [line for line in r.err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "reader 'data' is made once, in init, with passes: 1" in warnings[0]
     assert "resuming with max_epochs: 1 -> 3" in r.err
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_refuses_for_every_rank_before_the_directory_is_made(tmp_path):
+    plan = _plan(tmp_path, CASES["class-misspelt"][0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "jobrun", "train", plan, "--run-dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S, cwd=tmp_path)
+    assert p.returncode != 0
+    # The first rank to stop prints it; torchrun then ends the other.
+    assert f"{plan}:{_at(tmp_path, CASES['class-misspelt'][1])}: error: {CASES['class-misspelt'][2]}" in p.stderr
+    # (torchrun's own ChildFailedError traceback follows: no frame of jobrun's.)
+    assert "[rank0]: Traceback" not in p.stderr and "jobrun/" not in p.stderr.replace(plan, "")
+    assert not (tmp_path / "run").exists()

@@ -33,7 +33,7 @@ import yaml
 
 from jobrun import __version__, store
 from jobrun.errors import JobrunError, UsageError
-from jobrun.plans import ir
+from jobrun.plans import inputs, ir
 from jobrun.plans.compile import compile_text
 from jobrun.runner import group
 from jobrun.runner.launch import (
@@ -134,6 +134,8 @@ class _Lead:
         launch = Launch(run.path, src.parent, device or plan.device, None, world, restarts)
         device_for(launch.device, 1, select=False)
         run.check_can_train(run.checkpoints, overwrite)
+        inputs.check(plan, src.parent, run.path.resolve())  # as on one host: before the directory
+        inputs.check_code(plan, src.parent)
         run.create()
         self.held.enter_context(run.lock())
         self.held.enter_context(run.lock_checkpoints(run.checkpoints))
