@@ -169,6 +169,8 @@ class _Lead:
         epoch = best_or(epoch, ckpt_dir, plan, run, hosts=run.several_hosts())
         if already_finished(run, epoch, changes):
             return {"done": True}
+        inputs.check(plan, run.plan_dir, run.path.resolve())  # as on one host: before run.json records it
+        inputs.check_code(plan, run.plan_dir)
         store.clean(ckpt_dir)
         restarts = restarts_of(info, plan, max_restarts)
         text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()
