@@ -87,7 +87,7 @@ def test_resume_goes_on_at_the_rate_of_the_global_step(tmp_path):
     ("warmup: 5, decay: cosine, steps: 5", "steps (where the cosine decay ends) must be a whole number above warmup (5)"),
     ("target: torch.optim.lr_scheduler.StepLR, step_size: 2, warmup: 3", "warmup belong(s) to the schedule without a target"),
     ("steps: 10, step_size: 2", "step_size need(s) a `target`"),
-    ("steps: 10, min_lr: -1", "min_lr must be a number >= 0"),
+    ("steps: 10, min_lr: -1", "argument `min_lr` of `scheduler` is -1; expected a number >= 0"),  # by analyze
 ])
 def test_bad_schedules_are_one_message(tmp_path, schedule, message):
     plan = tmp_path / "plan.yaml"

@@ -17,6 +17,7 @@ import torch
 from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
 from jobrun.ops.train_specs import RAW_DTYPES
+from jobrun.plans.analyze_data import load_problem
 
 
 def data_synthetic(
@@ -108,14 +109,9 @@ def data_load(
             hint=f"one of {sorted(_FLOAT_DTYPES)} or null to keep the stored type",
         )
     suffix = file.suffix.lower()
-    if suffix != ".csv" and columns is not None:
-        raise RunError("data.load: `columns` applies to .csv files only")
-    if (dtype is None) == (suffix == ".bin"):
-        raise RunError(f"data.load: a .bin file is raw and needs its `dtype`, e.g. dtype: uint16 ({file.name!r})"
-                       if dtype is None else "data.load: `dtype` applies to raw .bin files only",
-                       hint=f"dtype is one of {', '.join(RAW_DTYPES)}")
-    if mmap and suffix not in (".bin", ".npy"):
-        raise RunError(f"data.load: only .bin and .npy files can be memory-mapped, not {suffix or file.name!r}")
+    problem = load_problem(file.name, dtype, columns, mmap)  # analyze refuses the same, earlier
+    if problem is not None:
+        raise RunError(problem[0], hint=problem[1])
     if suffix == ".bin":
         values = [_load_raw(file, dtype, mmap)]  # type: ignore[arg-type]
     elif suffix == ".npz":
@@ -130,10 +126,7 @@ def data_load(
     elif suffix == ".pt":
         values = _load_pt(file, keys)
     else:
-        raise RunError(
-            f"data.load: unsupported file type {suffix or '(none)'!r} for {file.name!r}",
-            hint="supported: .npz, .npy, .bin (raw, with a dtype), .csv, .safetensors, .pt",
-        )
+        raise AssertionError(suffix)  # load_problem refuses every other suffix
     tensors = [_to_torch(v, float_dtype, file) for v in values]
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 

@@ -6,11 +6,14 @@ the import path of its implementation ("module:function"), resolved only when a 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 # Argument types understood by the compiler's checks:
 #   "int", "float" (an int is accepted too), "number" (int or float), "bool", "str",
+#   "int>=N", "number>=N", "number>N" (sizes and rates with a lower bound, e.g. "int>=1":
+#   a value below it is refused before a run; see `bounded`),
 #   "list", "dict", "shape" (list of ints >= 0, at most 2**34 elements in all),
 #   "sizes" (a non-empty list of ints >= 1, e.g. layer widths), "any", "duration",
 #   "loss" (one of LOSS_NAMES, or a dotted path: "pkg.mod:fn"),
@@ -94,3 +97,12 @@ class OpSpec:
 
 def arg(name: str, type: ArgType = "any", default: Any = REQUIRED, doc: str = "") -> ArgSpec:
     return ArgSpec(name, type, default, doc)
+
+
+_BOUNDED = re.compile(r"(int|number)(>=|>)(-?\d+(?:\.\d+)?)")
+
+
+def bounded(t: ArgType) -> tuple[str, str, float] | None:
+    """("int", ">=", 1.0) for the type "int>=1": an int or a number with a lower bound."""
+    m = _BOUNDED.fullmatch(t) if isinstance(t, str) else None
+    return (m[1], m[2], float(m[3])) if m else None

@@ -39,10 +39,10 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         outputs=("x", "y"),
         args=(
             arg("task", ("choice", "classification", "regression"), doc="what y is"),
-            arg("n", "int", doc="number of records"),
-            arg("features", "int", doc="columns of x"),
-            arg("classes", ("or", "int", "null"), None, "number of classes (classification)"),
-            arg("noise", "number", 0.1, "standard deviation of the noise added"),
+            arg("n", "int>=1", doc="number of records"),
+            arg("features", "int>=1", doc="columns of x"),
+            arg("classes", ("or", "int>=2", "null"), None, "number of classes (classification)"),
+            arg("noise", "number>=0", 0.1, "standard deviation of the noise added"),
             arg("seed", "int", 0, "the problem (centres, teacher) and, by default, the samples"),
             arg("sample_seed", ("or", "int", "null"), None,
                 "draw the samples from this seed instead: a validation set of the same problem"),
@@ -144,13 +144,13 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         args=(
             arg("target", _STR_OR_NULL, None,
                 "dotted path, e.g. torch.optim.lr_scheduler.StepLR; null: by the global step"),
-            arg("warmup", "int", 0, "no target: steps of linear warmup, lr * (step + 1) / (warmup + 1)"),
+            arg("warmup", "int>=0", 0, "no target: steps of linear warmup, lr * (step + 1) / (warmup + 1)"),
             arg("decay", ("choice", "cosine", "linear", "constant"), "cosine",
                 "no target: the shape after warmup"),
             arg("steps", ("or", "int", "null"), None,
                 "no target: the step where the decay ends (min_lr from there on)"),
-            arg("min_lr", ("or", "number", "null"), None, "no target: the final rate (every group)"),
-            arg("min_ratio", "number", 0.0, "no target: the final rate as a fraction of each group's lr"),
+            arg("min_lr", ("or", "number>=0", "null"), None, "no target: the final rate (every group)"),
+            arg("min_ratio", "number>=0", 0.0, "no target: the final rate as a fraction of each group's lr"),
         ),
     ),
     _training(
@@ -174,8 +174,8 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         mutates=("model", "opt"),
         args=(
             arg("loss", "loss", "cross_entropy", _LOSS_DOC),
-            arg("clip_grad_norm", ("or", "number", "null"), None, "clip the gradient norm to this"),
-            arg("accumulate", "int", 1, "micro-batches per step (same step, less memory)"),
+            arg("clip_grad_norm", ("or", "number>0", "null"), None, "clip the gradient norm to this"),
+            arg("accumulate", "int>=1", 1, "micro-batches per step (same step, less memory)"),
             arg(
                 "amp",
                 ("or", ("choice", "bf16", "fp16"), "null"),
@@ -195,7 +195,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
             arg("loss", "loss", "cross_entropy", _LOSS_DOC + "; accuracy is null for mse"),
             arg("amp", ("or", ("choice", "bf16", "fp16"), "null"), None,
                 "mixed precision: autocast the forward and the loss, as train.step's amp"),
-            arg("batches", ("or", "int", "null"), None,
+            arg("batches", ("or", "int>=1", "null"), None,
                 "the reader's next N batches (moving its position) instead of one full pass; "
                 "loss: the mean of the N batch losses, as a hand loop's estimate"),
         ),

@@ -1,4 +1,4 @@
-"""The files a plan reads, checked before a run starts (`train`, `resume`).
+"""The files and the code a plan reads, checked before a run starts (`train`, `resume`).
 
 `data.load` and `load` read a file named by a literal `path` (vars already applied).
 One that does not exist would fail only after torch is imported and the run directory
@@ -7,11 +7,17 @@ relative path is looked for. A file the plan may make itself is not checked: one
 another step names among its arguments (a `save` or `export` writes it, a `call` is
 given it), and any file read after user code that may write it (a `call`, an op of a
 plugin, running earlier or at the same time). Nothing here imports torch.
+
+The code a plan names (`build`'s and nested `target`s, `call`'s `fn`, the optimizer's
+`class`, a loss or `collate_fn` given by import path) is imported by
+:func:`check_code` once torch is, still before the run directory is made: a module that
+is not found or a misspelt name is refused at its argument's file:line.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,3 +85,62 @@ def _strings(values: Any) -> Iterator[str]:
     elif isinstance(values, list | tuple):
         for v in values:
             yield from _strings(v)
+
+
+# The arguments that name code by import path, per op; `build`, `optimizer` and `scheduler`
+# also take nested `{target: ...}` mappings anywhere in their arguments (ops/models.py).
+CODE_ARGS = {"call": ("fn",), "build": ("target",), "optimizer": ("target",), "scheduler": ("target",),
+             "reader": ("collate_fn",), "train.step": ("loss",), "evaluate": ("loss",)}
+NESTING = frozenset({"build", "optimizer", "scheduler"})
+
+
+def check_code(plan: ir.Plan, plan_dir: Path) -> None:
+    """Import what ``plan`` names as code, as the ops will (the plan's directory first on
+    the import path, as in a worker), and refuse the first name that is not found. A
+    module that raises while it is imported is left to the run, which shows the user's
+    traceback under the op. Imports the user's modules, and so torch: `train` and
+    `resume` only, after their torch-free checks."""
+    from jobrun.errors import RunError
+    from jobrun.ops.imports import resolve
+    from jobrun.ops.optim import optimizer_class
+
+    if str(plan_dir) not in sys.path:
+        sys.path.insert(0, str(plan_dir))
+    for _slot, step in _ordered(plan):
+        for where, key, path in _named_code(step):
+            try:
+                if step.op == "optimizer" and key in ("class", "target"):
+                    path = optimizer_class(step.kwargs.get("class"), step.kwargs.get("target"))
+                resolve(path, step.op, key)
+            except RunError as e:
+                cause = e.__cause__
+                if cause is None or isinstance(cause, ModuleNotFoundError):  # not there, or misspelt
+                    raise PlanError(e.message, step.pos_of(where), e.hint) from None
+
+
+def _named_code(step: ir.OpCall) -> Iterator[tuple[str, str, str]]:
+    """(the argument, the key naming the code, its import path) for each piece of code
+    one op call names: the key is the argument's own but in a nested mapping (`target`)."""
+    from jobrun.ops.spec import LOSS_NAMES
+
+    args = step.kwargs
+    if step.op == "optimizer" and isinstance(args.get("class"), str):
+        yield "class", "class", args["class"]  # torch.optim's; with a `target` too it is refused
+    for key in CODE_ARGS.get(step.op, ()):
+        path = args.get(key)
+        if isinstance(path, str) and not (key == "loss" and path in LOSS_NAMES):
+            yield key, key, path
+    if step.op in NESTING:
+        yield from ((key, "target", target) for key, value in step.args for target in _targets(value))
+
+
+def _targets(value: Any) -> Iterator[str]:
+    """The `target`s of the nested mappings in an argument's value."""
+    if isinstance(value, dict):
+        if isinstance(value.get("target"), str):
+            yield value["target"]
+        for v in value.values():
+            yield from _targets(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _targets(v)

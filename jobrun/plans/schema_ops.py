@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from jobrun.ops.spec import LOSS_NAMES, REQUIRED, ArgSpec, ArgType, OpSpec
+from jobrun.ops.spec import LOSS_NAMES, REQUIRED, ArgSpec, ArgType, OpSpec, bounded
 from jobrun.plans import keys as plan_keys
 
 VAR = {"$ref": "#/$defs/var"}
@@ -149,6 +149,10 @@ def _alternatives(t: ArgType) -> list[dict[str, Any]]:
         return [{"enum": list(t[1:])}]
     if isinstance(t, str) and t in _SIMPLE:
         return [dict(_SIMPLE[t])]
+    if bound := bounded(t):
+        base, op, least = bound
+        return [{"type": "integer" if base == "int" else "number",
+                 "minimum" if op == ">=" else "exclusiveMinimum": int(least) if least.is_integer() else least}]
     return [{}]  # a type this module does not know (a plug-in's): accept anything
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from jobrun.errors import Pos, did_you_mean
-from jobrun.ops.spec import LOSS_NAMES, OpSpec, arg
+from jobrun.ops.spec import LOSS_NAMES, OpSpec, arg, bounded
 from jobrun.plans import ir
 from jobrun.plans.keys import DURATION, EVERY_KEY
 
@@ -127,8 +127,9 @@ def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem |
 # -- argument types ------------------------------------------------------------------------
 
 # Keys an op passes on to a constructor whose type is known all the same: `vars.lr=abc`
-# is refused by analyze at the argument, not by torch after init.
-_PASSED_ON = {"optimizer": {"lr": "float", "momentum": "float", "weight_decay": "float"}}
+# (or -1: torch's optimizers refuse a negative one) is refused by analyze at the
+# argument, not by torch after init.
+_PASSED_ON = {"optimizer": {"lr": "number>=0", "momentum": "number>=0", "weight_decay": "number>=0"}}
 
 
 def _is_int(v: Any) -> bool:
@@ -168,6 +169,9 @@ def _type_ok(value: Any, t: Any) -> bool:
         return isinstance(value, str) and value in t[1:]
     if isinstance(t, tuple) and t and t[0] == "or":
         return any(_type_ok(value, option) for option in t[1:])
+    if bound := bounded(t):
+        base, op, least = bound
+        return _CHECKS[base](value) and (value >= least if op == ">=" else value > least)
     # A type this version does not know is accepted: a newer spec must not break analyze.
     check = _CHECKS.get(t) if isinstance(t, str) else None
     return check is None or check(value)
@@ -178,6 +182,8 @@ def _describe(t: Any) -> str:
         return "one of " + ", ".join(repr(c) for c in t[1:])
     if isinstance(t, tuple) and t and t[0] == "or":
         return " or ".join(_describe(option) for option in t[1:])
+    if bound := bounded(t):
+        return f"{'an integer' if bound[0] == 'int' else 'a number'} {bound[1]} {bound[2]:g}"
     return _NAMES.get(t, str(t))
 
 
@@ -203,10 +209,10 @@ def _bounds_text(lo: int, hi: int | None, word: str) -> str:
 
 
 def _type_hint(key: str, value: Any, t: Any) -> str:
-    if isinstance(value, str) and isinstance(t, tuple) and t[:1] == ("choice",):
-        close = did_you_mean(value, t[1:])
-        if close:
-            return close
+    choices = [c for option in (t[1:] if isinstance(t, tuple) and t[:1] == ("or",) else (t,))
+               if isinstance(option, tuple) and option[:1] == ("choice",) for c in option[1:]]
+    if isinstance(value, str) and (close := did_you_mean(value, choices)):
+        return close  # optimizer `class: AdamWW`, a choice or null
     if isinstance(value, str) and t == "loss" and (close := did_you_mean(value, LOSS_NAMES)):
         return close
     return f"give `{key}` {_describe(t)}"

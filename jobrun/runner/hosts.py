@@ -33,7 +33,7 @@ import yaml
 
 from jobrun import __version__, store
 from jobrun.errors import JobrunError, UsageError
-from jobrun.plans import ir
+from jobrun.plans import inputs, ir
 from jobrun.plans.compile import compile_text
 from jobrun.runner import group
 from jobrun.runner.launch import (
@@ -134,6 +134,8 @@ class _Lead:
         launch = Launch(run.path, src.parent, device or plan.device, None, world, restarts)
         device_for(launch.device, 1, select=False)
         run.check_can_train(run.checkpoints, overwrite)
+        inputs.check(plan, src.parent, run.path.resolve())  # as on one host: before the directory
+        inputs.check_code(plan, src.parent)
         run.create()
         self.held.enter_context(run.lock())
         self.held.enter_context(run.lock_checkpoints(run.checkpoints))
@@ -167,6 +169,8 @@ class _Lead:
         epoch = best_or(epoch, ckpt_dir, plan, run, hosts=run.several_hosts())
         if already_finished(run, epoch, changes):
             return {"done": True}
+        inputs.check(plan, run.plan_dir, run.path.resolve())  # as on one host: before run.json records it
+        inputs.check_code(plan, run.plan_dir)
         store.clean(ckpt_dir)
         restarts = restarts_of(info, plan, max_restarts)
         text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()

@@ -49,15 +49,18 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         _no_profile_here(profile)
         return hosts.train(plan_path, run_dir, sets, replicas, device, overwrite, max_restarts)
     rdir: list[Path] = []
-    plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir)
+    warnings: list[Any] = []
+    plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir, warnings=warnings)
     src = Path(plan_path).resolve()
     inputs.check(plan, src.parent, rdir[0].resolve())  # a missing data file, before any directory is made
     run = RunDir(rdir[0], plan)
     run.check_can_train(run.checkpoints, overwrite)
     _ready()  # everything above is refused in a fraction of a second, without torch
+    inputs.check_code(plan, src.parent)  # a module or name not found, before any directory is made
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
                     plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
     device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
+    print_warnings(warnings)  # once, now that the plan runs
     run.create(new=run_dir is None)
     if run_dir is None:
         print(f"run directory {run.path}", file=sys.stderr)
@@ -91,6 +94,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
             return 0
         inputs.check(plan, run.plan_dir, run.path.resolve())
         _ready()
+        inputs.check_code(plan, run.plan_dir)  # before run.json records the resume
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, n, select=False)
@@ -128,11 +132,11 @@ def under_torchrun() -> bool:
 
 
 def compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None,
-                    new_run: list[Path] | None = None):
+                    new_run: list[Path] | None = None, warnings: list[Any] | None = None):
     """The plan to train, refused with its errors, and the tree to store. ``new_run``: a
     list to put the run directory in; without --run-dir that is a new runs/<job>/<N>
     (without ``new_run``, as under torchrun where every rank must name the same one:
-    runs/<job>)."""
+    runs/<job>). ``warnings``: a list to put analyze's warnings in."""
     tree = load_file(plan_path)
     apply_sets(tree, sets)
     stored = to_plain(tree)
@@ -147,7 +151,9 @@ def compile_for_run(plan_path: str, sets: tuple[str, ...], run_dir: str | None,
         new_run.append(rdir)
     plan = compile_tree(tree, plan_path, (), run_dir=str(rdir.resolve()),
                         plan_dir=str(Path(plan_path).resolve().parent))
-    refuse_errors(plan)
+    found = refuse_errors(plan)
+    if warnings is not None:
+        warnings += found
     return plan, stored
 
 
@@ -160,11 +166,13 @@ def new_run_info(plan: ir.Plan, src: Path, sets: tuple[str, ...], launch: Launch
     }
 
 
-def refuse_errors(plan: ir.Plan) -> None:
-    """A plan the analyzer finds errors in does not run: they are the message."""
+def refuse_errors(plan: ir.Plan) -> list[Any]:
+    """A plan the analyzer finds errors in does not run: they are the message. Returns
+    its warnings (Diagnostics)."""
     from jobrun.plans.analyze import analyze
 
-    errors = [d for d in analyze(plan) if d.severity == "error"]
+    found = analyze(plan)
+    errors = [d for d in found if d.severity == "error"]
     if len(errors) == 1:
         raise PlanError(errors[0].message, errors[0].pos,
                         errors[0].hint or "`jobrun analyze PLAN` lists every problem")
@@ -174,6 +182,25 @@ def refuse_errors(plan: ir.Plan) -> None:
                  *(d.format() for d in errors[1:])]
         raise PlanError("\n".join(lines), first.pos,
                         f"{len(errors)} errors; `jobrun analyze PLAN` lists them with the warnings")
+    return found
+
+
+def print_warnings(warnings: list[Any]) -> None:
+    """analyze's warnings, one line each (`jobrun analyze` adds each one's fix): yellow
+    on a terminal, as the run's own warnings are (rich is imported only then)."""
+    lines = [f"{d.pos}: {d.message}" for d in warnings]
+    if lines and sys.stderr.isatty():
+        from rich.console import Console
+        from rich.text import Text
+
+        console = Console(stderr=True, highlight=False)
+        for line in lines:
+            console.print(Text.assemble(("warning:", "bold yellow"), " ", line), soft_wrap=True)
+    else:
+        for line in lines:
+            print(f"warning: {line}", file=sys.stderr)
+    if lines:
+        print(f"  (`jobrun analyze PLAN` shows how to fix {'it' if len(lines) == 1 else 'them'})", file=sys.stderr)
 
 
 def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str], Any]:
@@ -184,8 +211,14 @@ def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str],
               f"plan stored in {run.plan_file} (give changes as KEY=VALUE overrides)", file=sys.stderr)
     if not sets:
         return run.plan(), [], None
+    original = run.plan()  # before changed_plan, which makes the changed one the run's
     plan, changes, stored = run.changed_plan(sets)
-    refuse_errors(plan)
+    found = refuse_errors(plan)
+    if found:  # the warnings the overrides brought (max_epochs=5 past a reader's one pass)
+        from jobrun.plans.analyze import analyze
+
+        known = {(d.code, d.pos) for d in analyze(original)}
+        print_warnings([d for d in found if (d.code, d.pos) not in known])
     return plan, changes, stored
 
 

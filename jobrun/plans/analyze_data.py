@@ -1,0 +1,150 @@
+"""Static checks of how a plan gets its data, for `analyze` (and so for `train`).
+
+Two kinds, both worked out from the plan alone (no file is opened, no torch):
+
+- errors: a `data.load` whose arguments cannot fit its file's type, which the literal
+  `path` tells (a raw `.bin` without `dtype`, `dtype` on anything else, `columns` on a
+  file that is not `.csv`, `mmap` on one that cannot be mapped, an unknown suffix). The
+  op itself refuses the same through :func:`load_problem`: one rule, two places to meet it.
+- warnings: a reader made once, in `init`, with a finite number of `passes`, that every
+  epoch reads to the end of a pass (an unbounded loop that stops at the read's `done`):
+  the epochs after the last pass read nothing and train on nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import PurePath
+from typing import Any
+
+from jobrun.errors import Pos
+from jobrun.plans import ir
+from jobrun.plans.visit import children, op_calls
+
+# The suffixes `data.load` reads (jobrun/ops/data.py), and those it can memory-map.
+LOAD_SUFFIXES = (".npz", ".npy", ".bin", ".csv", ".safetensors", ".pt")
+MAPPED_SUFFIXES = (".bin", ".npy")
+
+Problem = tuple[str, str, Pos, str, str | None]  # severity, code, pos, message, hint
+
+
+def load_problem(path: str, dtype: Any, columns: Any, mmap: Any) -> tuple[str, str | None, str] | None:
+    """What is wrong with `data.load` arguments for the file ``path`` names: (message,
+    hint, the argument to point at), or None when they fit its suffix."""
+    name = PurePath(path).name
+    suffix = PurePath(path).suffix.lower()
+    if suffix not in LOAD_SUFFIXES:
+        return (f"data.load: unsupported file type {suffix or '(none)'!r} for {name!r}",
+                "supported: .npz, .npy, .bin (raw, with a dtype), .csv, .safetensors, .pt", "path")
+    if suffix != ".csv" and columns is not None:
+        return "data.load: `columns` applies to .csv files only", "remove `columns`", "columns"
+    if (dtype is None) == (suffix == ".bin"):
+        from jobrun.ops.train_specs import RAW_DTYPES
+
+        hint = f"dtype is one of {', '.join(RAW_DTYPES)}"
+        if dtype is None:
+            return (f"data.load: a .bin file is raw and needs its `dtype`, e.g. dtype: uint16 ({name!r})",
+                    hint, "path")
+        return "data.load: `dtype` applies to raw .bin files only", hint, "dtype"
+    if mmap and suffix not in MAPPED_SUFFIXES:
+        return (f"data.load: only .bin and .npy files can be memory-mapped, not {suffix!r}",
+                "remove `mmap: true`", "mmap")
+    return None
+
+
+def problems(plan: ir.Plan) -> list[Problem]:
+    """Every data problem of ``plan``, in plan order."""
+    return [*_load_problems(plan), *_drained_readers(plan)]
+
+
+def _load_problems(plan: ir.Plan) -> Iterator[Problem]:
+    for call in _calls(plan.groups):
+        if call.op != "data.load":
+            continue
+        args = call.kwargs
+        path = args.get("path")
+        if not isinstance(path, str):
+            continue  # a missing or mistyped path is the signature check's
+        found = load_problem(path, args.get("dtype"), args.get("columns"), args.get("mmap"))
+        if found is not None:
+            message, hint, key = found
+            yield "error", "data-load", call.pos_of(key), message, hint
+
+
+# -- readers that run out --------------------------------------------------------------
+
+
+def _drained_readers(plan: ir.Plan) -> Iterator[Problem]:
+    """Readers made in `init` with passes: N that every epoch reads to a pass's end."""
+    made_in_epoch = {(t.node, ref.name) for t in plan.epoch.tasks for call in _calls_of(t) for ref in call.outs}
+    readers: dict[tuple[str, str], ir.OpCall] = {}
+    for task in plan.init.tasks:
+        for call in _calls_of(task):
+            passes = call.kwargs.get("passes", 1)
+            endless = call.kwargs.get("window") is not None and call.kwargs.get("sample") == "random"
+            if call.op == "reader" and call.outs and isinstance(passes, int) and passes >= 1 and not endless:
+                key = (task.node, call.outs[0].name)
+                if key not in made_in_epoch:
+                    readers[key] = call
+    warned: set[tuple[str, str]] = set()
+    stops = {ref.name for ref in plan.stop_when}  # `stop_when: [end]`: the job ends with the pass
+    for task in plan.epoch.tasks:
+        for read in (r for block in children(task) for r in _reads_to_end(block)):
+            key = (task.node, read.ins[0].name)  # type: ignore[union-attr]
+            made = readers.get(key)
+            if made is None or key in warned or read.outs[-1].name in stops:
+                continue
+            passes = made.kwargs.get("passes", 1)
+            if plan.max_epochs is not None and plan.max_epochs <= passes:
+                continue  # every epoch has a pass of its own
+            warned.add(key)
+            yield _drained(made, read, passes)
+
+
+def _drained(made: ir.OpCall, read: ir.OpCall, passes: int) -> Problem:
+    name = made.outs[0].name
+    given = "passes" in made.kwargs
+    first = "the first epoch gets" if passes == 1 else f"the first {passes} epochs get"
+    message = (f"reader {name!r} is made once, in init, with passes: {passes}"
+               f"{'' if given else ' (the default)'}, and every epoch reads it to the end of a "
+               f"pass (line {read.pos.line}): only {first} batches, the later ones train on nothing")
+    hint = ("give it `passes: 0` (it reads on, pass after pass; `stop_if` on the read's `done` "
+            "still ends each epoch at a pass's end), or make the reader in the epoch group")
+    return "warning", "reader-passes", made.pos_of("passes") if given else made.pos, message, hint
+
+
+def _reads_to_end(steps: tuple[ir.Step, ...]) -> Iterator[ir.OpCall]:
+    """The `read`s in loops without a count that stop at the read's `done`: each run of
+    the loop reads to the end of a pass."""
+    for step in steps:
+        if isinstance(step, ir.Loop) and step.count is None:
+            stops = _stop_names(step.body)
+            for call in op_calls(step.body):
+                if (call.op == "read" and len(call.outs) >= 2 and call.outs[-1].name in stops
+                        and call.ins and isinstance(call.ins[0], ir.BlobRef)):
+                    yield call
+        for block in children(step):
+            yield from _reads_to_end(block)
+
+
+def _stop_names(steps: tuple[ir.Step, ...]) -> set[str]:
+    """The blobs `stop_if` steps of this loop body test (inner loops stop only themselves)."""
+    names: set[str] = set()
+    for step in steps:
+        if isinstance(step, ir.StopIf):
+            names.add(step.cond.name)
+        elif isinstance(step, ir.If):
+            for block in children(step):
+                names |= _stop_names(block)
+    return names
+
+
+def _calls(groups: tuple[ir.Group, ...]) -> Iterator[ir.OpCall]:
+    for group in groups:
+        for task in group.tasks:
+            yield from _calls_of(task)
+
+
+def _calls_of(task: ir.Task) -> Iterator[ir.OpCall]:
+    for block in children(task):
+        yield from op_calls(block)
