@@ -52,8 +52,10 @@ class Feed:
             return
         n = shape[0]
         tally[0] += n
-        if len(shape) == 2 and _is_int(x):  # token ids: an integer (batch, sequence) tensor
-            tally[1] += n * shape[1]
+        if len(shape) == 2:  # token ids: an integer (batch, sequence) tensor
+            ints = _INT_DTYPES.get(getattr(x, "dtype", None))  # _is_int, its call inlined
+            if ints or (ints is None and _is_int(x)):
+                tally[1] += n * shape[1]
 
     def snapshot(self) -> tuple[int, int, float]:
         """(records, tokens, seconds) over every reader so far."""
