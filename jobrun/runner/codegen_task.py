@@ -85,6 +85,21 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
 
 
 
+def _stored(task: ir.Task) -> set[str]:
+    """The blobs a task's generated code stores: what its ops write, and loop indices."""
+    return written(task) | _indices(task)
+
+
+def _indices(node: Any) -> set[str]:
+    out: set[str] = set()
+    for block in children(node):
+        for step in block:
+            if isinstance(step, ir.Loop) and step.index is not None:
+                out.add(step.index.name)
+            out |= _indices(step)
+    return out
+
+
 def _loop_written(node: Any) -> set[str]:
     """The blobs that steps inside the loops of ``node`` (a task) write."""
     out: set[str] = set()
@@ -112,6 +127,9 @@ class Generator(Visitor):
         self.clock: str | None = None  # the clock variable of the innermost loop being written
         self.every_number = 0  # steps with `every` written so far (each one's counter key)
         self.private = local is not g
+        # What the task's steps store: a private workspace holds nothing else (it is empty
+        # when the task starts), so any other name is read from G directly (_read).
+        self.stored = _stored(task) if self.private else set()
         self.instance = False  # writing `do` of a task with instances: stores reach T too
         self.op_number = 0  # op calls written so far, in plan order
         self.task = task
@@ -196,7 +214,7 @@ class Generator(Visitor):
         with code.step(s.pos, s.op, self._op_failure(s)):
             args = ["ctx"]
             for i in s.ins:
-                args.append(f"L[{i.name!r}]" if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
+                args.append(self._read(i.name) if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
             # Arguments as keywords of the call (a name is an identifier: the op's own
             # parameter), each value a global: `**kw` built a dict at every call.
             rest = {k: v for k, v in kwargs.items() if not k.isidentifier() or keyword.iskeyword(k)}
@@ -334,11 +352,16 @@ class Generator(Visitor):
         except RunError:
             return False  # visit_OpCall says why
 
+    def _read(self, name: str) -> str:
+        """A blob read: G's when the task never stores the name (a private workspace's
+        miss reads G through its __missing__: two lookups and a call more, 1k instructions
+        a read of the model, optimizer or reader at every step), else the workspace's."""
+        return f"G[{name!r}]" if self.private and name not in self.stored else f"L[{name!r}]"
+
     # -- conditions -----------------------------------------------------------------------
-    @staticmethod
-    def _test(ref: ir.BlobRef) -> str:
+    def _test(self, ref: ir.BlobRef) -> str:
         """Python's test of blob `ref`'s truth (a bool is tested without a call)."""
-        return f"(v := L[{ref.name!r}]) is True or (v is not False and v is not None and truthy(v))"
+        return f"(v := {self._read(ref.name)}) is True or (v is not False and v is not None and truthy(v))"
 
     def _read_failure(self, ref: ir.BlobRef, what: str) -> Handler:
         """The handler of a line that reads blob `ref` (for `what`) and tests its truth."""
@@ -381,7 +404,7 @@ class Generator(Visitor):
         with code.step(s.pos, "loop"), self._timed(s.pos, "loop"):
             if isinstance(s.count, ir.BlobRef):
                 with code.step(s.pos, "loop", self._read_failure(s.count, "loop count")):
-                    code.line(f"{n} = L[{s.count.name!r}]")
+                    code.line(f"{n} = {self._read(s.count.name)}")
                 with code.block(f"if {n}.__class__ is not int or {n} < 0:"):
                     code.line(f"{n} = {code.value('as_int', functools.partial(_as_int, s=s))}({n})")
             elif s.count is not None:

@@ -52,14 +52,15 @@ class Feed:
                 shape = getattr(x, "shape", None)
             else:
                 n = 1
-        # Token ids: an integer (batch, sequence) tensor; its records are sequences.
-        tokens = n * shape[1] if shape and len(shape) == 2 and _is_int(x) else 0
         tally = self.tallies.get(id(source))
         if tally is None:
             tally = self.tallies.setdefault(id(source), [0, 0, 0.0])
         tally[0] += n
-        tally[1] += tokens
         tally[2] += seconds
+        if shape and len(shape) == 2:  # token ids: an integer (batch, sequence) tensor
+            ints = _INT_DTYPES.get(getattr(x, "dtype", None))  # _is_int, its call inlined
+            if ints or (ints is None and _is_int(x)):
+                tally[1] += n * shape[1]
 
     def snapshot(self) -> tuple[int, int, float]:
         """(records, tokens, seconds) over every reader so far."""
@@ -76,23 +77,28 @@ class Feed:
 
 
 def _is_int(x: Any) -> bool:
+    """Whether x holds integers (torch's or numpy's), by a dict lookup of its dtype: the
+    test runs at every `read` (getattr(dtype, "kind", "") of a torch dtype raised and
+    caught an AttributeError each time, 4k instructions)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
-    if _TOKEN_DTYPES is None:
-        _token_dtypes()
-    return dtype in _TOKEN_DTYPES or getattr(dtype, "kind", "") in INT_KINDS
+    known = _INT_DTYPES.get(dtype)
+    if known is None:
+        known = _INT_DTYPES[dtype] = _holds_ints(dtype)
+    return known
 
 
-_TOKEN_DTYPES: frozenset[Any] | None = None  # torch's integer dtypes, once torch is imported
+_INT_DTYPES: dict[Any, bool] = {}  # dtype -> whether it holds integers, learnt as read
 
 
-def _token_dtypes() -> None:
-    global _TOKEN_DTYPES
+def _holds_ints(dtype: Any) -> bool:
     import torch
 
-    _TOKEN_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-                               torch.uint16, torch.uint32, torch.uint64})
+    if isinstance(dtype, torch.dtype):
+        return dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                         torch.uint16, torch.uint32, torch.uint64)
+    return getattr(dtype, "kind", "") in INT_KINDS
 
 
 class EpochRates:
