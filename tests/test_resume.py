@@ -45,9 +45,10 @@ epoch:
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted run of PLAN, shared by the tests of this module."""
+    """One uninterrupted run of PLAN, shared by the tests of this module (which copy it
+    before they change anything)."""
     root = tmp_path_factory.mktemp("reference")
     plan = root / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[0.0]"))
