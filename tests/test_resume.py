@@ -551,6 +551,9 @@ def test_keep_retains_only_the_last_epochs(tmp_path, args, background):
         "local.5",
         "local.6",
     ]
+    # With replicas, torch's agent replaced this process's handlers (with ones raising its
+    # SignalException): the launcher puts jobrun's back, for a later command in this process.
+    assert {signal.getsignal(s).__module__ for s in (signal.SIGINT, signal.SIGTERM)} == {"jobrun.signals"}
 
 
 def test_upload_copies_last_checkpoint(tmp_path):
