@@ -273,8 +273,7 @@ def test_in_a_job_a_failing_sample_is_named_with_the_op_and_its_position(flaky):
 @pytest.mark.slow
 def test_in_a_job_a_dead_worker_stops_it_and_the_run_resumes(flaky):
     (flaky / "kill").touch()
-    # (only the run whose worker dies needs a process of its own)
-    first = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run", "--set", "max_epochs=1")
+    first = jobrun_proc("train", flaky / "plan.yaml", "--run-dir", flaky / "run", "--set", "max_epochs=1")
     assert first.code == 0, first.text
     (flaky / "epoch2").touch()  # from now on, the worker fetching sample 5 dies
     r = jobrun_proc("resume", "--run-dir", flaky / "run", "max_epochs=3")
@@ -283,6 +282,6 @@ def test_in_a_job_a_dead_worker_stops_it_and_the_run_resumes(flaky):
         "over Flaky died: DataLoader worker (pid" in r.err
     assert "jobrun resume" in r.err
     (flaky / "kill").unlink()
-    r = jobrun("resume", "--run-dir", flaky / "run")
+    r = jobrun_proc("resume", "--run-dir", flaky / "run")
     assert r.code == 0, r.text
     assert ckpt_values(flaky / "run", 3)["seen"] == 9  # three passes of three batches

@@ -552,8 +552,9 @@ def test_keep_retains_only_the_last_epochs(tmp_path, args, background):
         "local.6",
     ]
     # With replicas, torch's agent replaced this process's handlers (with ones raising its
-    # SignalException): the launcher puts jobrun's back, for a later command in this process.
-    assert {signal.getsignal(s).__module__ for s in (signal.SIGINT, signal.SIGTERM)} == {"jobrun.signals"}
+    # SignalException): the launcher puts the earlier ones back, for a later command here.
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    assert not any(getattr(h, "__module__", "").startswith("torch") for h in handlers), handlers
 
 
 def test_upload_copies_last_checkpoint(tmp_path):
