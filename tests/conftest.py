@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker ignores SIGINT, and the processes the tests start would
+    inherit that (jobrun keeps an ignored SIGINT ignored, as after `nohup`): they start
+    with Ctrl-C acting, as from a terminal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -179,17 +179,28 @@ def test_bf16_trains_differently_from_fp32(tmp_path):
     assert lb == pytest.approx(lo, rel=0.1)  # close to the float32 run
 
 
-@pytest.mark.slow
-def test_bf16_with_two_replicas_trains_as_one(tmp_path):
+BF16 = PLAN.replace("      - mul: {in: [x, 40.0], out: x}\n", "").replace("AMP", "bf16")
+
+
+@pytest.fixture(scope="module")
+def bf16_ddp(tmp_path_factory):
+    """BF16's job on 2 replicas (ddp), which the two tests below compare with."""
     from runner_util import jobrun_proc
 
+    root = tmp_path_factory.mktemp("bf16")
+    (root / "plan.yaml").write_text(BF16)
+    r = jobrun_proc("train", root / "plan.yaml", "--run-dir", root / "ddp", "--replicas", "2", timeout=HANG_S)
+    assert r.code == 0, r.text
+    return root / "ddp"
+
+
+@pytest.mark.slow
+def test_bf16_with_two_replicas_trains_as_one(tmp_path, bf16_ddp):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN.replace("      - mul: {in: [x, 40.0], out: x}\n", "").replace("AMP", "bf16"))
-    losses = []
-    for n in ("1", "2"):
-        r = jobrun_proc("train", plan, "--run-dir", tmp_path / f"r{n}", "--replicas", n)
-        assert r.code == 0, r.text
-        losses.append([v["loss"] for v in logged(tmp_path / f"r{n}")])
+    plan.write_text(BF16)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "r1")  # one replica: in this process
+    assert r.code == 0, r.text
+    losses = [[v["loss"] for v in logged(run)] for run in (tmp_path / "r1", bf16_ddp)]
     # Each rank autocasts its half of the batch: bf16 rounding differs, the run does not.
     assert len(losses[0]) == len(losses[1]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
@@ -197,20 +208,18 @@ def test_bf16_with_two_replicas_trains_as_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
-def test_fsdp_with_amp_trains_as_ddp_and_resumes_bit_exact(tmp_path, amp):
+def test_fsdp_with_amp_trains_as_ddp_and_resumes_bit_exact(request, tmp_path, amp):
     # parallel: fsdp gathers the parameters in the amp's dtype (FSDP's MixedPrecisionPolicy)
     from runner_util import jobrun_proc
 
-    text = PLAN.replace("AMP", amp)
-    if amp == "bf16":
-        text = text.replace("      - mul: {in: [x, 40.0], out: x}\n", "")
     plan = tmp_path / "plan.yaml"
-    plan.write_text(text)
-    for parallel in ("fsdp", "ddp"):
+    plan.write_text(BF16 if amp == "bf16" else PLAN.replace("AMP", amp))
+    # ddp is the plan's default: bf16's ddp run is the module's (the same job)
+    for parallel in ("fsdp",) if amp == "bf16" else ("fsdp", "ddp"):
         r = jobrun_proc("train", plan, "--run-dir", tmp_path / parallel, "--replicas", "2",
                         f"parallel={parallel}", timeout=HANG_S)
         assert r.code == 0, r.text
-    fs, dd = tmp_path / "fsdp", tmp_path / "ddp"
+    fs, dd = tmp_path / "fsdp", request.getfixturevalue("bf16_ddp") if amp == "bf16" else tmp_path / "ddp"
     if amp == "fp16":
         # Every rank's loss scaler follows ddp's: the same steps overflow and are skipped.
         for epoch in (1, 2, 3, 4):

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from runner_util import HANG_S, jobrun, jobrun_proc
+from runner_util import jobrun, jobrun_proc
 
 PLAN = """\
 job: small
@@ -69,15 +69,17 @@ def test_a_fifo_in_a_checkpoint_makes_it_invalid_and_never_hangs(run, name):
     target = _rank(run, 3) / name
     target.unlink()
     os.mkfifo(target)
-    listed = jobrun_proc("ckpt", "list", run, "--verify", timeout=HANG_S)
+    # In this process: a command that opened the FIFO would hang the test run (as its own
+    # process would until HANG_S), and a traceback would be in its text.
+    listed = jobrun("ckpt", "list", run, "--verify")
     assert listed.code == 0, listed.text
     row = next(line for line in listed.out.splitlines() if line.split()[0] == "3")
     assert "INVALID" in row and "regular file" in row
-    shown = jobrun_proc("ckpt", "show", run, "--epoch", "3", timeout=HANG_S)
+    shown = jobrun("ckpt", "show", run, "--epoch", "3")
     assert shown.code == 1 and "regular file" in shown.err and "Traceback" not in shown.text
-    exported = jobrun_proc("export", run, "--epoch", "3", "--blob", "w", "-o", run / "w.json", timeout=HANG_S)
+    exported = jobrun("export", run, "--epoch", "3", "--blob", "w", "-o", run / "w.json")
     assert exported.code == 1 and "Traceback" not in exported.text
-    resumed = jobrun_proc("resume", "--run-dir", run, "--epoch", "3", timeout=HANG_S)
+    resumed = jobrun("resume", "--run-dir", run, "--epoch", "3")
     assert resumed.code == 1 and "cannot be used" in resumed.err
 
 
@@ -88,7 +90,7 @@ def test_resume_skips_an_epoch_with_a_fifo_to_the_one_before(run):
     (run / "run.json").write_text(json.dumps(info))
     (_rank(run, 3) / "values.json").unlink()
     os.mkfifo(_rank(run, 3) / "values.json")
-    r = jobrun_proc("resume", "--run-dir", run, timeout=HANG_S)
+    r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
     assert "skipping checkpoint epoch 3" in r.text and "resumed from checkpoint epoch 2" in r.out
 

@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from runner_util import HANG_S, ckpt_values, close, jobrun_proc, logged
+from runner_util import HANG_S, ckpt_values, close, jobrun, jobrun_proc, logged
 
 PLAN = """
 job: dp
@@ -53,7 +53,7 @@ def runs(tmp_path_factory):
     env_no_die = {"JOBRUN_TEST_NO_DIE": "1"}
     os.environ.update(env_no_die)
     try:
-        one = jobrun_proc("train", plan, "--run-dir", root / "one", "--replicas", "1")
+        one = jobrun("train", plan, "--run-dir", root / "one")  # one replica: no process of its own needed
         two = jobrun_proc("train", plan, "--run-dir", root / "two", "--replicas", "2")
     finally:
         os.environ.pop("JOBRUN_TEST_NO_DIE")
@@ -75,7 +75,7 @@ def test_one_and_two_replicas_train_the_same_model(runs):
 def test_each_rank_checkpoints_and_ranks_agree(runs):
     ck = runs / "two" / "ckpt" / "local.3"
     assert sorted(p.name for p in ck.iterdir()) == ["rank-0", "rank-1"]
-    r1 = jobrun_proc("ckpt", "show", runs / "two", "--epoch", "3", "--rank", "1", "--json")
+    r1 = jobrun("ckpt", "show", runs / "two", "--epoch", "3", "--rank", "1", "--json")
     assert r1.code == 0, r1.text
     import json
 
@@ -103,7 +103,7 @@ def test_resume_with_other_replica_count_says_so(runs, tmp_path):
     info = json.loads((run / "run.json").read_text())
     info["replicas"] = 1
     (run / "run.json").write_text(json.dumps(info))
-    r = jobrun_proc("resume", "--run-dir", run, "--epoch", "1")
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")  # refused before any process starts
     assert r.code == 1
     assert "written by 2 replicas" in r.text and "Traceback" not in r.text
 
@@ -175,10 +175,11 @@ epoch:
 """
 
 
+# JOBRUN_THREADS has no launch of its own: it reaches the ranks as OMP_NUM_THREADS does
+# (the launch below), and what a rank does with it is the test after.
 @pytest.mark.parametrize("env, expect", [
     ({}, lambda cpus: max(1, cpus // 2)),  # each rank its share of the CPUs
     ({"OMP_NUM_THREADS": "2"}, lambda cpus: 2),  # the user's OMP_NUM_THREADS is kept
-    ({"JOBRUN_THREADS": "2"}, lambda cpus: 2),
 ])
 def test_ranks_on_one_host_share_its_cpus(tmp_path, monkeypatch, env, expect):
     plan = tmp_path / "plan.yaml"
@@ -191,3 +192,24 @@ def test_ranks_on_one_host_share_its_cpus(tmp_path, monkeypatch, env, expect):
     assert r.code == 0, r.text
     want = expect(len(os.sched_getaffinity(0)))
     assert [int((tmp_path / f"threads.{rank}").read_text()) for rank in (0, 1)] == [want, want]
+
+
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_jobrun_threads_pins_a_ranks_thread_count(monkeypatch, omp):
+    import torch
+
+    from jobrun.runner.workers import _set_threads
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as the launcher sets it for 2 ranks
+    monkeypatch.setenv("JOBRUN_THREADS", "2")
+    if omp:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)  # JOBRUN_THREADS wins over it
+    else:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 3)
+        _set_threads()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

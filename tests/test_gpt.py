@@ -76,9 +76,9 @@ def test_two_replicas_read_disjoint_windows_of_the_same_global_batches(tmp_path,
     one, two = tmp_path / "one", tmp_path / "two"
     steps = ["--set", "vars.steps=6", "--set", "vars.epoch=3", "--set", "vars.eval_every=3",
              "--set", "epoch.train.log_loss.every=1"]
-    for run, replicas in ((one, "1"), (two, "2")):
-        r = jobrun_proc("train", PLAN, "--run-dir", run, "--device", "cpu", "--replicas", replicas,
-                        *steps, timeout=600)
+    for run, replicas in ((one, "1"), (two, "2")):  # one replica in this process
+        r = (jobrun if replicas == "1" else jobrun_proc)(
+            "train", PLAN, "--run-dir", run, "--device", "cpu", "--replicas", replicas, *steps)
         assert r.code == 0, r.text
     a, b = plan_results(one)[0], plan_results(two)[0]
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(6))
@@ -105,9 +105,8 @@ def test_kill_9_mid_run_then_resume_is_bit_exact(tmp_path, one_thread):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     args = ["--device", "cpu", *sets(steps=30, epoch=10)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # one torch thread, as the resume: the same sums
-    r = subprocess.run([sys.executable, "-m", "jobrun", "train", str(PLAN), "--run-dir", str(whole), *args],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr
+    r = jobrun("train", PLAN, "--run-dir", whole, *args)  # in this process (one_thread: the same sums)
+    assert r.code == 0, r.text
     proc = subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(PLAN), "--run-dir", str(killed),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600

@@ -45,9 +45,10 @@ epoch:
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted run of PLAN, shared by the tests of this module."""
+    """One uninterrupted run of PLAN, shared by the tests of this module (which copy it
+    before they change anything)."""
     root = tmp_path_factory.mktemp("reference")
     plan = root / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[0.0]"))
@@ -550,6 +551,10 @@ def test_keep_retains_only_the_last_epochs(tmp_path, args, background):
         "local.5",
         "local.6",
     ]
+    # With replicas, torch's agent replaced this process's handlers (with ones raising its
+    # SignalException): the launcher puts the earlier ones back, for a later command here.
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    assert not any(getattr(h, "__module__", "").startswith("torch") for h in handlers), handlers
 
 
 def test_upload_copies_last_checkpoint(tmp_path):

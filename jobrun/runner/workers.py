@@ -95,7 +95,8 @@ def _elastic(launch: Launch) -> int:
         monitor_interval=0.2, start_method="spawn", **quick_stop,
     )
     try:
-        with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), _usr1_as_term():
+        with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), \
+                _handlers_kept(), _usr1_as_term():
             results = elastic_launch(config, worker)(launch)
     except ChildFailedError as e:
         rank, failure = _culprit(e.failures)
@@ -281,6 +282,26 @@ def _error_file(text: str) -> None:
     data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
     with suppress(OSError):
         safefs.write_atomic(Path(path), json.dumps(data).encode())
+
+
+@contextmanager
+def _handlers_kept() -> Iterator[None]:
+    """Put back the signal handlers torch's agent replaces (its process context raises
+    SignalException on SIGTERM, SIGINT, SIGHUP, SIGQUIT and never restores them): after
+    the launch, a signal in this process is jobrun's again. A process that runs more
+    than one command (the tests, a caller of the CLI's main) got torch's exception from
+    a later Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    kept = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:  # None: set outside Python, cannot be set back
+                signal.signal(sig, handler)
 
 
 @contextmanager
