@@ -287,7 +287,7 @@ def test_readme_starts_with_install_and_run_then_the_tests() -> None:
     assert first.lang == "bash" and len(lines) == 2
     assert "torch==2.13.0" in lines[0] and lines[0].endswith("jobrun train plans/mlp.yaml")
     assert "download.pytorch.org/whl/cpu" in lines[0]  # the CPU build where PyPI's is CUDA's
-    assert lines[1] == 'pip install -e ".[test]" && python -m pytest -q'
+    assert lines[1] == 'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile'
     assert len(text.splitlines()) <= 320, "the README is a guide: reference material goes to docs/"
 
 
