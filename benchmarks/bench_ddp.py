@@ -13,8 +13,8 @@ As in the fsdp section (see bench_fsdp.py for why), the figures come from the sa
 processes started by torchrun: each rank runs the job through jobrun's runner, as a
 `jobrun train --replicas 2` rank does, and after each of its epochs one epoch of the hand
 loop, on a model of its own that computes the same numbers (the same initial weights and
-batches; the losses are checked). The figure is the median over pairs of adjacent
-epochs of hand/jobrun. What jobrun adds per step is its reader, its executor, the loss
+batches; the losses are checked). The figure is the median over jobrun's epochs of
+hand/jobrun, each against the hand epochs around it. What jobrun adds per step is its reader, its executor, the loss
 carried in DDP's first bucket, the stop flags' asynchronous all-reduce and the weighting
 of each rank's loss by its share of the global batch.
 

@@ -260,18 +260,25 @@ def rank_both(root: Path, plan: str, hand: Callable[[], Any]) -> dict[str, Any]:
         path.write_text(plan)
     dist.barrier()
     times: list[tuple[float, float]] = []
+    cpu: list[float] = []
     loop: list[Any] = []
 
     def between(epoch: int) -> None:
         if not loop:  # built outside jobrun's epochs (it draws no random numbers)
             loop.append(hand())
+        # Every rank starts the hand epoch together, as every rank starts a jobrun epoch
+        # after the last one's stop agreement (a collective): a rank that ended jobrun's
+        # epoch first would otherwise wait for the others inside the hand epoch's time.
+        dist.barrier()
+        c0 = time.process_time()
         times.append(loop[0].epoch())
+        cpu.append(time.process_time() - c0)
 
-    ours = [e.seconds for e in run_plan(path, root / "run", between, rank=rank, world_size=world)]
+    epochs = run_plan(path, root / "run", between, rank=rank, world_size=world)
     losses = [e["outputs"]["train"]["loss_last"] for e in metrics(root / "run") if e.get("event") == "epoch"] \
         if rank == 0 else []
-    return {"jobrun": ours, "hand": [t for t, _ in times], "jobrun_loss": losses,
-            "hand_loss": [loss for _, loss in times]}
+    return {"jobrun": [e.seconds for e in epochs], "hand": [t for t, _ in times], "jobrun_loss": losses,
+            "hand_loss": [loss for _, loss in times], "jobrun_cpu": [e.cpu for e in epochs], "hand_cpu": cpu}
 
 
 def rank_exit(out: dict[str, Any]) -> NoReturn:
@@ -291,23 +298,37 @@ def rank_exit(out: dict[str, Any]) -> NoReturn:
     os._exit(0)
 
 
+def neighbour_ratios(ours: list[float], hand: list[float]) -> list[float]:
+    """One run's hand/jobrun ratios (its first epoch of each side dropped already): each
+    jobrun epoch against the mean of the hand epochs just before and just after it, so
+    that neither side always runs first and a drift of the machine's speed within the
+    run cancels (with one pair only: the epoch after)."""
+    pairs = [((hand[i - 1] + hand[i]) / 2, ours[i]) for i in range(1, min(len(ours), len(hand)))]
+    return [h / o for h, o in pairs or list(zip(hand[:1], ours[:1]))]
+
+
 @dataclass
 class Paired:
-    """jobrun's and the hand loop's epoch seconds from `reps` torchrun runs of `epochs`
-    epochs a side (the first of each side dropped: it warms up), and whether every run's
-    losses agreed."""
+    """jobrun's and the hand loop's epoch seconds (and CPU seconds: this process's, its
+    communication threads' included) from `reps` torchrun runs of `epochs` epochs a side
+    (the first of each side dropped: it warms up), each run's ratios
+    (:func:`neighbour_ratios`), and whether every run's losses agreed."""
 
     reps: int
     epochs: int
     ours: list[float] = field(default_factory=list)
     hand: list[float] = field(default_factory=list)
+    ours_cpu: list[float] = field(default_factory=list)
+    hand_cpu: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    cpu_ratios: list[float] = field(default_factory=list)
     same_losses: bool = True
 
     @property
     def ratio(self) -> float:
         # Epochs drift together (within a run by +-8%): each jobrun epoch is compared with
-        # the hand epoch right after it, and the figure is the median of those ratios.
-        return statistics.median(h / o for o, h in zip(self.ours, self.hand))
+        # the hand epochs around it, and the figure is the median of those ratios.
+        return statistics.median(self.ratios)
 
     def row(self, section: str, name: str, steps: int, baseline_name: str, goal: float, ok: bool) -> Row:
         """The section's figure: steps/s of jobrun against the hand loop's."""
@@ -316,9 +337,11 @@ class Paired:
             baseline=steps / statistics.median(self.hand), baseline_name=baseline_name, ratio=self.ratio,
             goal=f"jobrun/hand >= {goal}", ok=ok,
             note=f"{steps} steps an epoch, epochs alternating in the same 2 processes, {self.reps} runs of "
-                 f"{self.epochs} epochs a side, first dropped; ratio: median over pairs of adjacent epochs",
+                 f"{self.epochs} epochs a side, first dropped; ratio: median over jobrun epochs of the hand "
+                 f"epochs around each (cpu_ratio: the same in CPU seconds, less sensitive to a loaded machine)",
             extra={"jobrun_epoch_seconds": self.ours, "hand_epoch_seconds": self.hand,
-                   "same_losses": self.same_losses,
+                   "jobrun_epoch_cpu_seconds": self.ours_cpu, "hand_epoch_cpu_seconds": self.hand_cpu,
+                   "same_losses": self.same_losses, "cpu_ratio": statistics.median(self.cpu_ratios),
                    "ratio_of_medians": statistics.median(self.hand) / statistics.median(self.ours)},
         )
 
@@ -332,8 +355,14 @@ def paired_epochs(module: str, reps: int, epochs: int, *args: str) -> Paired:
             root = Path(tmp) / f"both{r}"
             root.mkdir()
             out = torchrun(module, "both", str(root), str(epochs), *args)
-            got.ours += out["jobrun"][1:]
-            got.hand += out["hand"][1:]
+            ours, hand = out["jobrun"][1:], out["hand"][1:]
+            ours_cpu, hand_cpu = out["jobrun_cpu"][1:], out["hand_cpu"][1:]
+            got.ours += ours
+            got.hand += hand
+            got.ours_cpu += ours_cpu
+            got.hand_cpu += hand_cpu
+            got.ratios += neighbour_ratios(ours, hand)
+            got.cpu_ratios += neighbour_ratios(ours_cpu, hand_cpu)
             # The same numbers on both sides (each epoch's last loss; jobrun rounds its
             # outputs to 6 digits): otherwise the two are not the same work.
             got.same_losses &= len(out["jobrun_loss"]) == len(out["hand_loss"]) == epochs and all(

@@ -77,6 +77,7 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
         ours, hand = row["extra"]["jobrun_epoch_seconds"], row["extra"]["hand_epoch_seconds"]
         assert len(ours) == len(hand) > 0, row
         assert row["extra"]["same_losses"], row  # the hand loop computes what the job computes
+        assert math.isfinite(row["extra"]["cpu_ratio"]), row
     gpt = data["sections"]["gpt"]["rows"][0]["extra"]  # the plan and nanoGPT's loop agree
     assert gpt["same_losses"] and len(gpt["plan_epoch_seconds"]) == len(gpt["hand_epoch_seconds"]) > 0
     (ddp,) = data["sections"]["ddp"]["rows"]
@@ -88,3 +89,15 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
     table = [line for line in p.stdout.splitlines() if line.split()[:1] and line.split()[0] in SECTIONS]
     assert len(table) == sum(map(len, names.values()))
     assert all(line.rstrip().endswith(("PASS", "MISS", " -")) for line in table)
+
+
+def test_each_jobrun_epoch_is_compared_with_the_hand_epochs_around_it():
+    """The ddp and fsdp figures: a drift of the machine's speed within a run cancels, and
+    neither side always runs first (jobrun's epoch k runs between hand epochs k-1 and k)."""
+    from benchmarks.common import neighbour_ratios
+
+    drifting = [1.0 + 0.1 * i for i in range(7)]  # the same work, each epoch 0.1 s slower
+    ours, hand = drifting[0::2], drifting[1::2]  # jobrun, hand, jobrun, hand...
+    assert [round(r, 12) for r in neighbour_ratios(ours, hand)] == [1.0, 1.0]  # right after: 1.083, 1.071
+    assert neighbour_ratios([2.0, 4.0], [1.0, 3.0]) == [0.5]
+    assert neighbour_ratios([2.0], [1.0]) == [0.5]  # one pair: the epoch after
