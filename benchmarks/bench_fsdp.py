@@ -86,6 +86,7 @@ class HandFSDP:
         import torch
         import torch.distributed as dist
         from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         from jobrun.ops.context import OpContext
@@ -99,11 +100,13 @@ class HandFSDP:
         model = model_mlp(ctx, sizes=SIZES)  # a plain nn.Sequential of Linear and ReLU
         dtype = {"null": None, "bf16": torch.bfloat16}[amp]
         reduce = dtype and torch.float32
+        # On the CPU: fully_shard's default mesh is on the accelerator where a GPU is.
+        mesh = init_device_mesh("cpu", (self.world,))
         for m in model:
             if isinstance(m, nn.Linear):
-                fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce))
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce,
-                                                          output_dtype=reduce))
+                fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce))
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce,
+                                                                     output_dtype=reduce))
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
