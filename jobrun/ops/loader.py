@@ -394,6 +394,24 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _CAUSE = "The above exception was the direct cause of the following exception"
 
 
+def is_worker_death(e: BaseException) -> bool:
+    """Whether ``e`` is torch's error for a DataLoader worker that died (killed, or
+    crashed in native code). torch raises it from `next()`, or from its SIGCHLD handler
+    in whatever the main thread runs when the signal comes (another op)."""
+    return isinstance(e, RuntimeError) and "DataLoader worker (pid" in str(e)
+
+
+def worker_died(e: BaseException, name: str | None = None) -> RunError:
+    """The one message for a dead DataLoader worker (of the reader over ``name``)."""
+    of = f" of the reader over {name}" if name else ""
+    return RunError(
+        f"a DataLoader worker{of} died: {str(e).strip()}",
+        hint="workers die when memory runs out (fewer num_workers or a smaller "
+        "prefetch_factor help) or when native code in the dataset crashes; the run "
+        "resumes from its last checkpoint with `jobrun resume`",
+    )
+
+
 def _failure(reader: Reader, e: Exception) -> RunError:
     name = reader.options.name  # type: ignore[attr-defined]
     text = str(e)
@@ -406,13 +424,8 @@ def _failure(reader: Reader, e: Exception) -> RunError:
             hint="fix the dataset's __getitem__ for this sample; the run resumes from its "
             "last checkpoint with `jobrun resume`",
         )
-    if isinstance(e, RuntimeError) and "DataLoader worker (pid" in text:
-        return RunError(
-            f"a DataLoader worker of the reader over {name} died: {text.strip()}",
-            hint="workers die when memory runs out (fewer num_workers or a smaller "
-            "prefetch_factor help) or when native code in the dataset crashes; the run "
-            "resumes from its last checkpoint with `jobrun resume`",
-        )
+    if is_worker_death(e):
+        return worker_died(e, name)
     if isinstance(e, RuntimeError) and "DataLoader timed out" in text:
         return RunError(
             f"the reader over {name}: {text.strip()}",

@@ -326,6 +326,10 @@ class Generator(Visitor):
                     "by default; `passes: 0` reads on in every epoch); or give it a value before the loop"
                     if name in looped else "define it earlier (e.g. in the init group)",
                 ) from e
+            from jobrun.ops.loader import is_worker_death, worker_died
+
+            if is_worker_death(e):  # raised by torch's SIGCHLD handler in whatever op ran
+                e = worker_died(e)
             if isinstance(e, JobrunError):
                 message = e.message.removeprefix(f"{s.op}: ")  # the op is named already
                 raise _op_error(f"op `{s.op}` {where}: {message}", s.pos, e.hint, e) from e
