@@ -367,3 +367,17 @@ def test_a_tensor_batch_is_gathered_straight_into_pinned_memory(monkeypatch):
 
     gathered = ToDevice("cuda").gather(x, torch.tensor([5, 1]))
     assert gathered.is_pinned() and torch.equal(gathered, x[[5, 1]])
+
+
+def test_a_mapping_batch_that_is_no_dict_is_moved_as_a_dict_is():
+    # Hugging Face's tokenizers give a BatchEncoding, a UserDict: it was left on the host
+    # (train.step moved it later, blocking); the meta device stands in for a GPU here.
+    from collections import UserDict
+
+    from jobrun.ops.transfer import ToDevice
+
+    ids, mask = torch.arange(6).view(2, 3), torch.ones(2, 3)
+    for batch in ({"input_ids": ids, "mask": mask}, UserDict(input_ids=ids, mask=mask)):
+        (moved,) = ToDevice("meta")((batch,))
+        assert dict(moved).keys() == {"input_ids", "mask"}
+        assert all(t.is_meta and t.shape == (2, 3) for t in moved.values()), type(batch)

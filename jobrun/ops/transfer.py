@@ -25,6 +25,7 @@ already on the device is left as it is.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,7 +43,7 @@ class _Sent:
 
 
 class ToDevice:
-    """Moves batches (tensors, and dicts, lists and tuples of them) to ``device``."""
+    """Moves batches (tensors, and mappings, lists and tuples of them) to ``device``."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -110,7 +111,7 @@ def _move(value: Any, device: torch.device, staged: bool) -> Any:
         if staged and value.is_cpu and not value.is_pinned():
             value = value.pin_memory()
         return value.to(device, non_blocking=staged)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # a dict, or Hugging Face's BatchEncoding (a UserDict)
         return {k: _move(v, device, staged) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return type(value)(_move(v, device, staged) for v in value)
@@ -120,7 +121,7 @@ def _move(value: Any, device: torch.device, staged: bool) -> Any:
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return [t for v in value.values() for t in _tensors(v)]
     if isinstance(value, list | tuple):
         return [t for v in value for t in _tensors(v)]
