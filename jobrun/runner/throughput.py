@@ -48,7 +48,8 @@ class Feed:
             if shape:
                 n = shape[0]
             elif isinstance(x, Mapping):  # a dict batch: counted as train.step counts it
-                n, x = records(x), counter(x)
+                x = counter(x)  # records() of the mapping would look it up again
+                n = records(x) if x is not None else 0  # None: an empty mapping
                 shape = getattr(x, "shape", None)
             else:
                 n = 1
