@@ -19,7 +19,7 @@ from typing import Any
 
 from jobrun.errors import Pos
 from jobrun.plans import ir
-from jobrun.plans.visit import children, op_calls
+from jobrun.plans.visit import children, op_calls, task_calls
 
 # The suffixes `data.load` reads (jobrun/ops/data.py), and those it can memory-map.
 LOAD_SUFFIXES = (".npz", ".npy", ".bin", ".csv", ".safetensors", ".pt")
@@ -76,10 +76,10 @@ def _load_problems(plan: ir.Plan) -> Iterator[Problem]:
 
 def _drained_readers(plan: ir.Plan) -> Iterator[Problem]:
     """Readers made in `init` with passes: N that every epoch reads to a pass's end."""
-    made_in_epoch = {(t.node, ref.name) for t in plan.epoch.tasks for call in _calls_of(t) for ref in call.outs}
+    made_in_epoch = {(t.node, ref.name) for t in plan.epoch.tasks for call in task_calls(t) for ref in call.outs}
     readers: dict[tuple[str, str], ir.OpCall] = {}
     for task in plan.init.tasks:
-        for call in _calls_of(task):
+        for call in task_calls(task):
             passes = call.kwargs.get("passes", 1)
             endless = call.kwargs.get("window") is not None and call.kwargs.get("sample") == "random"
             if call.op == "reader" and call.outs and isinstance(passes, int) and passes >= 1 and not endless:
@@ -142,9 +142,4 @@ def _stop_names(steps: tuple[ir.Step, ...]) -> set[str]:
 def _calls(groups: tuple[ir.Group, ...]) -> Iterator[ir.OpCall]:
     for group in groups:
         for task in group.tasks:
-            yield from _calls_of(task)
-
-
-def _calls_of(task: ir.Task) -> Iterator[ir.OpCall]:
-    for block in children(task):
-        yield from op_calls(block)
+            yield from task_calls(task)

@@ -24,7 +24,7 @@ from typing import Any
 
 from jobrun.errors import PlanError
 from jobrun.plans import ir
-from jobrun.plans.visit import children, op_calls
+from jobrun.plans.visit import task_calls
 
 READERS = frozenset({"data.load", "load"})  # ops whose `path` is a file read from the plan's directory
 
@@ -64,9 +64,8 @@ def _ordered(plan: ir.Plan) -> Iterator[tuple[tuple[int, int, int], ir.OpCall]]:
     """Every op call with its slot: (group number, task number, number in the task)."""
     for g, group in enumerate(plan.groups):
         for t, task in enumerate(group.tasks):
-            for k, step in enumerate(c for block in children(task) for c in op_calls(block)):
+            for k, step in enumerate(task_calls(task)):
                 yield (g, t, k), step
-
 
 
 def _before(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:

@@ -35,6 +35,12 @@ def op_calls(steps: tuple[ir.Step, ...]) -> Iterator[ir.OpCall]:
             yield from op_calls(block)
 
 
+def task_calls(task: ir.Task) -> Iterator[ir.OpCall]:
+    """Every op call of a task (its init, do and exit blocks), in source order."""
+    for block in children(task):
+        yield from op_calls(block)
+
+
 def also_written(call: ir.OpCall) -> tuple[ir.BlobRef, ...]:
     """What an op writes besides its outs: train.step's `<loss>_last`, the last step's
     loss (after a loop, the loss itself holds the mean over the loop's steps)."""
