@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import gpu_images
-from benchmarks.common import Mode, ReaderBatches, Row, loop_plan
+from benchmarks.common import Mode, ReaderBatches, Row, close_losses, loop_plan
 
 GOAL = 0.98
 STEPS = 100
@@ -197,7 +197,7 @@ def run(mode: Mode) -> list[Row]:
     per_step = sum(per_epoch) / (STEPS * max(1, len(per_epoch)))
     ours, times = ours[1:], [t for t, _ in hand][1:]
     ratio = statistics.median(h / o for o, h in zip(ours, times))
-    same = all(abs(a - b) <= 2e-2 * max(1.0, abs(b)) for a, b in zip(losses, [loss for _, loss in hand]))
+    same = close_losses(losses, [loss for _, loss in hand])
     name = torch.cuda.get_device_name()
     return [
         Row(section="gpu", name=f"GPT-shaped model, bf16 steps/s ({name})", value=STEPS / statistics.median(ours),

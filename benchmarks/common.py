@@ -87,6 +87,12 @@ def alternate(reps: int, *fns: Callable[[], float]) -> list[list[float]]:
     return out
 
 
+def close_losses(a: list[float], b: list[float]) -> bool:
+    """Whether two sides' logged losses agree on a GPU: bf16 autocast and cudnn's choice
+    of algorithms sum in other orders, so close (2 % relative), not equal."""
+    return len(a) == len(b) and all(abs(x - y) <= 2e-2 * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
 def paired_ratio(subject: list[float], baseline: list[float]) -> float:
     """The median of per-repetition ratios (robust to drift of a shared machine)."""
     return median([s / b for s, b in zip(subject, baseline) if b])

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ReaderBatches, loop_plan
+from benchmarks.common import ReaderBatches, close_losses, loop_plan
 
 STEPS = 80  # steps an epoch
 
@@ -337,11 +337,6 @@ def _costs(size: Size, device: str, data: tuple[Any, Any]) -> dict[str, float]:
     return {k: 1000 * statistics.median(v) for k, v in times.items()}
 
 
-def _close(a: list[float], b: list[float]) -> bool:
-    # cudnn picks its algorithms per model and may sum in other orders: close, not equal
-    return len(a) == len(b) and all(abs(x - y) <= 2e-2 * max(1.0, abs(y)) for x, y in zip(a, b))
-
-
 def _pairs(subject: list[float], baseline: list[float]) -> list[float]:
     """Speed ratios subject/baseline of paired epochs (baseline time / subject time)."""
     return [b / s for s, b in zip(subject, baseline)]
@@ -376,7 +371,7 @@ def _rows(got: Measured, size: Size, device: str, steps: int, epochs: int, costs
     on_off = _pairs(on, off)
     thread_ahead = _pairs(got.hand[THREAD][1:], got.hand[AHEAD][1:])
     med = statistics.median
-    same = all(_close(got.losses[k], got.losses["jobrun"]) for k in got.hand)
+    same = all(close_losses(got.losses[k], got.losses["jobrun"]) for k in got.hand)
     switched = got.prepared["on"] > 0 and got.prepared["off_skipped"] > 0 == got.prepared["off_prepared"]
     step_ms = {kind: 1000 * med(times[1:]) / steps for kind, times in got.hand.items()}
     mb = size.batch * 3 * size.side ** 2 * 4 / 1e6
