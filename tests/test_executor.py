@@ -11,18 +11,21 @@ import pytest
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
 from jobrun.plans.compile import compile_text
-from jobrun.runner.codegen_task import OpFailed
+from jobrun.runner.codegen_task import OpFailed, shared_names
 from jobrun.runner.executor import CompiledTask, NodeRuntime, _private_workspace
 
 
-def run(text: str) -> tuple[dict, dict]:
-    """Run the plan's init and one epoch in this process: (global workspace, outputs)."""
+def run(text: str, known: bool = True) -> tuple[dict, dict]:
+    """Run the plan's init and one epoch in this process: (global workspace, outputs).
+    ``known``: the tasks know which names the global workspace can hold, as the runner's
+    do (else every store of a private task tests G)."""
     plan = compile_text(textwrap.dedent(text), "plan.yaml")
     node = NodeRuntime("local", OpContext())
+    shared = shared_names(plan)["local"] if known else None
     outputs = {}
     for group in (plan.init, plan.epoch):
         for task in group.tasks:
-            outputs[task.name] = CompiledTask(task, node).run()
+            outputs[task.name] = CompiledTask(task, node, shared=shared).run()
     return node.globals, outputs
 
 
@@ -56,6 +59,32 @@ epoch:
     assert g["q"] == 3 and g["total"] == 12  # writes to global names update them
     assert not {"r", "a", "b", "items"} & set(g)  # new names stayed in the task
     assert out["work"] == {"r": 2, "a": 2, "b": 1, "items": [2, 1], "hi": 2, "lo": 1}
+
+
+def test_a_name_only_a_later_global_task_writes_stays_private_until_it_does():
+    text = HEADER + """
+epoch:
+  - task: work
+    do:
+      - call: {fn: "builtins:divmod", in: [17, 5], out: [q, late]}  # late: not yet in G
+      - add: {in: [q, 1], out: alone}  # no global task writes it: stored without a test
+    outputs: [late, alone]
+  - task: publish
+    workspace: global
+    do:
+      - const: {out: late, value: 9}
+"""
+    for known in (True, False):  # the same blobs whether the tasks know G's names or not
+        g, out = run(text, known)
+        assert out["work"] == {"late": 2, "alone": 4} and g["q"] == 3 and g["late"] == 9
+        assert "alone" not in g
+    plan = compile_text(textwrap.dedent(text), "plan.yaml")
+    assert shared_names(plan) == {"local": frozenset({"total", "q", "i", "g1", "g2", "late"})}
+    node = NodeRuntime("local", OpContext())
+    task = next(t for t in plan.epoch.tasks if t.name == "work")
+    compiled = CompiledTask(task, node, shared=shared_names(plan)["local"])
+    source = "".join(__import__("linecache").getlines(compiled._do.__code__.co_filename))
+    assert "'late' in G" in source and "'alone' in G" not in source  # only what G can hold is tested
 
 
 def test_loop_stops_at_stop_if_and_a_private_task_reads_through():

@@ -90,6 +90,18 @@ def _stored(task: ir.Task) -> set[str]:
     return written(task) | _indices(task)
 
 
+def shared_names(plan: ir.Plan) -> dict[str, frozenset[str]]:
+    """Per node, the blobs its global-workspace tasks (of any group) store: all that its
+    global workspace can ever hold (a checkpoint restores a subset of them, see
+    jobrun.plans.state), so a private task's store of any other name goes to its own."""
+    out: dict[str, set[str]] = {node: set() for node in plan.nodes}
+    for group in plan.groups:
+        for task in group.tasks:
+            if task.workspace == "global":
+                out.setdefault(task.node, set()).update(_stored(task))
+    return {node: frozenset(names) for node, names in out.items()}
+
+
 def _indices(node: Any) -> set[str]:
     out: set[str] = set()
     for block in children(node):
@@ -118,8 +130,12 @@ class Generator(Visitor):
     """Writes one task's steps as Python (see the module docstring)."""
 
     def __init__(self, ctx: OpContext, g: dict, local: dict, task: ir.Task, node: str,
-                 profile: Profile | None = None, max_steps: int | None = None):
+                 profile: Profile | None = None, max_steps: int | None = None,
+                 shared: frozenset[str] | None = None):
         self.ctx = ctx
+        # The names a global task of the node can write (`shared_names`; None: any): only
+        # these can be in G when a private task stores, the rest go to L without a test.
+        self.shared = shared
         # With a profile (train --profile) op calls and loops are written timed; without
         # one the code is what it always was: the profile costs nothing when off.
         self.profile = profile
@@ -278,8 +294,11 @@ class Generator(Visitor):
             for k, name in enumerate(outs):
                 self._store(name, f"r[{k}]")
             return
-        # Usually none of them is global (a `read`'s batch): one test, then unpacked (`in`
-        # tests: G.keys().isdisjoint() cost a view and a call, 0.1 us more a step).
+        if not any(self._may_be_global(name) for name in outs):  # a `read`'s batch, usually
+            code.line(f"{targets} = r")
+            return
+        # One test, then unpacked (`in` tests: G.keys().isdisjoint() cost a view and a
+        # call, 0.1 us more a step).
         with code.block(f"if {' and '.join(f'{name!r} not in G' for name in outs)}:"):
             code.line(f"{targets} = r")
         with code.block("else:"):
@@ -293,13 +312,24 @@ class Generator(Visitor):
         if not self.private and not self.instance:
             code.line(f"G[{name!r}] = {value}")
             return
-        with code.block(f"if {name!r} in G:"):
-            code.line(f"G[{name!r}] = {value}")
+        tests = []
+        if self._may_be_global(name):
+            tests.append(("G", f"{name!r} in G"))
         if self.instance and self.private:
-            with code.block(f"elif {name!r} in T:"):
-                code.line(f"T[{name!r}] = {value}")
+            tests.append(("T", f"{name!r} in T"))
+        for k, (where, test) in enumerate(tests):
+            with code.block(f"{'if' if k == 0 else 'elif'} {test}:"):
+                code.line(f"{where}[{name!r}] = {value}")
+        if not tests:
+            code.line(f"L[{name!r}] = {value}")
+            return
         with code.block("else:"):
             code.line(f"L[{name!r}] = {value}")
+
+    def _may_be_global(self, name: str) -> bool:
+        """Whether G can hold `name` when this task stores it (a private task's store goes
+        to G when G has the name: a blob a global task wrote)."""
+        return self.shared is None or name in self.shared
 
     def _op_failure(self, s: ir.OpCall) -> Handler:
         where = f"in task {self.task.name!r} on node {self.node!r}"

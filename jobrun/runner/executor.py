@@ -44,7 +44,7 @@ class CompiledTask:
     """A task generated once for its node; `run` runs it (every epoch, for an epoch task)."""
 
     def __init__(self, task: ir.Task, node: NodeRuntime, profile: Profile | None = None,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, shared: frozenset[str] | None = None):
         self.task = task
         self.node = node
         self.ctx = dataclasses.replace(node.ctx, task=task.name)
@@ -53,7 +53,7 @@ class CompiledTask:
         self.local: dict[str, Any] = g if task.workspace == "global" else _private_workspace(g)
         # `max_steps` ends the loops of epoch tasks (the epoch) once the global step reaches it.
         limit = max_steps if task.group == "epoch" else None
-        generator = Generator(self.ctx, g, self.local, task, node.name, profile, limit)
+        generator = Generator(self.ctx, g, self.local, task, node.name, profile, limit, shared)
         self._init, self._do, self._exit = generator.visit(task)
 
     def run(self) -> dict[str, Any]:

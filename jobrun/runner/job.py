@@ -30,6 +30,7 @@ from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
 from jobrun.runner import clock, fingerprint, profile, trackers
 from jobrun.runner.checkpoints import Checkpoints, held_blobs, short
+from jobrun.runner.codegen_task import shared_names
 from jobrun.runner.concurrency import run_concurrently
 from jobrun.runner.display import Display
 from jobrun.runner.executor import CompiledTask, NodeRuntime
@@ -105,8 +106,10 @@ class JobRunner(Checkpoints):
                                        self.main_rank) if cfg.profile else None
         self.nodes = {name: self._node(name) for name in self.plan.nodes}
         clock.install()  # the global step counts every optimizer step of a task
+        shared = shared_names(self.plan)  # per node: what its global workspace can hold
         self.groups = {
-            g.name: [CompiledTask(t, self.nodes[t.node], self.profile, self.plan.max_steps) for t in g.tasks]
+            g.name: [CompiledTask(t, self.nodes[t.node], self.profile, self.plan.max_steps, shared[t.node])
+                     for t in g.tasks]
             for g in self.plan.groups
         }
         for node in self.nodes.values():
