@@ -471,18 +471,15 @@ def test_a_dict_batch_whose_first_value_is_no_tensor_is_counted_by_its_first_ten
     list (the feed counted 1 record and no tokens)."""
     from collections import UserDict
 
-    from jobrun.ops.batches import counter, records
-    from jobrun.runner.throughput import Feed
+    from jobrun.ops.batches import counter, counts, records
 
     ctx = OpContext()
     reader = reader_op(ctx, Texts(10), batch_size=5)
     batch, done = reader.read()
     assert not done and list(batch) == ["text", "input_ids", "labels"] and len(batch["text"]) == 5
     assert counter(batch) is batch["input_ids"] and records(batch) == 5
-    feed = Feed()
-    feed.add((batch, False), 0.0, reader)
-    feed.add((UserDict(batch), False), 0.0, reader)  # any mapping (Hugging Face's BatchEncoding)
-    assert feed.snapshot()[:2] == (10, 10 * T)  # records, tokens
+    assert reader.tally[:2] == [5, 5 * T]  # the feed's records and tokens of the read
+    assert counts((UserDict(batch),)) == (5, 5 * T)  # any mapping (Hugging Face's BatchEncoding)
     # one rule's corners: a 0-d value beside batched ones counts nothing; a single record
     # (unbatched, batch_size 1) counts one; lists of strings alone count by their length
     flagged = {"scale": torch.tensor(0.5), "input_ids": batch["input_ids"]}

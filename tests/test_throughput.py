@@ -4,32 +4,81 @@ from __future__ import annotations
 
 import resource
 import time
+import types
 
+import numpy as np
 import pytest
 import torch
 from runner_util import jobrun, metrics
 from test_profile import PLAN
 
+from jobrun.ops.batches import counts
 from jobrun.runner.display import Display, human_size
 from jobrun.runner.throughput import EpochRates, Feed, epoch_text, peak_memory
 
 
-def test_feed_counts_records_tokens_and_the_wait():
-    feed = Feed()
-    feed.add((torch.zeros(4, 8, dtype=torch.long), torch.zeros(4), False), 0.25)
-    assert feed.snapshot() == (4, 32, 0.25)  # integer (batch, sequence): 4 sequences of 8 tokens
-    feed.add((torch.zeros(6, 8), torch.zeros(6), False), 0.5)  # float features: no tokens
-    feed.add((torch.zeros(3, 2, 5, dtype=torch.int32), False), 0.0)  # not (batch, sequence)
-    feed.add((torch.zeros(2, 8, dtype=torch.bool), False), 0.0)  # masks are not tokens
-    feed.add((None, None, True), 0.125)  # the end of a pass: waited, no records
-    assert feed.snapshot() == (4 + 6 + 3 + 2, 32, 0.875)
-    feed.add((7, False), 0.0)  # an unbatched record (batch_size 1)
-    feed.add((torch.tensor(3.0), False), 0.0)  # one 0-dim record
-    assert feed.records == 17
+def test_the_rule_counts_records_and_tokens_of_a_batch():
+    assert counts((torch.zeros(4, 8, dtype=torch.long), torch.zeros(4))) == (4, 32)  # 4 sequences of 8 tokens
+    assert counts((np.zeros((3, 5), dtype=np.int32),)) == (3, 15)  # numpy token ids too
+    assert counts((torch.zeros(6, 8), torch.zeros(6))) == (6, 0)  # float features: no tokens
+    assert counts((torch.zeros(3, 2, 5, dtype=torch.int32),)) == (3, 0)  # not (batch, sequence)
+    assert counts((torch.zeros(2, 8, dtype=torch.bool),)) == (2, 0)  # masks are not tokens
+    assert counts((7,)) == (1, 0) and counts((torch.tensor(3.0),)) == (1, 0)  # one record
+    assert counts(({},)) == (0, 0)
 
 
-def test_each_reader_has_a_tally_and_the_feed_sums_them():
-    """`read` adds to its reader's tally under the reader's lock: the feed takes none."""
+class Rows(torch.utils.data.Dataset):
+    """Token rows of a length of their own: the collated batch is padded to its longest."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2 + i % 3,), i, dtype=torch.long)
+
+
+def _pad(items: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(items, batch_first=True)
+
+
+@pytest.mark.parametrize("make", ["tensor", "shuffled", "keyed", "keyed_text", "windows", "dataset", "ones"])
+def test_every_reader_counts_what_it_hands_out_as_the_rule_counts_its_batches(make):
+    """Readers count their own batches (a reader of records of one shape from the batch
+    bounds, a Dataset's batch by the rule): the counts equal the rule applied to every
+    batch `read` handed out, the end of a pass counting nothing."""
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import read_op, reader_op
+
+    ctx = OpContext()
+    ids = torch.arange(70).reshape(10, 7)
+    reader = {
+        "tensor": lambda: reader_op(ctx, ids, torch.zeros(10), batch_size=4),
+        "shuffled": lambda: reader_op(ctx, ids, torch.zeros(10), batch_size=4, shuffle=True),
+        "keyed": lambda: reader_op(ctx, ids, torch.zeros(10), batch_size=4, shuffle=True, keys=["input_ids", "y"]),
+        # a dict counted by its first batched value: the token ids, not the list of strings
+        "keyed_text": lambda: reader_op(ctx, ["s"] * 10, ids, batch_size=4, keys=["text", "input_ids"]),
+        "windows": lambda: reader_op(ctx, torch.arange(50), window=6, batch_size=3),
+        "dataset": lambda: reader_op(ctx, Rows(10), batch_size=4, collate_fn="test_throughput:_pad"),
+        "ones": lambda: reader_op(ctx, ids, torch.zeros(10), batch_size=1),
+    }[make]()
+    want = [0, 0]
+    while True:
+        names = ("x", "done") if make in ("keyed", "keyed_text", "dataset") else ("x", "y", "done")
+        *fields, done = read_op(ctx, reader, names)
+        if done:
+            break
+        n, tokens = counts(tuple(fields)) if make != "ones" else (1, 0)  # a single record is one
+        want = [want[0] + n, want[1] + tokens]
+    assert reader.tally[:2] == want and want[0] == {"windows": 8}.get(make, 10)
+    assert want[1] > 0 or make == "ones"
+
+
+def test_the_feed_sums_the_tallies_of_the_readers_read_in_its_run():
+    """`read` adds its wait to its reader's tally under the reader's lock and the feed
+    starts watching a reader at its first read: the feed takes no lock."""
     from jobrun.ops.context import OpContext
     from jobrun.ops.reader import read_op, reader_op
 
@@ -37,20 +86,29 @@ def test_each_reader_has_a_tally_and_the_feed_sums_them():
     ctx = OpContext(progress={"feed": feed})
     tokens = reader_op(ctx, torch.zeros(10, 4, dtype=torch.long), batch_size=4)
     floats = reader_op(ctx, torch.zeros(6, 3), torch.zeros(6), batch_size=6)
+    unread = reader_op(ctx, torch.zeros(6, 3), batch_size=6)
     for _ in range(4):  # 4 + 4 + 2, then the end of the pass
         read_op(ctx, tokens)
     read_op(ctx, floats)
-    assert len(feed.tallies) == 2
-    assert [t[:2] for t in feed.tallies.values()] == [[10, 40], [6, 0]]
+    unread.read()  # read outside the op: counted by the reader, not watched by the feed
+    assert len(feed.tallies) == 2 and tokens.feed is feed and unread.feed is None
+    assert [t[:2] for t in feed.tallies] == [[10, 40], [6, 0]]
     records, n_tokens, wait = feed.snapshot()
     assert (records, n_tokens) == (16, 40) and feed.records == 16 and feed.tokens == 40
-    assert wait == sum(t[2] for t in feed.tallies.values()) > 0
+    assert wait == tokens.tally[2] + floats.tally[2] > 0
+
+
+def _tally(feed: Feed, records: int, tokens: int, seconds: float = 0.0) -> None:
+    """A reader's reads, as the feed sees them: its tally."""
+    reader = types.SimpleNamespace(tally=[records, tokens, seconds], feed=None)
+    feed.watch(reader)
+    assert reader.feed is feed
 
 
 def test_epoch_rates_are_over_the_epoch_and_count_every_replica():
     feed = Feed()
     rates = EpochRates(feed, "cpu", world_size=2)
-    feed.add((torch.zeros(10, 4, dtype=torch.long), False), 0.5)
+    _tally(feed, 10, 40, 0.5)  # 10 sequences of 4 tokens, read in 0.5 s
     r = rates.finish(2.0)
     assert r["samples_per_s"] == 10 * 2 / 2.0 and r["tokens_per_s"] == 40 * 2 / 2.0
     assert r["data_s"] == 0.5 and r["compute_s"] == 1.5
@@ -82,12 +140,12 @@ def test_the_heartbeat_line_shows_samples_per_second(capsys):
     with d.live("j"):
         d.progress["feed"] = feed
         d.status("epoch 1")
-        feed.add((torch.zeros(50, 3), False), 0.0)
+        _tally(feed, 50, 0)
         d.progress["loop"] = ("train", 4, 10)
         time.sleep(0.05)
         d._refresh()
         d.status("epoch 2")
-        feed.add((torch.zeros(50, 3, dtype=torch.long), False), 0.0)  # sequences: tokens/s
+        _tally(feed, 50, 150)  # sequences: tokens/s
         d.progress["loop"] = ("train", 6, 10)
         time.sleep(0.05)
         d._refresh()

@@ -10,6 +10,9 @@ runs over the records. So ``{"text": [...], "input_ids": ids}`` counts ``len(ids
 a 0-d value beside batched ones (a flag, a temperature) counts nothing. Without torch
 (the throughput feed imports it where commands must not import torch): a tensor is
 anything with a ``shape``.
+
+Tokens (tokens/s): a batch whose counting value is an integer (batch, sequence) tensor or
+array (token ids) holds records x sequence tokens; any other batch holds none.
 """
 
 from __future__ import annotations
@@ -41,3 +44,43 @@ def records(value: Any) -> int:
     if isinstance(value, Mapping):
         return records(counter(value)) if value else 0
     return len(value) if isinstance(value, list | tuple) else 1
+
+
+def counts(batch: tuple[Any, ...]) -> tuple[int, int]:
+    """(records, tokens) of a batch's fields (see the module's rule): its first field
+    counts, a dict batch by its :func:`counter`."""
+    x = batch[0] if batch else None
+    if isinstance(x, Mapping):
+        x = counter(x)
+        if x is None:  # an empty mapping
+            return 0, 0
+    n = records(x)
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) == 2 and holds_ints(x):
+        return n, n * int(shape[1])
+    return n, 0
+
+
+def holds_ints(x: Any) -> bool:
+    """Whether x holds integers (torch's or numpy's), by a dict lookup of its dtype (learnt
+    as seen: getattr(dtype, "kind", "") of a torch dtype raised and caught an
+    AttributeError each time)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    known = _INT_DTYPES.get(dtype)
+    if known is None:
+        known = _INT_DTYPES[dtype] = _ints(dtype)
+    return known
+
+
+_INT_DTYPES: dict[Any, bool] = {}  # dtype -> whether it holds integers
+
+
+def _ints(dtype: Any) -> bool:
+    if type(dtype).__module__ == "torch":  # without importing torch: commands must not
+        import torch
+
+        return dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                         torch.uint16, torch.uint32, torch.uint64)
+    return getattr(dtype, "kind", "") in "iu" and bool(getattr(dtype, "kind", ""))

@@ -32,6 +32,9 @@ class _Keyed:
         for fields in super().full_pass():  # type: ignore[misc]
             yield (dict(zip(self.keys, fields)),)
 
+    def _as_handed(self, fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (dict(zip(self.keys, fields)),)
+
 
 class KeyedTensorReader(_Keyed, TensorReader):
     pass

@@ -288,6 +288,7 @@ class DatasetReader(Reader):
             self._prepare(stop, self._next, stop)
         if self.world_size > 1 and self.batch_size > 1:
             mark_records(fields, stop - start)
+        self._handed_batch(fields)
         return (*fields, False)
 
     def _next(self, start: int) -> Any:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from jobrun.errors import RunError
+from jobrun.ops.batches import counts
 from jobrun.ops.context import OpContext
 from jobrun.ops.transfer import ToDevice
 
@@ -165,6 +166,12 @@ class Reader:
         # `ToDevice.send` returned or a `Failed`, and the position it starts at.
         self._ahead: Any = None
         self._ahead_at = -1
+        # What this rank's reads handed out, for the throughput feed (jobrun.runner.
+        # throughput): records and tokens, counted by `read` from what it knows, and the
+        # seconds the `read` op took; `feed` is the feed that sums it.
+        self.tally: list[Any] = [0, 0, 0.0]
+        self.feed: Any = None
+        self._width: int | None = None  # tokens per record (records of one shape), learnt
 
     # -- geometry -----------------------------------------------------------------
 
@@ -240,6 +247,31 @@ class Reader:
         if type(ahead) is Failed:
             raise ahead.error
         return self._to_device.land(ahead) if self._move else ahead
+
+    def _handed(self, fields: tuple[Any, ...], n: int) -> None:
+        """Count a batch of `n` records (this rank's part) of a reader whose records all
+        have one shape: its tokens are n times those of a record, learnt from the first
+        batch by the rule of jobrun.ops.batches (one integer-division, not a look at
+        every batch)."""
+        tally = self.tally
+        tally[0] += n
+        width = self._width
+        if width is None:
+            if not n:
+                return
+            width = self._width = counts(self._as_handed(fields))[1] // n
+        tally[1] += n * width
+
+    def _handed_batch(self, fields: tuple[Any, ...]) -> None:
+        """Count a batch by the rule of jobrun.ops.batches (records of many shapes: a
+        Dataset's collated items); a batch of single records (`batch_size: 1`) is one."""
+        n, tokens = counts(self._as_handed(fields)) if self.batch_size > 1 else (1, 0)
+        self.tally[0] += n
+        self.tally[1] += tokens
+
+    def _as_handed(self, fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A batch's fields as `read` hands them out (a reader with keys: one dict)."""
+        return fields
 
     def _end_of_pass(self) -> tuple[Any, ...]:
         if not self.finished:
@@ -364,6 +396,14 @@ class TensorReader(Reader):
                 self._ahead_at = stop
             else:
                 self._ahead = None
+            width = self._width  # `_handed`, inlined
+            if width is None:  # the first batch: learns the tokens of a record
+                self._handed(batch[:-1], stop - start)
+            else:
+                tally = self.tally
+                tally[0] += stop - start
+                if width:
+                    tally[1] += (stop - start) * width
             return batch
         order = self._pass_order() if self.shuffle else None
         ahead = self._prepared(start)
@@ -372,6 +412,8 @@ class TensorReader(Reader):
             self._prepare(stop, self._take, stop, min(stop + self.batch_size, end), order)
         if self.world_size > 1 and self.batch_size > 1:
             mark_records(fields, stop - start)
+        lo, hi = self.rank_part(start, stop)
+        self._handed(fields, hi - lo)
         return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
@@ -496,8 +538,10 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
         rolls = len(_out_names) == reader.field_count  # a Dataset's is known after a read
         if batch[-1] and rolls and not reader.finished:
             batch = reader.read()
-        if feed is not None:  # the feed's tally of this reader is added to under its lock
-            feed.add(batch, time.perf_counter() - t0, reader)
+        if feed is not None:  # the read counted its records; the wait is added under the lock
+            reader.tally[2] += time.perf_counter() - t0
+            if reader.feed is not feed:
+                feed.watch(reader)
     if rolls:  # one output is its value alone (a dict batch, a reader of one field)
         return batch[0] if reader.field_count == 1 else batch[:-1]
     return batch

@@ -74,6 +74,7 @@ class IterableReader(Reader):
         self.position += 1
         if self._look_ahead:
             self._prepare(self.position, self._next)
+        self._handed_batch(fields)
         return (*fields, False)
 
     def _next(self) -> Any:
