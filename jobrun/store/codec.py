@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jobrun.errors import CheckpointError
+from jobrun.plans.scalars import show  # a file's values quoted short: an attacker's 70 kB name
 from jobrun.store import shards
 from jobrun.store.modules import apply_module_flags, module_flags
 
@@ -367,7 +368,7 @@ class _Decoder:
         tag = v[TAG]
         if tag == "float":
             if v.get("v") not in _SPECIAL_FLOATS:
-                _bad(f"bad special float {v.get('v')!r}")
+                _bad(f"bad special float {show(v.get('v'))}")
             return _SPECIAL_FLOATS[v["v"]]
         if tag == "tuple":
             return tuple(self.items(v))
@@ -394,7 +395,7 @@ class _Decoder:
                 # into a shared buffer), so give the state memory of its own.
                 state = state.clone()
             return SavedState(v["type"], state, v.get("module"))
-        _bad(f"unknown tag {tag!r}")
+        _bad(f"unknown tag {show(tag)}")
 
     def items(self, v: dict[str, Any]) -> list[Any]:
         items = v["items"]
@@ -409,21 +410,21 @@ class _Decoder:
                 _bad("dict items must be [key, value] pairs")
             key = self.value(pair[0])
             if not _is_key(key):
-                _bad(f"unusable dict key {key!r}")
+                _bad(f"unusable dict key {show(key)}")
             out[key] = self.value(pair[1])
         return out
 
     def np_scalar(self, v: dict[str, Any]) -> np.generic:
         code = v["dtype"]
         if not isinstance(code, str) or not _NP_SCALAR.fullmatch(code):
-            _bad(f"bad numpy scalar dtype {code!r}")
+            _bad(f"bad numpy scalar dtype {show(code)}")
         return np.dtype(code).type(self.value(v["v"]))
 
     def lookup(self, v: dict[str, Any]) -> Any:
         key = v.get("key")
         if not isinstance(key, str) or key not in self.tensors:
             raise CheckpointError(
-                f"tensor {key!r} named in values.json is missing from tensors.safetensors",
+                f"tensor {show(key)} named in values.json is missing from tensors.safetensors",
                 hint="the checkpoint is corrupt; resume from another epoch",
             )
         return self.tensors[key]
