@@ -300,18 +300,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[str]) -> list[subprocess.CompletedProcess]:
+def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[str],
+           attempt: int = 0) -> list[subprocess.CompletedProcess]:
     """`command` on two "hosts": two torchrun launches of one rank each, each in its own
-    directory (its cwd and run directory), meeting at one master port."""
+    directory (its cwd and run directory), meeting at one master port.
+
+    A host whose launch ends while the other still waits is not waited for forever (the
+    other waited for it at the rendezvous for torchrun's 10 minutes, once in a full run
+    under xdist): after LONE_S the other is stopped, and their outputs are returned. A
+    launch that ended at the rendezvous itself (the port taken meanwhile by another
+    test's) is tried once more on a new port."""
     port = str(_free_port())
-    procs = []
+    procs, outs = [], []
     for node, (cwd, plan) in enumerate(zip(dirs, plans)):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
                 "-m", "jobrun", *command, *([plan] if plan else []), "--run-dir", "run", *extra]
-        procs.append(subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=HANG_S), *p.communicate()) for p in procs]
+        out = [(cwd.parent / f".{cwd.name}-{attempt}.{k}").open("w+") for k in ("out", "err")]
+        outs.append(out)
+        procs.append(subprocess.Popen(argv, cwd=cwd, stdout=out[0], stderr=out[1], text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    deadline, lone = time.monotonic() + HANG_S, None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if lone is None and any(p.poll() not in (None, 0) for p in procs):
+            lone = time.monotonic()  # one ended in failure: the other may wait for it forever
+        if lone is not None and time.monotonic() - lone > LONE_S:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    done = []
+    for p, (out, err) in zip(procs, outs):
+        out.seek(0)
+        err.seek(0)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    at_rendezvous = any(p.returncode and "rendezvous" in p.stderr.lower() and "jobrun" not in p.stdout
+                        for p in done)
+    if at_rendezvous and attempt == 0:
+        return _hosts(command, dirs, plans, extra, attempt + 1)
+    return done
+
+
+LONE_S = 60
 
 
 def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_path):
