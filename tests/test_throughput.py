@@ -164,3 +164,21 @@ def test_cuda_peak_memory_is_the_allocator_peak_of_the_epoch():
     assert 8 << 20 <= peak < 64 << 20
     assert peak_memory("cuda") == peak
     del y
+
+
+def test_evaluates_reads_of_a_reader_the_steps_read_too_are_not_counted():
+    """samples/s are training's: `evaluate` with `batches` reads the reader `read` reads
+    (moving it), and its batches count in neither the reader's tally nor the feed."""
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import read_op, reader_op
+    from jobrun.ops.train import evaluate
+
+    feed = Feed()
+    ctx = OpContext(progress={"feed": feed})
+    reader = reader_op(ctx, torch.randn(40, 3), torch.randint(0, 2, (40,)), batch_size=4, passes=0)
+    read_op(ctx, reader)
+    model = torch.nn.Linear(3, 2)
+    evaluate(ctx, model, reader, batches=3)
+    assert reader.position == 16  # evaluate moved it by 3 batches
+    read_op(ctx, reader)
+    assert feed.records == 8 and reader.tally[:2] == [8, 0]

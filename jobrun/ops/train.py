@@ -446,7 +446,9 @@ def _next_batches(reader: Reader, n: int) -> Iterator[tuple[Any, ...]]:
     got = ends = 0
     while got < n:
         with reader.lock:
+            counted = reader.tally[:2]
             *fields, done = reader.read()
+            reader.tally[:2] = counted  # evaluation is not the throughput feed's: samples/s are training's
         if done:
             ends += 1
             if reader.finished or ends > 1 and got == 0:
