@@ -307,9 +307,9 @@ def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[s
 
     A host whose launch ends while the other still waits is not waited for forever (the
     other waited for it at the rendezvous for torchrun's 10 minutes, once in a full run
-    under xdist): after LONE_S the other is stopped, and their outputs are returned. A
-    launch that ended at the rendezvous itself (the port taken meanwhile by another
-    test's) is tried once more on a new port."""
+    under xdist): after LONE_S the other is stopped, and their outputs are returned. Such
+    a launch (at the rendezvous: the port taken meanwhile by another test's, we think) is
+    tried once more on a new port."""
     port = str(_free_port())
     procs, outs = [], []
     for node, (cwd, plan) in enumerate(zip(dirs, plans)):
@@ -327,10 +327,12 @@ def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[s
         if lone is not None and time.monotonic() - lone > LONE_S:
             break
         time.sleep(0.2)
+    stopped = False
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
+            stopped = lone is not None
     done = []
     for p, (out, err) in zip(procs, outs):
         out.seek(0)
@@ -338,9 +340,9 @@ def _hosts(command: list[str], dirs: list[Path], plans: list[str], extra: list[s
         done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
         out.close()
         err.close()
-    at_rendezvous = any(p.returncode and "rendezvous" in p.stderr.lower() and "jobrun" not in p.stdout
-                        for p in done)
-    if at_rendezvous and attempt == 0:
+    # One host ended while the other still waited for it: at the rendezvous (a rank that
+    # failed in a collective ends its peers' collectives too, so they end by themselves).
+    if stopped and attempt == 0:
         return _hosts(command, dirs, plans, extra, attempt + 1)
     return done
 
