@@ -83,4 +83,5 @@ def _ints(dtype: Any) -> bool:
 
         return dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
                          torch.uint16, torch.uint32, torch.uint64)
-    return getattr(dtype, "kind", "") in "iu" and bool(getattr(dtype, "kind", ""))
+    kind = getattr(dtype, "kind", "")  # numpy's: "i" signed, "u" unsigned
+    return kind in ("i", "u")
