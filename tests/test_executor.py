@@ -366,9 +366,9 @@ def test_a_loop_of_train_steps_leaves_the_mean_of_their_losses(block, monkeypatc
     MEAN_BLOCK steps in a long loop (so that it keeps at most a block of losses)."""
     import torch
 
-    from jobrun.runner import codegen_task
+    from jobrun.runner import codegen_runtime
 
-    monkeypatch.setattr(codegen_task, "MEAN_BLOCK", block)
+    monkeypatch.setattr(codegen_runtime, "MEAN_BLOCK", block)
     _, out = run(MEAN)
     each = out["train"]["each"]
     loss = out["train"]["loss"]

@@ -47,6 +47,7 @@ from jobrun.ops.registry import registry, resolve_impl
 from jobrun.plans import ir
 from jobrun.plans.visit import Visitor, also_written, children, written
 from jobrun.runner import clock
+from jobrun.runner import codegen_runtime as runtime
 from jobrun.runner.codegen import Handler, Source
 from jobrun.runner.concurrency import Reports, Thunk, run_concurrently
 
@@ -156,12 +157,12 @@ class Generator(Visitor):
         self.means: dict[str, tuple[str, str]] | None = None
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
-            "ctx": ctx, "G": g, "T": local, "results": _results,
+            "ctx": ctx, "G": g, "T": local, "results": runtime.results,
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": Reports,
             "partial": functools.partial,
             "PROGRESS": progress, "TASK": task.name, "clock": time.perf_counter,
             "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
-            "MEAN_BLOCK": MEAN_BLOCK, "LOSS_SUM": loss_sum, "LOSS_MEAN": loss_mean,
+            "MEAN_BLOCK": runtime.MEAN_BLOCK, "LOSS_SUM": runtime.loss_sum, "LOSS_MEAN": runtime.loss_mean,
         }, pass_through=_PASS_THROUGH)
         if profile is not None and profile.sync is not None:
             self.code.env["sync"] = profile.sync
@@ -440,7 +441,7 @@ class Generator(Visitor):
                 with code.step(s.pos, "loop", self._read_failure(s.count, "loop count")):
                     code.line(f"{n} = {self._read(s.count.name)}")
                 with code.block(f"if {n}.__class__ is not int or {n} < 0:"):
-                    code.line(f"{n} = {code.value('as_int', functools.partial(_as_int, s=s))}({n})")
+                    code.line(f"{n} = {code.value('as_int', functools.partial(runtime.as_int, s=s))}({n})")
             elif s.count is not None:
                 code.env[n] = s.count
             if s.count is None:
@@ -515,29 +516,6 @@ class Generator(Visitor):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
 
 
-# A loop's mean loss sums its steps' losses by blocks of this many (the losses of a block
-# are kept until it is summed: a few hundred bytes each, 512 on a GPU).
-MEAN_BLOCK = 1024
-
-
-def loss_sum(losses: list[Any]) -> Any:
-    """torch's float32 sum of a block of train.step losses (0-d tensors on one device)."""
-    import torch
-
-    return torch.stack(losses).sum()
-
-
-def loss_mean(blocks: list[Any], losses: list[Any]) -> Any:
-    """The mean of a loop's train.step losses: the sum of its blocks' sums (and of the
-    last, unfinished block) over the steps. Rounding: torch's sum of the stacked float32
-    losses (pairwise on the CPU, a tree on a GPU), not a left-to-right sum; a few units in
-    the last place of float32 apart."""
-    n = len(blocks) * MEAN_BLOCK + len(losses)
-    if losses:
-        blocks = [*blocks, loss_sum(losses)]
-    return (blocks[0] if len(blocks) == 1 else loss_sum(blocks)) / n
-
-
 def _step_losses(body: tuple[ir.Step, ...]) -> list[str]:
     """The outputs of the train.steps a loop runs itself (not in a loop, parallel or
     report of its own)."""
@@ -553,20 +531,3 @@ def _step_losses(body: tuple[ir.Step, ...]) -> list[str]:
 
 def _has_loop(steps: tuple[ir.Step, ...]) -> bool:
     return any(isinstance(s, ir.Loop) or any(_has_loop(b) for b in children(s)) for s in steps)
-
-
-def _results(result: Any, n: int) -> tuple[Any, ...]:
-    """An op's results for `n` outputs (a tuple or a list of n values), or why not."""
-    if not isinstance(result, tuple | list):
-        raise RunError(f"op returned 1 value(s) for {n} outputs")
-    if len(result) != n:
-        raise RunError(f"op returned {len(result)} value(s) for {n} outputs")
-    return tuple(result)
-
-
-def _as_int(n: Any, s: ir.Loop) -> int:
-    if hasattr(n, "item") and getattr(n, "numel", lambda: 0)() == 1:
-        n = n.item()
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise RunError(f"loop count is {n!r}, not a non-negative integer", s.pos)
-    return n
