@@ -252,7 +252,8 @@ class Reader:
         """Count a batch of `n` records (this rank's part) of a reader whose records all
         have one shape: its tokens are n times those of a record, learnt from the first
         batch by the rule of jobrun.ops.batches (one integer-division, not a look at
-        every batch)."""
+        every batch). `fields` may end with the batch's `done` flag: the rule counts by
+        the first field (or the dict of a reader with keys, which pairs keys and fields)."""
         tally = self.tally
         tally[0] += n
         width = self._width
@@ -370,7 +371,8 @@ class TensorReader(Reader):
         """The next batch as (*fields, done); see the `read` op.
 
         Every training step runs this: a shuffled plain reader (see `_plain_fields`) of
-        two fields calls no other Python function (`finished` and `_pass_order` inlined).
+        two fields calls no other Python function but `_handed`, which counts the batch
+        (`finished` and `_pass_order` inlined).
         It hands out the batch the last read prepared and prepares the next one of the
         pass (look-ahead, see the module docstring).
         """
@@ -396,14 +398,7 @@ class TensorReader(Reader):
                 self._ahead_at = stop
             else:
                 self._ahead = None
-            width = self._width  # `_handed`, inlined
-            if width is None:  # the first batch: learns the tokens of a record
-                self._handed(batch[:-1], stop - start)
-            else:
-                tally = self.tally
-                tally[0] += stop - start
-                if width:
-                    tally[1] += (stop - start) * width
+            self._handed(batch, stop - start)
             return batch
         order = self._pass_order() if self.shuffle else None
         ahead = self._prepared(start)
