@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -289,6 +291,26 @@ def test_in_a_job_a_dead_worker_stops_it_and_the_run_resumes(flaky):
     r = jobrun_proc("resume", "--run-dir", flaky / "run")
     assert r.code == 0, r.text
     assert ckpt_values(flaky / "run", 3)["seen"] == 9  # three passes of three batches
+
+
+def test_a_reader_with_workers_leaves_nothing_for_its_first_next_to_import(tmp_path):
+    # DataLoader's next() enters torch's record_function, whose first entry imports a
+    # module inside a try that logs errors with a traceback. A worker dying then (torch
+    # raises from its SIGCHLD handler) printed one in CI. The reader enters it first.
+    script = tmp_path / "first.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from jobrun.ops.loader import Options\n"
+        "o = Options('d', {'batch_size': 2}, num_workers=1, pin_memory=False, prefetch_factor=None,\n"
+        "            persistent_workers=False, collate_fn=None, timeout=0)\n"
+        "o.loader(list(range(4)))\n"
+        "before = set(sys.modules)\n"
+        "with torch.autograd.profiler.record_function('x'):\n"
+        "    pass\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def _worker_killed() -> None:

@@ -127,6 +127,8 @@ class Options:
 
     def loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         workers = self.num_workers
+        if workers:
+            _settle_record_function()
         return DataLoader(
             dataset, num_workers=workers, collate_fn=self.collate, pin_memory=self.pin_memory,
             timeout=self.timeout if workers else 0, generator=torch.Generator(),
@@ -134,6 +136,22 @@ class Options:
             persistent_workers=self.persistent_workers, worker_init_fn=_worker_init if workers else None,
             **kwargs,
         )
+
+
+def _settle_record_function() -> None:
+    """Enter torch's record_function once, before any worker runs. DataLoader's `next()`
+    enters it, and the first entry imports a profiler module inside a try whose errors torch
+    logs with a traceback. A worker's death raises from torch's SIGCHLD handler in whatever
+    the main thread runs, so a worker dying during a reader's first `next()` printed a
+    traceback besides our message."""
+    global _settled
+    if not _settled:
+        _settled = True
+        with torch.autograd.profiler.record_function("jobrun.reader"):
+            pass
+
+
+_settled = False
 
 
 class _Unbatched:
