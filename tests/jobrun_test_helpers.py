@@ -21,6 +21,14 @@ def new_list() -> list:
     return []
 
 
+DISPLAY = None  # a test's jobrun.runner.display.Display, for shown_step
+
+
+def shown_step(items: list) -> None:
+    """Append the step the display would show now: (steps begun, loop length)."""
+    items.append(DISPLAY._step())
+
+
 def length(items: list) -> int:
     return len(items)
 

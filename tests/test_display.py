@@ -33,7 +33,7 @@ from types import SimpleNamespace  # noqa: E402
 
 from runner_util import HANG_S  # noqa: E402
 
-from jobrun.runner.display import Display  # noqa: E402
+from jobrun.runner.display import FOREVER, Display  # noqa: E402
 
 COUNTER = """\
 job: counter
@@ -104,12 +104,12 @@ def test_steps_per_epoch_are_known_from_the_second_epoch():
     d = Display(enabled=False, tty=False)
     d.status("epoch 1")
     for i in range(5):
-        d.progress["loop"] = ("train", i, None)
+        d.progress["loop"] = _running("train", i, None)
         assert d._step() == (i + 1, None)  # the first epoch only counts
     d.status("epoch 2")
-    d.progress["loop"] = ("train", 1, None)
+    d.progress["loop"] = _running("train", 1, None)
     assert d._step() == (2, 5)
-    d.progress["loop"] = ("train", 1, 9)  # a loop with a count knows it
+    d.progress["loop"] = _running("train", 1, 9)  # a loop with a count knows it
     assert d._step() == (2, 9)
 
 
@@ -137,3 +137,11 @@ def test_under_max_steps_the_epoch_line_shows_the_global_step_and_readable_rates
         "epoch 2  step 200/300  loss=2.5  2.00s  107k tokens/s  data 5%",
         "epoch 2/5  loss=2.5  2.00s  107k tokens/s  data 5%",
     ]
+
+
+def _running(task, i, n):
+    """The display's entry of a loop in its iteration i (0-based), as the executor's."""
+    iterator = iter(FOREVER if n is None else range(n))
+    for _ in range(i + 1):
+        next(iterator)
+    return task, iterator, n

@@ -168,7 +168,7 @@ epoch:
 """)
     (source,) = [v[2] for k, v in linecache.cache.items() if "task 'shown'" in k][-1:]
     body = [line.rstrip("\n") for line in source if "# plan.yaml:" in line]
-    assert any(line.strip().startswith("while True:  # plan.yaml:14 loop") for line in body)
+    assert any(re.fullmatch(r"for i\d+ in it\d+:  # plan.yaml:14 loop", line.strip()) for line in body)
     assert any(re.search(r"= op\d+_add\(ctx, L\['total'\], lit\d+\)  # plan.yaml:16 add$", line) for line in body)
     assert [line.strip() for line in body if "stop_if" in line and ":" not in line.split("#")[0]] == [
         "break  # plan.yaml:18 stop_if enough",  # in a loop: leaves it
@@ -179,6 +179,40 @@ epoch:
     frame = {"pass", "raise", "failed(e)"}
     steps = [line for line in source if line.startswith("        ") and line.strip() not in frame]
     assert len(steps) > 10 and all(re.search(r"  # plan.yaml:\d+ \S", line) for line in steps)
+
+
+def test_the_display_shows_the_innermost_running_loop_and_then_its_outer_one_again(monkeypatch):
+    import jobrun_test_helpers
+
+    from jobrun.runner.display import Display
+
+    display = Display(enabled=False, tty=False)
+    monkeypatch.setattr(jobrun_test_helpers, "DISPLAY", display)
+    plan = compile_text(textwrap.dedent("""
+        job: t
+        epoch:
+          - task: nest
+            do:
+              - call: {fn: "jobrun_test_helpers:new_list", out: seen}
+              - loop: 3
+                do:
+                  - loop: 2
+                    do:
+                      - call: {fn: "jobrun_test_helpers:shown_step", in: [seen]}
+                  - call: {fn: "jobrun_test_helpers:shown_step", in: [seen]}
+              - loop: null
+                do:
+                  - call: {fn: "jobrun_test_helpers:shown_step", in: [seen]}
+                  - call: {fn: "builtins:len", in: [seen], out: k}
+                  - ge: {in: [k, 11], out: enough}
+                  - stop_if: enough
+            outputs: [seen]
+        """), "plan.yaml")
+    node = NodeRuntime("local", OpContext(progress=display.progress))
+    (task,) = plan.epoch.tasks
+    seen = CompiledTask(task, node).run()["seen"]
+    assert seen == [(1, 2), (2, 2), (1, 3), (1, 2), (2, 2), (2, 3), (1, 2), (2, 2), (3, 3),
+                    (1, None), (2, None)]
 
 
 def test_a_stop_if_in_a_parallel_branch_acts_at_the_parallel():

@@ -13,7 +13,7 @@ from runner_util import jobrun, metrics
 from test_profile import PLAN
 
 from jobrun.ops.batches import counts
-from jobrun.runner.display import Display, human_size
+from jobrun.runner.display import FOREVER, Display, human_size
 from jobrun.runner.throughput import EpochRates, Feed, epoch_text, peak_memory
 
 
@@ -141,12 +141,12 @@ def test_the_heartbeat_line_shows_samples_per_second(capsys):
         d.progress["feed"] = feed
         d.status("epoch 1")
         _tally(feed, 50, 0)
-        d.progress["loop"] = ("train", 4, 10)
+        d.progress["loop"] = _running("train", 4, 10)
         time.sleep(0.05)
         d._refresh()
         d.status("epoch 2")
         _tally(feed, 50, 150)  # sequences: tokens/s
-        d.progress["loop"] = ("train", 6, 10)
+        d.progress["loop"] = _running("train", 6, 10)
         time.sleep(0.05)
         d._refresh()
     out = capsys.readouterr().out.splitlines()
@@ -182,3 +182,11 @@ def test_evaluates_reads_of_a_reader_the_steps_read_too_are_not_counted():
     assert reader.position == 16  # evaluate moved it by 3 batches
     read_op(ctx, reader)
     assert feed.records == 8 and reader.tally[:2] == [8, 0]
+
+
+def _running(task, i, n):
+    """The display's entry of a loop in its iteration i (0-based), as the executor's."""
+    iterator = iter(FOREVER if n is None else range(n))
+    for _ in range(i + 1):
+        next(iterator)
+    return task, iterator, n

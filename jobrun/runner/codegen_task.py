@@ -50,6 +50,7 @@ from jobrun.runner import clock
 from jobrun.runner import codegen_runtime as runtime
 from jobrun.runner.codegen import Handler, Source
 from jobrun.runner.concurrency import Reports, Thunk, run_concurrently
+from jobrun.runner.display import FOREVER
 
 if TYPE_CHECKING:
     from jobrun.runner.profile import Profile
@@ -155,12 +156,13 @@ class Generator(Visitor):
         self.reports = ""  # the `with reports()` variable of the block being written
         # The innermost loop's train.step outputs: name -> (losses, block sums) variables.
         self.means: dict[str, tuple[str, str]] | None = None
+        self.shown: str | None = None  # the PROGRESS entry of the innermost loop being written
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
             "ctx": ctx, "G": g, "T": local, "results": runtime.results,
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": Reports,
             "partial": functools.partial,
-            "PROGRESS": progress, "TASK": task.name, "clock": time.perf_counter,
+            "PROGRESS": progress, "FOREVER": FOREVER, "TASK": task.name, "clock": time.perf_counter,
             "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
             "MEAN_BLOCK": runtime.MEAN_BLOCK, "LOSS_SUM": runtime.loss_sum, "LOSS_MEAN": runtime.loss_mean,
         }, pass_through=_PASS_THROUGH)
@@ -435,7 +437,7 @@ class Generator(Visitor):
     # -- loops ----------------------------------------------------------------------------
     def visit_Loop(self, s: ir.Loop) -> None:
         code = self.code
-        i, n = code.fresh("i"), code.fresh("n")
+        i, n, it, shown = code.fresh("i"), code.fresh("n"), code.fresh("it"), code.fresh("shown")
         with code.step(s.pos, "loop"), self._timed(s.pos, "loop"):
             if isinstance(s.count, ir.BlobRef):
                 with code.step(s.pos, "loop", self._read_failure(s.count, "loop count")):
@@ -444,8 +446,6 @@ class Generator(Visitor):
                     code.line(f"{n} = {code.value('as_int', functools.partial(runtime.as_int, s=s))}({n})")
             elif s.count is not None:
                 code.env[n] = s.count
-            if s.count is None:
-                code.line(f"{i} = -1")
             outer, self.means = self.means, {}
             for name in _step_losses(s.body):
                 self.means[name] = (code.fresh("losses"), code.fresh("blocks"))
@@ -454,7 +454,13 @@ class Generator(Visitor):
             entry, now = code.fresh("entry"), code.fresh("now")
             if self.max_steps is not None:
                 code.line(f"{entry} = C.get({STEP_COUNTER!r}, 0)")
-            with code.loop("while True:" if s.count is None else f"for {i} in range({n}):"):
+            # The live display shows the innermost running loop: its iterator, which the
+            # display asks how far it went (a statement less in every iteration).
+            code.line(f"{it} = iter({'FOREVER' if s.count is None else f'range({n})'})")
+            code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n})")
+            code.line(f"PROGRESS['loop'] = {shown}")
+            outer_shown, self.shown = self.shown, shown
+            with code.loop(f"for {i} in {it}:"):
                 if self.max_steps is not None:
                     # The epoch ends once the global step reaches max_steps: each loop that
                     # took optimizer steps stops there; one that takes none (an evaluation
@@ -463,16 +469,15 @@ class Generator(Visitor):
                         code.line("break")
                 if self.clock is not None:
                     code.line(f"{self.clock} = C.get({STEP_COUNTER!r}, 0)")
-                if s.count is None:
-                    code.line(f"{i} += 1")
-                # The live display shows the innermost running loop: the last to update.
-                code.line(f"PROGRESS['loop'] = (TASK, {i}, {'None' if s.count is None else n})")
                 trace = self.profile.trace if self.profile is not None else None
                 if trace is not None and self.task.group == "epoch" and not _has_loop(s.body):
                     code.line(f"{code.value('trace_step', trace.step)}()")
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
+            self.shown = outer_shown
+            if outer_shown is not None:  # the enclosing loop is the innermost running one again
+                code.line(f"PROGRESS['loop'] = {outer_shown}")
             self.clock = outer_clock
             means, self.means = self.means, outer
             self._store_means(means)
@@ -492,12 +497,14 @@ class Generator(Visitor):
         branches = []
         outer, self.means = self.means, None  # a function of its own: no loop's sums here
         outer_clock, self.clock = self.clock, None  # another function: the clock as it runs
+        outer_shown, self.shown = self.shown, None  # and its loops' entries its own
         for b in s.branches:
             branches.append(code.fresh("branch", b.name or ""))
             with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
         self.means = outer
         self.clock = outer_clock
+        self.shown = outer_shown
         thunks = "".join(f"partial({b}, L), " for b in branches)
         call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
@@ -508,10 +515,12 @@ class Generator(Visitor):
         body = code.fresh("report")
         outer, self.means = self.means, None
         outer_clock, self.clock = self.clock, None
+        outer_shown, self.shown = self.shown, None
         with code.function(body, "L"):
             self.visit_block(s.body)
         self.means = outer
         self.clock = outer_clock
+        self.shown = outer_shown
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
 

@@ -7,14 +7,17 @@ text, plus a progress line every ``heartbeat`` seconds during a long epoch so th
 shows life; never a control character. Every line shown is also appended to
 ``<run dir>/console.log``. Only rank 0 shows anything.
 
-A step is an iteration of the innermost running loop (the executor writes
-``progress["loop"] = (task, i, n)``). A loop without a count (`loop: null`) has no known
-length in its first epoch; from the second on, the previous epoch's count is the total.
+A step is an iteration of the innermost running loop. The executor writes
+``progress["loop"] = (task, iterator, n)`` as a loop starts, with the iterator its `for`
+runs over: ``iter(range(n))``, or ``iter(FOREVER)`` for a loop without a count (`loop:
+null`), whose length is not known in its first epoch; from the second on, the previous
+epoch's count is the total. How far the iterator went is the number of steps begun.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
 import threading
@@ -24,6 +27,13 @@ from pathlib import Path
 from typing import Any
 
 HEARTBEAT_S = float(os.environ.get("JOBRUN_PROGRESS_SECONDS", "30"))
+FOREVER = range(sys.maxsize)  # what a loop without a count iterates over
+
+
+def begun(iterator: Any, n: int | None) -> int:
+    """The iterations a loop over ``iter(range(n))`` (``iter(FOREVER)`` when n is None)
+    has begun: its length less what the iterator has left."""
+    return (len(FOREVER) if n is None else n) - operator.length_hint(iterator)
 
 
 class Display:
@@ -153,8 +163,8 @@ class Display:
         loop = self.progress.get("loop")
         if loop is None:
             return None
-        task, i, n = loop
-        return i + 1, n or self._counts.get(task)
+        task, iterator, n = loop
+        return begun(iterator, n), n or self._counts.get(task)
 
     def _records(self) -> tuple[int, int]:
         feed = self.progress.get("feed")
@@ -190,8 +200,8 @@ class Display:
     def _remember_counts(self) -> None:
         loop = self.progress.get("loop")
         if loop is not None and self._what.startswith("epoch"):
-            task, i, _n = loop
-            self._counts[task] = i + 1
+            task, iterator, n = loop
+            self._counts[task] = begun(iterator, n)
 
     # -- console.log --------------------------------------------------------------------------
     def _open_log(self) -> None:
