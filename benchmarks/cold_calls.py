@@ -4,11 +4,11 @@ few statements added to every step, against the same loop without them.
     python benchmarks/cold_calls.py [--tiny] [--reps 30]
 
 The added work is a no-op call, one dict store, and the statements the generated code of
-jobrun's training loop runs beyond a loop that calls jobrun's ops directly (the progress
-tuple, the workspace stores and tests). Each is timed hot (a loop of it alone) and in the
-loop (CPU time a step, the loops taking turns, medians of the repetitions; each loop its
-own model, built from one seed). What this measures, on the 2-core machine of session
-2026-11-27 (4): a no-op call costs about 2 us a step in the loop (50 ns hot); the
+jobrun's training loop runs beyond a loop that calls jobrun's ops directly (the workspace
+stores and tests; the progress tuple of the figures below left the loop in session 5).
+Each is timed hot (a loop of it alone) and in the loop (CPU time a step, the loops taking
+turns, medians of the repetitions; each loop its own model, built from one seed). What
+this measures, on the 2-core machine of session 2026-11-27 (4): a no-op call costs about 2 us a step in the loop (50 ns hot); the
 generated code's statements about 5 us (0.46 us hot). Between kernels the interpreter runs
 from cold caches: a few distinct code paths cost microseconds, more repetitions of them
 little. This is why the runner row's gap in time is about twice its gap in instructions.
@@ -54,7 +54,6 @@ def main() -> None:
         progress["loop"] = k
 
     def generated(k: int, r: tuple) -> None:  # the generated loop's statements, as written
-        progress["loop"] = ("train", k, None)
         if type(r) is not tuple or len(r) != 3:
             raise AssertionError
         L["xb"], L["yb"], L["end"] = r

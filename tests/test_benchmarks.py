@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,19 @@ def test_each_jobrun_epoch_is_compared_with_the_hand_epochs_around_it():
     assert [round(r, 12) for r in neighbour_ratios(ours, hand)] == [1.0, 1.0]  # right after: 1.083, 1.071
     assert neighbour_ratios([2.0, 4.0], [1.0, 3.0]) == [0.5]
     assert neighbour_ratios([2.0], [1.0]) == [0.5]  # one pair: the epoch after
+
+
+@pytest.mark.slow
+def test_epoch_split_times_every_piece_of_the_job() -> None:
+    # The tool wraps jobrun's own functions (the ops the code generator takes, the metrics
+    # line, samples/s, the mean loss): one renamed would leave its piece at 0 or fail.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "epoch_split.py"), "--tiny", "--reps", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {m[1]: m[2].split() for m in re.finditer(r"^ *([a-z/ ]+?) +([-+0-9. ]+)$", p.stdout, re.M)}
+    for piece in ("loop", "mean loss", "evaluate", "after", "log", "metrics line", "tensorboard",
+                  "plain values", "samples/s"):
+        assert piece in rows, p.stdout
+    assert all(float(rows[piece][0]) > 0 for piece in ("loop", "mean loss", "evaluate", "after", "log",
+                                                       "metrics line", "plain values", "samples/s")), p.stdout
+    assert float(rows["loop"][1]) > 0 and float(rows["mean loss"][1]) == 0, p.stdout  # the ops loop has none
