@@ -8,6 +8,7 @@ failures name the sample or the dead worker.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -332,3 +333,28 @@ def test_a_dead_worker_reported_in_another_op_gets_the_same_message(tmp_path, mo
             "died: DataLoader worker (pid 4242) is killed by signal: Killed.") in r.err
     assert "fewer num_workers" in r.err and "jobrun resume" in r.err
     assert "Traceback" not in r.err and "traceback of your code" not in r.err
+
+
+def test_a_dead_worker_reported_between_ops_gets_the_same_message_and_keeps_the_checkpoints(
+        tmp_path, monkeypatch):
+    # ... or in the runner's own work between epochs: here the save after epoch 1.
+    from jobrun.runner.job import JobRunner
+
+    save = JobRunner._save
+
+    def dying_save(self, epoch, **kw):
+        if epoch == 1:
+            _worker_killed()
+        return save(self, epoch, **kw)
+
+    monkeypatch.setattr(JobRunner, "_save", dying_save)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("job: dying\nmax_epochs: 2\ncheckpoint: {dir: ckpt}\nepoch:\n  - task: train\n"
+                    "    do:\n      - const: {out: k, value: 1}\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 1
+    assert ("error: a DataLoader worker died: DataLoader worker (pid 4242) is killed by signal: "
+            "Killed.") in r.err, r.err
+    assert "fewer num_workers" in r.err and "jobrun resume" in r.err and "Traceback" not in r.err
+    assert ckpt_values(tmp_path / "run", 0) == {}  # checkpoint 0 is still there
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"

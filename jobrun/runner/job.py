@@ -167,7 +167,14 @@ class JobRunner(Checkpoints):
                 self._stopped(signal.SIGINT)
             except Exception as e:
                 # Outside any op: a collective of the runner's that broke because another
-                # rank left (that rank's message is the one to show), or a bug of jobrun's.
+                # rank left (that rank's message is the one to show), a DataLoader worker's
+                # death (torch raises it in whatever runs, a save too), or a bug of jobrun's.
+                from jobrun.ops.loader import is_worker_death, worker_died
+
+                if is_worker_death(e):
+                    died = worker_died(e)
+                    self._record("failed", died)
+                    raise died from e
                 error = RunError(f"{type(e).__name__}: {e}")
                 error.__cause__ = e
                 if self._peer_lost(error):
