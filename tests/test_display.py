@@ -125,6 +125,22 @@ def test_summary_merges_outputs_and_logged_values_and_hides_false_flags(capsys):
     assert out == "epoch 4/10  loss=0.1234 lr=0.1 bored=true  1.50s  ckpt 1 KB in 2 ms\n"
 
 
+def test_a_name_keeps_its_place_in_the_epoch_lines_whichever_log_ran_first(capsys):
+    d = Display(enabled=True, tty=False)
+    with d.live("j"):
+        for epoch, logs in ((1, [{"loss": 0.5}, {"chunk": 3}]), (2, [{"chunk": 3}, {"loss": 0.25}]),
+                            (3, [{"lr": 0.1}, {"chunk": 3}])):
+            d.status(f"epoch {epoch}")
+            for values in logs:  # e.g. a `log` with `every: 50` runs first in some epochs only
+                d.logged("epoch", epoch, "train", values, None)
+            d.epoch_line(SimpleNamespace(epoch=epoch, outputs={"train": {"acc": 0.9}}, seconds=1.0, ckpt=""), 3)
+    assert capsys.readouterr().out.splitlines() == [
+        "epoch 1/3  loss=0.5 chunk=3 acc=0.9  1.00s",
+        "epoch 2/3  loss=0.25 chunk=3 acc=0.9  1.00s",
+        "epoch 3/3  chunk=3 acc=0.9 lr=0.1  1.00s",  # a new name comes after the others
+    ]
+
+
 def test_under_max_steps_the_epoch_line_shows_the_global_step_and_readable_rates(capsys):
     d = Display(enabled=True, tty=False)
     result = SimpleNamespace(epoch=2, outputs={"train": {"loss": 2.5}}, seconds=2.0, ckpt="", step=200,

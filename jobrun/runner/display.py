@@ -54,6 +54,7 @@ class Display:
         self._t0 = time.monotonic()
         self._epoch_t0 = time.monotonic()
         self._values: dict[str, Any] = {}  # logged in the running epoch, latest first
+        self._columns: dict[str, None] = {}  # the epoch lines' names, in the order first shown
         self._counts: dict[str, int] = {}  # steps of each task's loop in the last epoch
         self._last_beat = time.monotonic()
         self._feed_start = (0, 0)  # records and tokens read when the running group started
@@ -117,6 +118,10 @@ class Display:
         values = dict(self._values)
         for task in result.outputs.values():
             values.update(task)
+        # A name keeps its place from one epoch line to the next (the `log` that runs first
+        # may differ between epochs: `every: N`), new names after the others.
+        self._columns.update(dict.fromkeys(values))
+        values = {k: values[k] for k in self._columns if k in values}
         outs = " ".join(f"{k}={_fmt(v)}" for k, v in values.items()
                         if not (k in self.quiet and not _true(v)))
         from jobrun.runner.throughput import epoch_text
