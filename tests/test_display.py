@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from jobrun.runner.display import human_count, human_size
@@ -113,6 +115,47 @@ def test_steps_per_epoch_are_known_from_the_second_epoch():
     assert d._step() == (2, 9)
 
 
+def test_steps_per_second_are_the_running_loops_since_it_started(capsys):
+    # An inner loop that starts again is measured from its own start, not the epoch's.
+    d = Display(enabled=True, tty=False, heartbeat=0.0)
+    with d.live("j"):
+        d.status("epoch 1")
+        d._epoch_t0 -= 100  # the epoch ran 100 s before this loop began
+        task, iterator, n, _ = _running("train", 9, 40)
+        d.progress["loop"] = (task, iterator, n, time.perf_counter() - 0.1)  # 10 steps in 0.1 s
+        d._refresh()
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "step 10/40" in x]
+    rate = float(line.split("step 10/40, ")[1].split(" steps/s")[0])
+    assert 10 < rate <= 100, line  # 10 in the loop's 0.1 s (and the test's), not in 100 s
+
+
+def test_the_progress_bar_starts_over_when_another_loop_is_shown():
+    class Bar:  # rich's Progress, as far as the display uses it
+        def __init__(self):
+            self.calls = []
+
+        def reset(self, task, **kw):
+            self.calls.append(("reset", kw))
+
+        def update(self, task, **kw):
+            self.calls.append(("update", kw["completed"]))
+
+    d = Display(enabled=False, tty=False)
+    d.status("epoch 1")
+    d._progress_bar = bar = Bar()
+    outer = _running("train", 1, 4)
+    d.progress["loop"] = outer
+    d._refresh()
+    d._refresh()  # the same loop: no reset, its steps/s go on
+    d.progress["loop"] = _running("train", 6, 32)  # an inner loop
+    d._refresh()
+    d.progress["loop"] = outer  # the inner loop ended: the outer one is shown again
+    d._refresh()
+    assert bar.calls == [("reset", {"total": 4, "completed": 2}), ("update", 2), ("update", 2),
+                         ("reset", {"total": 32, "completed": 7}), ("update", 7),
+                         ("reset", {"total": 4, "completed": 2}), ("update", 2)]
+
+
 def test_summary_merges_outputs_and_logged_values_and_hides_false_flags(capsys):
     d = Display(enabled=True, tty=False)
     with d.live("j", frozenset({"done", "bored"})):
@@ -160,4 +203,4 @@ def _running(task, i, n):
     iterator = iter(FOREVER if n is None else range(n))
     for _ in range(i + 1):
         next(iterator)
-    return task, iterator, n
+    return task, iterator, n, time.perf_counter()

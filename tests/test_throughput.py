@@ -189,4 +189,4 @@ def _running(task, i, n):
     iterator = iter(FOREVER if n is None else range(n))
     for _ in range(i + 1):
         next(iterator)
-    return task, iterator, n
+    return task, iterator, n, time.perf_counter()

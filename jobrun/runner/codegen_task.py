@@ -457,7 +457,7 @@ class Generator(Visitor):
             # The live display shows the innermost running loop: its iterator, which the
             # display asks how far it went (a statement less in every iteration).
             code.line(f"{it} = iter({'FOREVER' if s.count is None else f'range({n})'})")
-            code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n})")
+            code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, clock())")
             code.line(f"PROGRESS['loop'] = {shown}")
             outer_shown, self.shown = self.shown, shown
             with code.loop(f"for {i} in {it}:"):

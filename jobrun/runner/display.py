@@ -8,10 +8,13 @@ shows life; never a control character. Every line shown is also appended to
 ``<run dir>/console.log``. Only rank 0 shows anything.
 
 A step is an iteration of the innermost running loop. The executor writes
-``progress["loop"] = (task, iterator, n)`` as a loop starts, with the iterator its `for`
-runs over: ``iter(range(n))``, or ``iter(FOREVER)`` for a loop without a count (`loop:
-null`), whose length is not known in its first epoch; from the second on, the previous
-epoch's count is the total. How far the iterator went is the number of steps begun.
+``progress["loop"] = (task, iterator, n, started)`` as a loop starts (and again, for the
+enclosing loop, when an inner one ends), with the iterator its `for` runs over:
+``iter(range(n))``, or ``iter(FOREVER)`` for a loop without a count (`loop: null`),
+whose length is not known in its first epoch; from the second on, the previous epoch's
+count is the total. How far the iterator went is the number of steps begun; steps/s are
+those of the loop since it started (`time.perf_counter()`), so that an inner loop that
+starts again is not measured against the whole epoch.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Display:
         self._log: Any = None
         self._progress_bar: Any = None
         self._bar_task: Any = None
+        self._bar_loop: Any = None  # the progress entry the bar shows (a new one resets it)
         self._job = ""
         self._what = "starting"
         self._t0 = time.monotonic()
@@ -163,12 +167,13 @@ class Display:
         while not stop.wait(0.2):
             self._refresh()
 
-    def _step(self) -> tuple[int, int | None] | None:
-        """Steps done in the running loop and its length, when known."""
-        loop = self.progress.get("loop")
+    def _step(self, loop: Any = None) -> tuple[int, int | None] | None:
+        """Steps done in the running loop (`loop`: its progress entry, read once by the
+        caller; else the one there now) and its length, when known."""
+        loop = loop or self.progress.get("loop")
         if loop is None:
             return None
-        task, iterator, n = loop
+        task, iterator, n, _started = loop
         return begun(iterator, n), n or self._counts.get(task)
 
     def _records(self) -> tuple[int, int]:
@@ -183,20 +188,24 @@ class Display:
         return f"{human_count(n / max(now - self._epoch_t0, 1e-9))} {unit}/s" if n > 0 else ""
 
     def _refresh(self) -> None:
-        step = self._step()
+        loop = self.progress.get("loop")
+        step = self._step(loop)
         values = " ".join(f"{k}={_fmt(v)}" for k, v in list(self._values.items())[-4:])
         now = time.monotonic()
         samples = self._samples(now)
         if self._progress_bar is not None:
             if step is not None:
                 done, total = step
+                if loop is not self._bar_loop:  # a loop started: its own steps/s and ETA
+                    self._bar_loop = loop
+                    self._progress_bar.reset(self._bar_task, total=total, completed=done)
                 self._progress_bar.update(self._bar_task, completed=done, samples=samples,
                                           values=values, **({"total": total} if total else {}))
             return
         if self._what.startswith("epoch") and step is not None and now - self._last_beat >= self.heartbeat:
             self._last_beat = now
             done, total = step
-            rate = done / max(now - self._epoch_t0, 1e-9)
+            rate = done / max(time.perf_counter() - loop[3], 1e-9)
             of = f"/{total}" if total else ""
             self.line(f"  {self._what}: step {done}{of}, {human_count(rate)} steps/s, "
                       + (f"{samples}, " if samples else "")
@@ -205,7 +214,7 @@ class Display:
     def _remember_counts(self) -> None:
         loop = self.progress.get("loop")
         if loop is not None and self._what.startswith("epoch"):
-            task, iterator, n = loop
+            task, iterator, n, _started = loop
             self._counts[task] = begun(iterator, n)
 
     # -- console.log --------------------------------------------------------------------------
