@@ -33,6 +33,7 @@ SETS = {
     "cnn": ["max_epochs=3"],
     "charlm": ["vars.epochs=2", "vars.stride=32"],
     "digits": [],
+    "gan": ["max_epochs=12"],  # not in EXAMPLES: a GAN has no falling loss (its own tests below)
 }
 # What the runs above must reach (they reach 0.94, 0.87 and 0.97).
 MIN_ACCURACY = {"mlp": 0.9, "cnn": 0.8, "digits": 0.97}
@@ -100,7 +101,7 @@ def _ckpt_model_state(run: Path) -> dict[str, torch.Tensor]:
 # -- analyze ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("name", [*EXAMPLES, "gan"])
 def test_analyze_is_clean(name: str) -> None:
     r = jobrun("analyze", PLANS / f"{name}.yaml", "--format", "json")
     assert r.code == 0, r.text
@@ -234,6 +235,7 @@ def test_saved_model_loads_and_equals_the_last_checkpoint(runs, name: str) -> No
 # (smaller batches, more steps) and keep the run going (no early stop), the checkpoint
 # after which it is killed, and the epochs of the whole run.
 KILLS = {
+    "gan": (["max_epochs=4"], 2, 4),
     "mlp": (["vars.batch=8", "vars.lr=0.02"], 3, 8),
     "cnn": (["vars.batch=8", "max_epochs=4", "vars.target_accuracy=2.0"], 2, 4),
     "charlm": (["vars.epochs=3", "vars.stride=48"], 1, 3),
@@ -257,7 +259,7 @@ def _checkpointed(run: Path) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("name", [*EXAMPLES, "gan"])
 def test_kill_9_mid_run_then_resume_is_bit_exact(tmp_path, name: str) -> None:
     plan = PLANS / f"{name}.yaml"
     overrides, kill_after, last = KILLS[name]
@@ -292,6 +294,61 @@ def test_kill_9_mid_run_then_resume_is_bit_exact(tmp_path, name: str) -> None:
     # metrics.jsonl: one training log per epoch, none lost or repeated by the kill
     assert [x["_epoch"] for x in _epoch_logs(run)] == list(range(1, last + 1))
     assert logged(run) == logged(reference)
+
+
+# -- plans/gan.yaml: a training step of the user's own ---------------------------------------
+
+
+@pytest.mark.slow
+def test_the_gan_learns_the_ring_and_saves_its_generator(runs) -> None:
+    _import_plan_models()
+    from models.gan import score
+
+    records = _epoch_logs(runs["gan"])
+    assert [r["_epoch"] for r in records] == list(range(1, 13))
+    first, last = records[0], records[-1]
+    assert first["good"] < 0.05 and last["good"] >= 0.4 and last["modes"] >= 5, (first, last)
+    saved = load_file(runs["gan"] / "generator.safetensors")
+    G = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
+    G.load_state_dict({k.removeprefix("G."): v for k, v in saved.items()}, strict=True)
+    assert score(G, noise=8) == (last["modes"], last["good"])  # the model the last epoch scored
+
+
+def test_the_gan_plan_is_its_hand_written_loop_to_the_last_bit(tmp_path) -> None:
+    """Two epochs of plans/gan.yaml against the same training written as a plain loop
+    around the same `step`: the same weights and Adam states, bit for bit."""
+    _import_plan_models()
+    from benchmarks.common import reader_order
+    from models.gan import ring, step
+
+    from jobrun import store
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.models import model_mlp
+
+    run = _train(tmp_path, "gan", "max_epochs=2", plan=PLANS / "gan.yaml")
+    # The loop: the job's seeded node generator builds the models (as model.mlp does) and
+    # draws the noise; the reader's shuffle of each pass gives the batches.
+    ctx = OpContext(node="local", seed=0, device="cpu")
+    points = ring(8192)
+    G, D = model_mlp(ctx, sizes=[8, 128, 128, 2]), model_mlp(ctx, sizes=[2, 128, 128, 1])
+    opt_g = torch.optim.Adam(G.parameters(), lr=0.002, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(D.parameters(), lr=0.002, betas=(0.5, 0.999))
+    for epoch in range(2):
+        order = reader_order(len(points), epoch)
+        for start in range(0, len(points), 128):
+            step(G, D, opt_g, opt_d, points[order[start:start + 128]], noise=8, generator=ctx.generator)
+    saved, _ = store.load(run / "checkpoints", "local", 2, blobs=["G", "D", "opt_g", "opt_d"])
+    for name, module in (("G", G), ("D", D)):
+        assert saved[name].state.keys() == module.state_dict().keys()
+        for key, value in module.state_dict().items():
+            assert torch.equal(saved[name].state[key], value), (name, key)
+    for name, opt in (("opt_g", opt_g), ("opt_d", opt_d)):
+        want = opt.state_dict()["state"]
+        got = saved[name].state["state"]
+        assert len(got) == len(want) == 6
+        for i, state in want.items():
+            for key, value in state.items():
+                assert torch.equal(got[i][key], value), (name, i, key)
 
 
 # -- export: a torch.export program that computes what the trained model computes ----------
