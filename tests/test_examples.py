@@ -318,9 +318,9 @@ def test_the_gan_plan_is_its_hand_written_loop_to_the_last_bit(tmp_path) -> None
     """Two epochs of plans/gan.yaml against the same training written as a plain loop
     around the same `step`: the same weights and Adam states, bit for bit."""
     _import_plan_models()
-    from benchmarks.common import reader_order
     from models.gan import ring, step
 
+    from benchmarks.common import reader_order
     from jobrun import store
     from jobrun.ops.context import OpContext
     from jobrun.ops.models import model_mlp
