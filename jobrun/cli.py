@@ -86,8 +86,9 @@ _max_restarts = click.option(
     "--max-restarts", type=click.IntRange(0, 1000),
     help="When a replica dies, restart every rank from the latest checkpoint, up to N times.",
 )
+_PROFILES = ("steps", "torch")
 _profile = click.option(
-    "--profile", type=click.Choice(["steps", "torch"]), is_flag=False, flag_value="steps",
+    "--profile", type=click.Choice(_PROFILES), is_flag=False, flag_value="steps",
     help="Time every plan step (table at the end and in RUN_DIR/profile.txt); "
          "--profile torch also records a torch.profiler trace of a few steady-state steps.",
 )
@@ -95,6 +96,22 @@ _profile_steps = click.option(
     "--profile-steps", type=click.IntRange(1, 1000), metavar="N",
     help="Trace N loop iterations with torch.profiler (implies --profile torch).",
 )
+
+
+class _Profiled(click.Command):
+    """A command with `--profile [steps|torch]`: the option takes the word after it only
+    when that is one of its values, so `--profile max_epochs=3` (or `--profile RUN_DIR`)
+    times the steps and leaves the word to the command (click would take it as the value
+    and refuse it)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        args = list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            if arg == "--profile" and (i + 1 == len(args) or args[i + 1] not in _PROFILES):
+                args[i] = "--profile=steps"
+        return super().parse_args(ctx, args)
 
 
 def _profile_level(profile: str | None, steps: int | None) -> int | None:
@@ -251,7 +268,7 @@ def schema(output: str | None) -> None:
         click.echo(text)
 
 
-@main.command()
+@main.command(cls=_Profiled)
 @click.argument("plan", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--run-dir", type=click.Path(file_okay=False),
@@ -280,7 +297,7 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
                        max_restarts, profile=_profile_level(profile, profile_steps)))
 
 
-@main.command()
+@main.command(cls=_Profiled)
 @click.argument("args", nargs=-1, metavar="[RUN_DIR] [KEY=VALUE]...")
 @click.option("--run-dir", type=click.Path(file_okay=False), hidden=True, help="= RUN_DIR.")
 @click.option("--epoch", type=_EPOCH,

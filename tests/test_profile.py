@@ -81,6 +81,19 @@ def test_resume_profile_covers_the_resumed_epochs(plan_file, tmp_path):
     assert epoch["runs"] == 2 and rows["train train.step"]["calls"] == 2 * 6
 
 
+def test_profile_leaves_an_override_or_a_run_directory_after_it_alone(plan_file, tmp_path):
+    # `--profile` takes a word only when it is steps or torch (click took any word and
+    # refused it: "'max_epochs=1' is not one of 'steps', 'torch'").
+    _, run_dir = _train(plan_file, tmp_path, "--profile", "max_epochs=1")
+    epoch, rows = _rows(run_dir, "epoch")
+    assert epoch["runs"] == 1 and rows["train train.step"]["calls"] == 6
+    r = jobrun("resume", "--profile", run_dir, "max_epochs=2")
+    assert r.code == 0, r.text
+    epoch, rows = _rows(run_dir, "epoch")
+    assert epoch["runs"] == 1 and rows["train train.step"]["calls"] == 6  # epoch 2 only
+    assert "resumed from checkpoint epoch 1" in r.out
+
+
 def test_profile_torch_writes_a_chrome_trace_of_steady_steps(plan_file, tmp_path):
     r, run_dir = _train(plan_file, tmp_path, "--profile-steps", "3")
     (trace,) = (run_dir / "profile").glob("*.pt.trace.json")

@@ -162,7 +162,8 @@ class Generator(Visitor):
             "ctx": ctx, "G": g, "T": local, "results": runtime.results,
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": Reports,
             "partial": functools.partial,
-            "PROGRESS": progress, "FOREVER": FOREVER, "TASK": task.name, "clock": time.perf_counter,
+            "PROGRESS": progress, "FOREVER": FOREVER, "NOW": time.perf_counter, "TASK": task.name,
+            "clock": time.perf_counter,  # --profile's timing (NOW: a loop's start, for the display)
             "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
             "MEAN_BLOCK": runtime.MEAN_BLOCK, "LOSS_SUM": runtime.loss_sum, "LOSS_MEAN": runtime.loss_mean,
         }, pass_through=_PASS_THROUGH)
@@ -457,7 +458,7 @@ class Generator(Visitor):
             # The live display shows the innermost running loop: its iterator, which the
             # display asks how far it went (a statement less in every iteration).
             code.line(f"{it} = iter({'FOREVER' if s.count is None else f'range({n})'})")
-            code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, clock())")
+            code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, NOW())")
             code.line(f"PROGRESS['loop'] = {shown}")
             outer_shown, self.shown = self.shown, shown
             with code.loop(f"for {i} in {it}:"):
