@@ -215,6 +215,38 @@ def test_the_display_shows_the_innermost_running_loop_and_then_its_outer_one_aga
                     (1, None), (2, None)]
 
 
+def test_a_reports_loops_are_never_what_the_display_shows(monkeypatch):
+    # A report runs beside the training loop, in a thread: its loop must not take the
+    # display's place (the training loop writes its entry once, as it starts).
+    import jobrun_test_helpers
+
+    from jobrun.runner.display import Display
+
+    display = Display(enabled=False, tty=False)
+    monkeypatch.setattr(jobrun_test_helpers, "DISPLAY", display)
+    plan = compile_text(textwrap.dedent("""
+        job: t
+        epoch:
+          - task: busy
+            do:
+              - call: {fn: "jobrun_test_helpers:new_list", out: seen}
+              - report: 2ms
+                do:
+                  - loop: 2
+                    do:
+                      - const: {out: tick, value: 1}
+              - loop: 5
+                do:
+                  - call: {fn: "time:sleep", in: [0.03]}
+                  - call: {fn: "jobrun_test_helpers:shown_step", in: [seen]}
+            outputs: [seen]
+        """), "plan.yaml")
+    node = NodeRuntime("local", OpContext(progress=display.progress))
+    (task,) = plan.epoch.tasks
+    seen = CompiledTask(task, node).run()["seen"]
+    assert seen == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
+
+
 def test_a_stop_if_in_a_parallel_branch_acts_at_the_parallel():
     g, out = run(HEADER + """
 epoch:

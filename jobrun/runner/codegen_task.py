@@ -157,6 +157,7 @@ class Generator(Visitor):
         # The innermost loop's train.step outputs: name -> (losses, block sums) variables.
         self.means: dict[str, tuple[str, str]] | None = None
         self.shown: str | None = None  # the PROGRESS entry of the innermost loop being written
+        self.reporting = False  # writing a `report`'s body (its loops are not the job's progress)
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
             "ctx": ctx, "G": g, "T": local, "results": runtime.results,
@@ -457,10 +458,13 @@ class Generator(Visitor):
                 code.line(f"{entry} = C.get({STEP_COUNTER!r}, 0)")
             # The live display shows the innermost running loop: its iterator, which the
             # display asks how far it went (a statement less in every iteration).
+            # A `report`'s loops run beside the job's in a thread: never shown.
             code.line(f"{it} = iter({'FOREVER' if s.count is None else f'range({n})'})")
-            code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, NOW())")
-            code.line(f"PROGRESS['loop'] = {shown}")
-            outer_shown, self.shown = self.shown, shown
+            outer_shown = self.shown
+            if not self.reporting:
+                code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, NOW())")
+                code.line(f"PROGRESS['loop'] = {shown}")
+                self.shown = shown
             with code.loop(f"for {i} in {it}:"):
                 if self.max_steps is not None:
                     # The epoch ends once the global step reaches max_steps: each loop that
@@ -517,11 +521,13 @@ class Generator(Visitor):
         outer, self.means = self.means, None
         outer_clock, self.clock = self.clock, None
         outer_shown, self.shown = self.shown, None
+        outer_reporting, self.reporting = self.reporting, True
         with code.function(body, "L"):
             self.visit_block(s.body)
         self.means = outer
         self.clock = outer_clock
         self.shown = outer_shown
+        self.reporting = outer_reporting
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
 
