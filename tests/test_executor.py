@@ -247,6 +247,40 @@ def test_a_reports_loops_are_never_what_the_display_shows(monkeypatch):
     assert seen == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
 
 
+def test_when_a_parallel_branchs_loop_ends_the_display_shows_the_one_still_running(monkeypatch):
+    import jobrun_test_helpers
+
+    from jobrun.runner.display import Display
+
+    display = Display(enabled=False, tty=False)
+    monkeypatch.setattr(jobrun_test_helpers, "DISPLAY", display)
+    plan = compile_text(textwrap.dedent("""
+        job: t
+        epoch:
+          - task: both
+            workspace: global
+            do:
+              - call: {fn: "jobrun_test_helpers:new_list", out: seen}
+              - parallel:
+                  - do:
+                      - loop: 6
+                        do:
+                          - call: {fn: "time:sleep", in: [0.05]}
+                          - call: {fn: "jobrun_test_helpers:shown_step", in: [seen]}
+                  - do:
+                      - call: {fn: "time:sleep", in: [0.01]}  # starts after the long one
+                      - loop: 2
+                        do:
+                          - call: {fn: "time:sleep", in: [0.005]}
+        """), "plan.yaml")
+    node = NodeRuntime("local", OpContext(progress=display.progress))
+    (task,) = plan.epoch.tasks
+    CompiledTask(task, node).run()
+    # the short loop, shown from its start, ended within 20 ms; from the long one's third
+    # step (100 ms) on, the long one is shown again
+    assert node.globals["seen"][2:] == [(3, 6), (4, 6), (5, 6), (6, 6)]
+
+
 def test_a_stop_if_in_a_parallel_branch_acts_at_the_parallel():
     g, out = run(HEADER + """
 epoch:

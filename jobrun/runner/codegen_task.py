@@ -156,7 +156,6 @@ class Generator(Visitor):
         self.reports = ""  # the `with reports()` variable of the block being written
         # The innermost loop's train.step outputs: name -> (losses, block sums) variables.
         self.means: dict[str, tuple[str, str]] | None = None
-        self.shown: str | None = None  # the PROGRESS entry of the innermost loop being written
         self.reporting = False  # writing a `report`'s body (its loops are not the job's progress)
         progress = ctx.progress if ctx.progress is not None else {}
         self.code = Source({
@@ -439,7 +438,7 @@ class Generator(Visitor):
     # -- loops ----------------------------------------------------------------------------
     def visit_Loop(self, s: ir.Loop) -> None:
         code = self.code
-        i, n, it, shown = code.fresh("i"), code.fresh("n"), code.fresh("it"), code.fresh("shown")
+        i, n, it, shown, before = (code.fresh(x) for x in ("i", "n", "it", "shown", "before"))
         with code.step(s.pos, "loop"), self._timed(s.pos, "loop"):
             if isinstance(s.count, ir.BlobRef):
                 with code.step(s.pos, "loop", self._read_failure(s.count, "loop count")):
@@ -460,11 +459,9 @@ class Generator(Visitor):
             # display asks how far it went (a statement less in every iteration).
             # A `report`'s loops run beside the job's in a thread: never shown.
             code.line(f"{it} = iter({'FOREVER' if s.count is None else f'range({n})'})")
-            outer_shown = self.shown
             if not self.reporting:
                 code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, NOW())")
-                code.line(f"PROGRESS['loop'] = {shown}")
-                self.shown = shown
+                code.line(f"{before} = PROGRESS.get('loop'); PROGRESS['loop'] = {shown}")
             with code.loop(f"for {i} in {it}:"):
                 if self.max_steps is not None:
                     # The epoch ends once the global step reaches max_steps: each loop that
@@ -480,9 +477,9 @@ class Generator(Visitor):
                 if s.index is not None:
                     self._store(s.index.name, i)
                 self.visit_block(s.body)
-            self.shown = outer_shown
-            if outer_shown is not None:  # the enclosing loop is the innermost running one again
-                code.line(f"PROGRESS['loop'] = {outer_shown}")
+            if not self.reporting:  # the loop shown before (enclosing, or a branch's) again
+                with code.block(f"if {before} is not None and PROGRESS.get('loop') is {shown}:"):
+                    code.line(f"PROGRESS['loop'] = {before}")
             self.clock = outer_clock
             means, self.means = self.means, outer
             self._store_means(means)
@@ -502,14 +499,12 @@ class Generator(Visitor):
         branches = []
         outer, self.means = self.means, None  # a function of its own: no loop's sums here
         outer_clock, self.clock = self.clock, None  # another function: the clock as it runs
-        outer_shown, self.shown = self.shown, None  # and its loops' entries its own
         for b in s.branches:
             branches.append(code.fresh("branch", b.name or ""))
             with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
         self.means = outer
         self.clock = outer_clock
-        self.shown = outer_shown
         thunks = "".join(f"partial({b}, L), " for b in branches)
         call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
@@ -520,13 +515,11 @@ class Generator(Visitor):
         body = code.fresh("report")
         outer, self.means = self.means, None
         outer_clock, self.clock = self.clock, None
-        outer_shown, self.shown = self.shown, None
         outer_reporting, self.reporting = self.reporting, True
         with code.function(body, "L"):
             self.visit_block(s.body)
         self.means = outer
         self.clock = outer_clock
-        self.shown = outer_shown
         self.reporting = outer_reporting
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")

@@ -8,8 +8,9 @@ shows life; never a control character. Every line shown is also appended to
 ``<run dir>/console.log``. Only rank 0 shows anything.
 
 A step is an iteration of the innermost running loop. The executor writes
-``progress["loop"] = (task, iterator, n, started)`` as a loop starts (and again, for the
-enclosing loop, when an inner one ends), with the iterator its `for` runs over:
+``progress["loop"] = (task, iterator, n, started)`` as a loop starts, and puts back the
+entry it replaced when the loop ends (an enclosing loop, or a `parallel` branch's still
+running); a `report`'s loops write none. The iterator is the one its `for` runs over:
 ``iter(range(n))``, or ``iter(FOREVER)`` for a loop without a count (`loop: null`),
 whose length is not known in its first epoch; from the second on, the previous epoch's
 count is the total. How far the iterator went is the number of steps begun; steps/s are
