@@ -102,16 +102,25 @@ def test_a_failure_is_in_console_log_too(tmp_path):
     assert "boom" in p.stderr and "boom" in log.splitlines()[-1]
 
 
+def _start(d, key, i, n):
+    """A loop at iteration i, as the executor writes it (the display's entry, and the
+    epoch's loops by key)."""
+    d.progress["loop"] = d.progress.setdefault("loops", {})[key] = _running(key, i, n)
+
+
 def test_steps_per_epoch_are_known_from_the_second_epoch():
     d = Display(enabled=False, tty=False)
     d.status("epoch 1")
     for i in range(5):
-        d.progress["loop"] = _running("train", i, None)
+        _start(d, "train/loop1", i, None)
         assert d._step() == (i + 1, None)  # the first epoch only counts
+    _start(d, "train/loop2", 2, None)  # a second loop after it: an evaluation's
     d.status("epoch 2")
-    d.progress["loop"] = _running("train", 1, None)
-    assert d._step() == (2, 5)
-    d.progress["loop"] = _running("train", 1, 9)  # a loop with a count knows it
+    _start(d, "train/loop1", 1, None)
+    assert d._step() == (2, 5)  # each loop's own count
+    _start(d, "train/loop2", 0, None)
+    assert d._step() == (1, 3)
+    _start(d, "train/loop3", 1, 9)  # a loop with a count knows it
     assert d._step() == (2, 9)
 
 

@@ -162,7 +162,7 @@ class Generator(Visitor):
             "ctx": ctx, "G": g, "T": local, "results": runtime.results,
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": Reports,
             "partial": functools.partial,
-            "PROGRESS": progress, "FOREVER": FOREVER, "NOW": time.perf_counter, "TASK": task.name,
+            "PROGRESS": progress, "LOOPS": progress.setdefault("loops", {}), "FOREVER": FOREVER, "NOW": time.perf_counter, "TASK": task.name,
             "clock": time.perf_counter,  # --profile's timing (NOW: a loop's start, for the display)
             "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
             "MEAN_BLOCK": runtime.MEAN_BLOCK, "LOSS_SUM": runtime.loss_sum, "LOSS_MEAN": runtime.loss_mean,
@@ -460,8 +460,9 @@ class Generator(Visitor):
             # A `report`'s loops run beside the job's in a thread: never shown.
             code.line(f"{it} = iter({'FOREVER' if s.count is None else f'range({n})'})")
             if not self.reporting:
-                code.line(f"{shown} = (TASK, {it}, {'None' if s.count is None else n}, NOW())")
-                code.line(f"{before} = PROGRESS.get('loop'); PROGRESS['loop'] = {shown}")
+                key = f"{self.task.name}/{shown}"  # the loop's, for the display's totals
+                code.line(f"{shown} = ({key!r}, {it}, {'None' if s.count is None else n}, NOW())")
+                code.line(f"{before} = PROGRESS.get('loop'); PROGRESS['loop'] = LOOPS[{key!r}] = {shown}")
             with code.loop(f"for {i} in {it}:"):
                 if self.max_steps is not None:
                     # The epoch ends once the global step reaches max_steps: each loop that

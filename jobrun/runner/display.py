@@ -8,12 +8,13 @@ shows life; never a control character. Every line shown is also appended to
 ``<run dir>/console.log``. Only rank 0 shows anything.
 
 A step is an iteration of the innermost running loop. The executor writes
-``progress["loop"] = (task, iterator, n, started)`` as a loop starts, and puts back the
-entry it replaced when the loop ends (an enclosing loop, or a `parallel` branch's still
-running); a `report`'s loops write none. The iterator is the one its `for` runs over:
-``iter(range(n))``, or ``iter(FOREVER)`` for a loop without a count (`loop: null`),
-whose length is not known in its first epoch; from the second on, the previous epoch's
-count is the total. How far the iterator went is the number of steps begun; steps/s are
+``progress["loop"] = (key, iterator, n, started)`` as a loop starts (also under its key in
+``progress["loops"]``), and puts back the entry it replaced when the loop ends (an
+enclosing loop, or a `parallel` branch's still running); a `report`'s loops write none.
+The iterator is the one its `for` runs over: ``iter(range(n))``, or ``iter(FOREVER)`` for
+a loop without a count (`loop: null`), whose length is not known in its first epoch; from
+the second on, that loop's count in the previous epoch is the total. How far the iterator
+went is the number of steps begun; steps/s are
 those of the loop since it started (`time.perf_counter()`), so that an inner loop that
 starts again is not measured against the whole epoch.
 """
@@ -60,7 +61,7 @@ class Display:
         self._epoch_t0 = time.monotonic()
         self._values: dict[str, Any] = {}  # logged in the running epoch, latest first
         self._columns: dict[str, None] = {}  # the epoch lines' names, in the order first shown
-        self._counts: dict[str, int] = {}  # steps of each task's loop in the last epoch
+        self._counts: dict[str, int] = {}  # steps of each loop (by key) in the last epoch
         self._last_beat = time.monotonic()
         self._feed_start = (0, 0)  # records and tokens read when the running group started
         self._lock = threading.Lock()
@@ -174,8 +175,8 @@ class Display:
         loop = loop or self.progress.get("loop")
         if loop is None:
             return None
-        task, iterator, n, _started = loop
-        return begun(iterator, n), n or self._counts.get(task)
+        key, iterator, n, _started = loop
+        return begun(iterator, n), n or self._counts.get(key)
 
     def _records(self) -> tuple[int, int]:
         feed = self.progress.get("feed")
@@ -213,10 +214,13 @@ class Display:
                       + f"{now - self._epoch_t0:.0f}s" + (f", {values}" if values else ""))
 
     def _remember_counts(self) -> None:
-        loop = self.progress.get("loop")
-        if loop is not None and self._what.startswith("epoch"):
-            task, iterator, n, _started = loop
-            self._counts[task] = begun(iterator, n)
+        """The steps each loop of the epoch that ended ran (the loops of other groups are
+        forgotten); the executor's dict is emptied in place, as it holds the same one."""
+        loops = self.progress.setdefault("loops", {})
+        if self._what.startswith("epoch"):
+            for key, (_key, iterator, n, _started) in list(loops.items()):
+                self._counts[key] = begun(iterator, n)
+        loops.clear()
 
     # -- console.log --------------------------------------------------------------------------
     def _open_log(self) -> None:
