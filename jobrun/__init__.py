@@ -1,3 +1,40 @@
-"""jobrun: run PyTorch training jobs described by declarative YAML plans."""
+"""jobrun: run PyTorch training jobs described by declarative YAML plans.
+
+For your own code (a `call`'s function): :func:`batch_rows`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def batch_rows(batch: Any) -> tuple[int, slice]:
+    """The records of the global batch that `batch` (a tensor a `read` handed out) is
+    this replica's part of, and the rows of it this replica holds: ``(total, rows)``.
+
+    With replicas, each one reads a part of every global batch. Randomness drawn for
+    the whole global batch from the `generator` a `call` receives (the same stream on
+    every replica), then cut to ``rows``, is what one process draws for those records,
+    so N replicas train as one does::
+
+        total, rows = batch_rows(real)
+        z = torch.randn(total, noise, generator=generator)[rows].to(real.device)
+
+    With one process, or for a tensor that no reader split (a `batch_size: 1` reader's,
+    which every replica reads whole, or one computed from a batch), it is
+    ``(len(batch), slice(0, len(batch)))``.
+    """
+    from jobrun.ops.reader import _rank_bounds, global_records
+
+    total = global_records(batch)
+    if total is None:
+        return len(batch), slice(0, len(batch))
+    import torch.distributed as dist
+
+    lo, hi = _rank_bounds(total, dist.get_rank(), dist.get_world_size())
+    if hi - lo != len(batch):
+        raise ValueError(f"batch_rows: a batch of {len(batch)} rows is not this replica's part "
+                         f"({hi - lo} rows) of a global batch of {total}")
+    return total, slice(lo, hi)

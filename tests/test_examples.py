@@ -351,6 +351,25 @@ def test_the_gan_plan_is_its_hand_written_loop_to_the_last_bit(tmp_path) -> None
                 assert torch.equal(got[i][key], value), (name, i, key)
 
 
+@pytest.mark.slow
+def test_the_gan_on_two_replicas_trains_the_models_of_one_process(tmp_path) -> None:
+    """The step's noise is drawn for the global batch and cut to each replica's rows
+    (`jobrun.batch_rows`), and DDP averages its two backwards: 2 replicas, 1 process."""
+    from jobrun import store
+
+    runs = {}
+    for n in ("1", "2"):
+        r = jobrun_proc("train", PLANS / "gan.yaml", "--run-dir", tmp_path / n, "--replicas", n,
+                        "--set", "max_epochs=1")
+        assert r.code == 0, r.text
+        runs[n], _ = store.load(tmp_path / n / "checkpoints", "local", 1, blobs=["G", "D"])
+    for name in ("G", "D"):
+        for key, value in runs["1"][name].state.items():
+            assert torch.allclose(runs["2"][name].state[key], value, rtol=0, atol=1e-5), (name, key)
+    scores = [[(r["modes"], r["good"]) for r in _epoch_logs(tmp_path / n)] for n in ("1", "2")]
+    assert scores[0] == scores[1]
+
+
 # -- export: a torch.export program that computes what the trained model computes ----------
 
 

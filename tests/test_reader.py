@@ -118,6 +118,41 @@ def test_rank_slices_concatenate_to_the_single_process_batches(n, batch_size, sh
         assert parts[1][-1] == []
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batch_rows_names_the_rows_of_the_global_batch_each_rank_read(monkeypatch, shuffle):
+    # jobrun.batch_rows, for a call's own randomness: drawn for the whole global batch and
+    # cut to `rows`, rank k's part is what one process draws for those records.
+    import torch.distributed as dist
+
+    from jobrun import batch_rows
+
+    data = torch.arange(10)
+    single = reader_op(OpContext(seed=3), data, batch_size=4, shuffle=shuffle)
+    ranks = [OpContext(seed=3, rank=k, world_size=2) for k in range(2)]
+    readers = [reader_op(c, data, batch_size=4, shuffle=shuffle) for c in ranks]
+    for _ in range(3):  # 4 + 4 + 2 records: the last global batch splits 1 + 1
+        (whole, _), parts = read_op(OpContext(seed=3), single), []
+        for k, (ctx, reader) in enumerate(zip(ranks, readers)):
+            monkeypatch.setattr(dist, "get_rank", lambda k=k: k)
+            monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+            part, _ = read_op(ctx, reader)
+            total, rows = batch_rows(part)
+            assert total == len(whole) and torch.equal(whole[rows], part)
+            parts.append(rows)
+        assert parts[0].stop == parts[1].start and parts[1].stop == len(whole)
+    with pytest.raises(ValueError, match="a batch of 1 rows is not this replica's part"):
+        batch_rows(_marked(torch.zeros(1), 4))  # rank 1 of 2 holds 2 rows of a batch of 4
+    plain = torch.zeros(3)  # no reader split it (one process, or computed): all its rows
+    assert batch_rows(plain) == (3, slice(0, 3))
+
+
+def _marked(t, records):
+    from jobrun.ops.reader import mark_records
+
+    mark_records((t,), records)
+    return t
+
+
 def test_batch_size_one_is_replicated_on_every_rank():
     ranks = [OpContext(rank=k, world_size=2) for k in range(2)]
     readers = [reader_op(c, torch.arange(3)) for c in ranks]

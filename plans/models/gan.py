@@ -5,8 +5,9 @@ training step (two models, two optimizers), and a score of the generator.
 optimizers the plan built, and its backwards are synchronised over replicas by DDP's
 hooks like `train.step`'s. Its noise comes from `generator`, the node's seeded stream
 (saved in every checkpoint: a resumed run draws the very noise an uninterrupted one
-draws). That stream is the same on every replica, so replicas of equal batches draw the
-same noise for their different real points, as a DDP script that seeds every rank alike.
+draws), which is the same on every replica: the step draws the noise of the whole global
+batch and keeps its own rows of it (`jobrun.batch_rows`), so that `--replicas 2` trains
+the models one process trains.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 
 import torch
 from torch.nn import functional as F
+
+from jobrun import batch_rows
 
 
 def centers(modes: int = 8, radius: float = 2.0) -> torch.Tensor:
@@ -33,7 +36,8 @@ def ring(n: int, modes: int = 8, radius: float = 2.0, std: float = 0.05, seed: i
 def step(G, D, opt_g, opt_d, real, *, noise: int, generator):  # noqa: N803 - a GAN's names
     """One step of the discriminator, then one of the generator (the non-saturating loss);
     returns both losses."""
-    z = torch.randn(real.shape[0], noise, generator=generator).to(real.device)
+    total, rows = batch_rows(real)  # with replicas: this one's rows of the global batch
+    z = torch.randn(total, noise, generator=generator)[rows].to(real.device)
     fake = G(z)
     opt_d.zero_grad(set_to_none=True)
     d_real, d_fake = D(real), D(fake.detach())
