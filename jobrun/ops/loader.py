@@ -143,7 +143,7 @@ def _settle_record_function() -> None:
     enters it, and the first entry imports a profiler module inside a try whose errors torch
     logs with a traceback. A worker's death raises from torch's SIGCHLD handler in whatever
     the main thread runs, so a worker dying during a reader's first `next()` printed a
-    traceback besides our message."""
+    traceback beside our message."""
     global _settled
     if not _settled:
         _settled = True

@@ -14,9 +14,9 @@ enclosing loop, or a `parallel` branch's still running); a `report`'s loops writ
 The iterator is the one its `for` runs over: ``iter(range(n))``, or ``iter(FOREVER)`` for
 a loop without a count (`loop: null`), whose length is not known in its first epoch; from
 the second on, that loop's count in the previous epoch is the total. How far the iterator
-went is the number of steps begun; steps/s are
-those of the loop since it started (`time.perf_counter()`), so that an inner loop that
-starts again is not measured against the whole epoch.
+went is the number of steps begun; steps/s are those of the loop since it started
+(`time.perf_counter()`), so that an inner loop that starts again is not measured against
+the whole epoch.
 """
 
 from __future__ import annotations
