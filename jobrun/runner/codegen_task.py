@@ -163,7 +163,7 @@ class Generator(Visitor):
             "truthy": truthy, "run_concurrently": run_concurrently, "reports": Reports,
             "partial": functools.partial,
             "PROGRESS": progress, "LOOPS": progress.setdefault("loops", {}), "FOREVER": FOREVER,
-            "NOW": time.perf_counter, "TASK": task.name,  # NOW: a loop's start, for the display
+            "NOW": time.perf_counter,  # a loop's start, for the display
             "clock": time.perf_counter,  # --profile's timing
             "C": ctx._counters, "EVERY": clock.every, "MAX_STEPS": max_steps,
             "MEAN_BLOCK": runtime.MEAN_BLOCK, "LOSS_SUM": runtime.loss_sum, "LOSS_MEAN": runtime.loss_mean,
