@@ -38,6 +38,7 @@ An IterableDataset is read by :mod:`jobrun.ops.stream`.
 from __future__ import annotations
 
 import atexit
+import functools
 import random
 import re
 import signal
@@ -138,20 +139,15 @@ class Options:
         )
 
 
+@functools.cache
 def _settle_record_function() -> None:
     """Enter torch's record_function once, before any worker runs. DataLoader's `next()`
     enters it, and the first entry imports a profiler module inside a try whose errors torch
     logs with a traceback. A worker's death raises from torch's SIGCHLD handler in whatever
     the main thread runs, so a worker dying during a reader's first `next()` printed a
     traceback beside our message."""
-    global _settled
-    if not _settled:
-        _settled = True
-        with torch.autograd.profiler.record_function("jobrun.reader"):
-            pass
-
-
-_settled = False
+    with torch.autograd.profiler.record_function("jobrun.reader"):
+        pass
 
 
 class _Unbatched:
