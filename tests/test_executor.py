@@ -181,14 +181,23 @@ epoch:
     assert len(steps) > 10 and all(re.search(r"  # plan.yaml:\d+ \S", line) for line in steps)
 
 
-def test_the_display_shows_the_innermost_running_loop_and_then_its_outer_one_again(monkeypatch):
+def _shown(monkeypatch, text: str) -> tuple[dict, dict]:
+    """Run the plan's epoch (its `jobrun_test_helpers:shown_step` calls record what the
+    live display shows) in a node whose display is the one they read."""
     import jobrun_test_helpers
 
     from jobrun.runner.display import Display
 
     display = Display(enabled=False, tty=False)
     monkeypatch.setattr(jobrun_test_helpers, "DISPLAY", display)
-    plan = compile_text(textwrap.dedent("""
+    plan = compile_text(textwrap.dedent(text), "plan.yaml")
+    node = NodeRuntime("local", OpContext(progress=display.progress))
+    outputs = {task.name: CompiledTask(task, node).run() for task in plan.epoch.tasks}
+    return node.globals, outputs
+
+
+def test_the_display_shows_the_innermost_running_loop_and_then_its_outer_one_again(monkeypatch):
+    _, out = _shown(monkeypatch, """
         job: t
         epoch:
           - task: nest
@@ -207,10 +216,8 @@ def test_the_display_shows_the_innermost_running_loop_and_then_its_outer_one_aga
                   - ge: {in: [k, 11], out: enough}
                   - stop_if: enough
             outputs: [seen]
-        """), "plan.yaml")
-    node = NodeRuntime("local", OpContext(progress=display.progress))
-    (task,) = plan.epoch.tasks
-    seen = CompiledTask(task, node).run()["seen"]
+        """)
+    seen = out["nest"]["seen"]
     assert seen == [(1, 2), (2, 2), (1, 3), (1, 2), (2, 2), (2, 3), (1, 2), (2, 2), (3, 3),
                     (1, None), (2, None)]
 
@@ -218,13 +225,7 @@ def test_the_display_shows_the_innermost_running_loop_and_then_its_outer_one_aga
 def test_a_reports_loops_are_never_what_the_display_shows(monkeypatch):
     # A report runs beside the training loop, in a thread: its loop must not take the
     # display's place (the training loop writes its entry once, as it starts).
-    import jobrun_test_helpers
-
-    from jobrun.runner.display import Display
-
-    display = Display(enabled=False, tty=False)
-    monkeypatch.setattr(jobrun_test_helpers, "DISPLAY", display)
-    plan = compile_text(textwrap.dedent("""
+    _, out = _shown(monkeypatch, """
         job: t
         epoch:
           - task: busy
@@ -240,21 +241,13 @@ def test_a_reports_loops_are_never_what_the_display_shows(monkeypatch):
                   - call: {fn: "time:sleep", in: [0.03]}
                   - call: {fn: "jobrun_test_helpers:shown_step", in: [seen]}
             outputs: [seen]
-        """), "plan.yaml")
-    node = NodeRuntime("local", OpContext(progress=display.progress))
-    (task,) = plan.epoch.tasks
-    seen = CompiledTask(task, node).run()["seen"]
+        """)
+    seen = out["busy"]["seen"]
     assert seen == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
 
 
 def test_when_a_parallel_branchs_loop_ends_the_display_shows_the_one_still_running(monkeypatch):
-    import jobrun_test_helpers
-
-    from jobrun.runner.display import Display
-
-    display = Display(enabled=False, tty=False)
-    monkeypatch.setattr(jobrun_test_helpers, "DISPLAY", display)
-    plan = compile_text(textwrap.dedent("""
+    g, _ = _shown(monkeypatch, """
         job: t
         epoch:
           - task: both
@@ -272,13 +265,10 @@ def test_when_a_parallel_branchs_loop_ends_the_display_shows_the_one_still_runni
                       - loop: 2
                         do:
                           - call: {fn: "time:sleep", in: [0.005]}
-        """), "plan.yaml")
-    node = NodeRuntime("local", OpContext(progress=display.progress))
-    (task,) = plan.epoch.tasks
-    CompiledTask(task, node).run()
+        """)
     # the short loop, shown from its start, ended within 20 ms; from the long one's third
     # step (100 ms) on, the long one is shown again
-    assert node.globals["seen"][2:] == [(3, 6), (4, 6), (5, 6), (6, 6)]
+    assert g["seen"][2:] == [(3, 6), (4, 6), (5, 6), (6, 6)]
 
 
 def test_a_stop_if_in_a_parallel_branch_acts_at_the_parallel():
