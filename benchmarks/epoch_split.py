@@ -25,9 +25,13 @@ import collections
 import functools
 import statistics
 import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ns = time.perf_counter_ns
 PIECES = ("loop", "mean loss", "evaluate", "after")

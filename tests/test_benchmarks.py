@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -108,8 +109,10 @@ def test_each_jobrun_epoch_is_compared_with_the_hand_epochs_around_it():
 def test_epoch_split_times_every_piece_of_the_job() -> None:
     # The tool wraps jobrun's own functions (the ops the code generator takes, the metrics
     # line, samples/s, the mean loss): one renamed would leave its piece at 0 or fail.
+    # As its docstring says to run it: a script, with nothing but jobrun installed on the path.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "epoch_split.py"), "--tiny", "--reps", "1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = {m[1]: m[2].split() for m in re.finditer(r"^ *([a-z/ ]+?) +([-+0-9. ]+)$", p.stdout, re.M)}
     for piece in ("loop", "mean loss", "evaluate", "after", "log", "metrics line", "tensorboard",
