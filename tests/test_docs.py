@@ -346,3 +346,17 @@ def test_the_readmes_example_table_names_every_bundled_example() -> None:
     text = README.read_text(encoding="utf-8")
     missing = [p.name for p in sorted((ROOT / "plans").glob("*.yaml")) if f"| `plans/{p.name}` |" not in text]
     assert not missing, f"the README's example table leaves out {missing}"
+
+
+def test_no_text_file_holds_a_merge_conflict() -> None:
+    # A merge once left both sides of two op-table rows in plan-language.md, markers and all.
+    marker = re.compile(r"^(<{7}|={7}|>{7})( |$)", re.M)
+    suffixes = {".md", ".py", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg"}
+    found = []
+    for path in sorted(ROOT.rglob("*")):
+        parts = path.relative_to(ROOT).parts
+        if path.suffix in suffixes and not any(p.startswith(".") or p in ("runs", "build") for p in parts):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+                      for m in marker.finditer(text)]
+    assert not found, f"merge conflict markers at {found}"
