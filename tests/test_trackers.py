@@ -14,7 +14,7 @@ from jobrun.plans.compile import compile_text
 PLAN = mlp_plan("tracked", "max_epochs: 3\nvars: {lr: 0.1, hidden: 8}\ncheckpoint: {dir: ckpt}\n"
                 "loggers: [LOGGERS]", batch=16, hidden='"${hidden}"', lr='"${lr}"',
                 init=["const: {out: loss, value: 0.0}"], step=["log: {in: [loss], every: 2}"],
-                epoch=["evaluate: {in: [model, data], out: [val_loss, accuracy]}"], outputs="[val_loss, accuracy]")
+                epoch=["evaluate: {in: [model, data], out: [val_loss, accuracy]}"], outputs="[loss, val_loss, accuracy]")
 
 
 def _train(plan_file, tmp_path, loggers: str, *extra: str):
@@ -83,6 +83,10 @@ def test_csv_holds_the_logged_values_and_epoch_outputs_on_the_metrics_steps(plan
         assert float(r["value"]) == epochs[int(r["epoch"])]["outputs"]["train"]["accuracy"]
         assert int(r["step"]) == max(s for e, s, _ in loss if e == int(r["epoch"]))
     assert {r["name"] for r in rows} >= {"system/samples_per_s", "system/peak_memory_bytes", "epoch"}
+    # the epoch's mean loss, a 0-d tensor until something reads it, is sent as a number too
+    mean = {int(r["epoch"]): float(r["value"]) for r in rows if r["name"] == "epoch/train/loss"}
+    assert list(mean) == [1, 2, 3]
+    assert all(mean[e] == pytest.approx(epochs[e]["outputs"]["train"]["loss"], rel=1e-5) for e in mean)
     assert json.loads((run_dir / "trackers.json").read_text()) == {"csv": "metrics.csv"}
 
 

@@ -51,6 +51,13 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _scalar(v: Any) -> Any:
+    """A one-element tensor's value (an epoch's mean `loss` stays a device tensor until
+    now), anything else as it is."""
+    numel = getattr(v, "numel", None)
+    return v.item() if callable(numel) and not isinstance(v, type) and numel() == 1 else v
+
+
 class Trackers:
     """The run's trackers behind one queue; every method returns at once."""
 
@@ -94,8 +101,8 @@ class Trackers:
             self._metrics(numbers, step, None)
 
     def epoch(self, epoch: int, outputs: dict[str, dict[str, Any]], rates: dict[str, Any]) -> None:
-        numbers = {f"epoch/{t}/{k}": float(v) for t, o in outputs.items() for k, v in o.items()
-                   if _number(v)}
+        numbers = {f"epoch/{t}/{k}": float(v) for t, o in outputs.items()
+                   for k, v in ((k, _scalar(v)) for k, v in o.items()) if _number(v)}
         numbers.update({f"system/{k}": float(v) for k, v in rates.items() if _number(v)})
         numbers["epoch"] = float(epoch)
         self._metrics(numbers, self.step or epoch, epoch)
