@@ -94,6 +94,27 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_killed(referenc
         [(1, 1, "SIGKILL", 2)]
 
 
+def test_a_rank_restarted_during_a_resume_keeps_the_resumes_record_as_written_once(reference, tmp_path):
+    # The resume records itself once its checkpoint is restored (runner/resuming.py); the
+    # restarted ranks resume from a later checkpoint and must not record it again (it
+    # would drop the metrics after the resume's own epoch, and add its overrides twice).
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run, deaths = tmp_path / "run", tmp_path / "deaths"
+    assert jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", "max_epochs=2",
+                       timeout=HANG_S).code == 0
+    r = jobrun_proc("resume", run, "--epoch", "1", "--max-restarts", "1", "max_epochs=4",
+                    f"vars.deaths={deaths}", timeout=HANG_S)
+    assert r.code == 0, r.text
+    assert "restart 1: rank 1 died (killed by SIGKILL); resumed from checkpoint epoch 2" in r.out
+    assert _weights(run) == _weights(reference)
+    assert [x["_epoch"] for x in logged(run)] == [1, 2, 3, 4]
+    assert [x["loss"] for x in logged(run)] == [x["loss"] for x in logged(reference)]
+    info = json.loads((run / "run.json").read_text())
+    assert info["sets"] == ["max_epochs=2", "max_epochs=4", f"vars.deaths={deaths}"]
+    assert [c["from_epoch"] for c in info["changes"]] == [1] and info["resumed_from"] == 1
+
+
 def test_a_rank_that_dies_more_often_than_allowed_stops_the_job_cleanly(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("max_epochs: 4", "max_epochs: 3\nmax_restarts: 1"))

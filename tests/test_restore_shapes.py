@@ -76,14 +76,26 @@ def test_resume_with_an_override_that_changes_a_shape_says_to_start_anew(tmp_pat
     (tmp_path / "plan.yaml").write_text(PLAN)
     run = tmp_path / "run"
     assert jobrun("train", tmp_path / "plan.yaml", "--run-dir", run).code == 0
-    before = {p: p.read_bytes() for p in sorted((run / "ckpt").rglob("*")) if p.is_file()}
+    files = ["run.json", "plan.yaml", "metrics.jsonl"]
+
+    def kept() -> dict:
+        return {p: p.read_bytes() for p in [*sorted((run / "ckpt").rglob("*")), *(run / f for f in files)]
+                if p.is_file()}
+
+    before = kept()
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "max_epochs=2", "vars.hidden=16")
     assert r.code == 1, r.text
     assert ("checkpoint epoch 1, blob 'model' on node 'local', key '0.weight': the checkpoint holds a "
             "tensor of shape [8, 4], the Sequential init built has [16, 4]") in r.err
     assert "`jobrun train PLAN --run-dir NEW`" in r.err and "Traceback" not in r.text
-    assert json.loads((run / "run.json").read_text())["status"] == "failed"
-    assert before == {p: p.read_bytes() for p in sorted((run / "ckpt").rglob("*")) if p.is_file()}
+    # Nothing was restored, so nothing of the run changed: not its checkpoints, and not
+    # run.json, plan.yaml or metrics.jsonl (the failed overrides were once stored as the
+    # run's, and every later plain resume failed with them).
+    assert kept() == before
+    r = jobrun("resume", "--run-dir", run, "max_epochs=2")
+    assert r.code == 0, r.text
+    info = json.loads((run / "run.json").read_text())
+    assert (info["status"], info["last_epoch"], info["sets"]) == ("finished", 2, ["max_epochs=2"])
 
 
 def test_a_checkpoint_from_another_plan_is_refused_naming_both_shapes(tmp_path):

@@ -143,6 +143,34 @@ def test_kill_9_during_saves(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_a_resume_stopped_before_its_restore_leaves_the_run_as_it_was(tmp_path):
+    # A resume records itself (overrides, status, the metrics after its epoch dropped) only
+    # once the checkpoint is restored: one stopped in init changes nothing of the run.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("max_epochs: 6", "max_epochs: 2\nvars: {marker: none, pause: 0}").replace(
+        "      - const: {out: steps, value: 0}\n",
+        "      - const: {out: steps, value: 0}\n"
+        "      - call: {fn: \"jobrun_test_helpers:touch\", path: \"${marker}\"}\n"
+        "      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: \"${pause}\"}\n"))
+    run, marker = tmp_path / "run", tmp_path / "in-init"
+    assert jobrun("train", plan, "--run-dir", run, f"vars.marker={tmp_path / 'trained'}").code == 0
+    kept = {name: (run / name).read_bytes() for name in ("run.json", "plan.yaml", "metrics.jsonl")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobrun", "resume", str(run), "--epoch", "1", "max_epochs=3",
+         f"vars.marker={marker}", "vars.pause=60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + HANG_S
+    while time.time() < deadline and not marker.exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    r = jobrun("resume", "--run-dir", run)  # as if it had never been tried: finished at 2
+    assert r.code == 0 and "already finished at epoch 2" in r.out, r.text
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
 def test_signal_stops_cleanly_and_resumes(reference, tmp_path, sig, code):
     plan = tmp_path / "plan.yaml"

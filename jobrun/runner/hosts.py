@@ -43,9 +43,9 @@ from jobrun.runner.launch import (
     checkpoints_of,
     compile_for_run,
     new_run_info,
-    record_resume,
     restarts_of,
     resume_plan,
+    resuming,
 )
 from jobrun.runner.pick import pick_epoch
 from jobrun.runner.rundir import RunDir
@@ -175,8 +175,7 @@ class _Lead:
         restarts = restarts_of(info, plan, max_restarts)
         text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()
         self.run, self.plan = run, plan
-        self.after_pick = lambda e, saved: record_resume(run, e, sets, changes, stored, world, saved,
-                                                         restarts)
+        self.after_pick = lambda e, saved: resuming(e, sets, changes, stored, world, saved, restarts)
         settings = _settings(run, plan, text, str(info.device or plan.device), world, restarts,
                              epoch=epoch, resume=True)
         settings["change_ok"] = replicas is not None
@@ -231,7 +230,7 @@ def _go(held: ExitStack, settings: dict[str, Any], lead: _Lead | None, run_dir: 
         problems = _prepare_host(held, run, plan_dir, settings, overwrite)
     group.start(device_for(settings["device"], world), rdzv)
     problems = [p for theirs in group.gather(problems) for p in theirs]
-    epoch = saved = None
+    epoch = saved = record = None
     try:
         if problems:
             raise UsageError(problems[0], hint="every host needs a run directory it can use")
@@ -242,7 +241,7 @@ def _go(held: ExitStack, settings: dict[str, Any], lead: _Lead | None, run_dir: 
             epoch, saved = pick_epoch(checkpoints_of(run, plan), plan, world, settings["epoch"],
                                       change_ok=settings["change_ok"], rank=rank, gather=group.gather)
             if lead is not None:
-                lead.after_pick(epoch, saved)
+                record = lead.after_pick(epoch, saved)  # written by the job once it restored
     except JobrunError as e:
         if lead is None:
             raise SystemExit(e.exit_code) from None  # every rank found it; rank 0 says it
@@ -250,7 +249,7 @@ def _go(held: ExitStack, settings: dict[str, Any], lead: _Lead | None, run_dir: 
             lead.run.record_end("failed", e)  # the run it has just started
         raise
     launch = Launch(path, plan_dir, settings["device"], epoch, world, settings["max_restarts"],
-                    resume_world=saved, force=settings.get("force", False))
+                    resume_world=saved, force=settings.get("force", False), resuming=record)
     return worker(launch, plan)
 
 

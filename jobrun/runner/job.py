@@ -36,6 +36,7 @@ from jobrun.runner.display import Display
 from jobrun.runner.executor import CompiledTask, NodeRuntime
 from jobrun.runner.monitor import Watch
 from jobrun.runner.records import Metrics, TensorBoard
+from jobrun.runner.resuming import Resuming
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.saves import Writer
 from jobrun.runner.throughput import EpochRates, Feed
@@ -54,6 +55,7 @@ class JobConfig:
     force: bool = False  # resume even when init built other things than when the run started
     resume_world: int | None = None  # the ranks that saved resume_epoch (None: world_size)
     restart: dict[str, Any] | None = None  # set when the elastic agent restarted the ranks
+    resuming: Resuming | None = None  # a resume's record, written once the checkpoint is restored
     profile: bool = False  # time every plan step (train --profile)
     profile_torch: int = 0  # also a torch.profiler trace of this many loop iterations
 
@@ -93,6 +95,8 @@ class JobRunner(Checkpoints):
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
         self.completed = 0  # the last epoch that ran to its end (run.json's last_epoch)
+        # A resume not restored yet: how it ends is not the run's (the run is as it was).
+        self._unrecorded = cfg.resuming is not None
         self.ckpt_dir = self.run_dir.checkpoints
         self.watch = Watch(self.plan)  # early_stop and checkpoint.best
         # What checkpoints hold: per node, the blobs steps after init write or change.
@@ -231,6 +235,10 @@ class JobRunner(Checkpoints):
             return False
         meta = self._restore(resume)
         self.epoch = self._last_saved = self.completed = resume  # the checkpoint it resumed from is the newest
+        if self.cfg.resuming is not None and self.main_rank:
+            self.cfg.resuming.record(self.run_dir)  # the run's own from now on (runner/resuming.py)
+            self.metrics.reopen()  # the file it appended to was replaced, without the later epochs
+        self._unrecorded = False
         self._restarted(resume)
         early = self._restore_watch(meta)
         # The stop condition of this plan (a resume may have raised max_epochs), on the
@@ -356,7 +364,7 @@ class JobRunner(Checkpoints):
 
     def _record(self, status: str, error: JobrunError | Interrupted | None = None) -> None:
         self.status = status
-        if self.main_rank:
+        if self.main_rank and not self._unrecorded:
             self.run_dir.record_end(status, error, last_epoch=self.completed)
 
     def _run_group(self, name: str) -> dict[str, dict[str, Any]]:

@@ -32,6 +32,7 @@ from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
 from jobrun.runner.pick import NoCheckpoint, pick_epoch, replicas_text
+from jobrun.runner.resuming import Resuming
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.runs import new_run_path
 from jobrun.runner.workers import Launch, device_for, start
@@ -104,10 +105,10 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
             e.hint = _train_again(run, info) or e.hint
             raise
         restarts = restarts_of(info, plan, max_restarts)
-        record_resume(run, epoch, sets, changes, stored, n, saved, restarts)
+        record = resuming(epoch, sets, changes, stored, n, saved, restarts)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
-                        force=force or beyond_extending(changes), profile=profile)
+                        force=force or beyond_extending(changes), profile=profile, resuming=record)
         return start(launch, False, plan)
 
 
@@ -262,24 +263,16 @@ def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
     return plan.max_restarts if info.max_restarts is None else info.max_restarts
 
 
-def record_resume(run: RunDir, epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
-                  replicas: int, saved: int, restarts: int) -> None:
-    """What a resume changes in the run directory (this process holds its lock)."""
-    info = run.info()
-    run.truncate_metrics(epoch)
-    facts: dict[str, Any] = {}
+def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any, replicas: int,
+             saved: int, restarts: int) -> Resuming:
+    """What the resume will record once its checkpoint is restored (jobrun.runner.resuming);
+    what it changes is said now."""
     if changes:
         _warn_changes(changes)
-        run.write_plan(yaml.safe_dump(stored, sort_keys=False))
-        facts = {"sets": [*(info.sets or []), *sets],
-                 "changes": [*(info.changes or []), {"from_epoch": epoch, "sets": list(sets),
-                                                         "changed": changes}]}
     if saved != replicas:
         print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
-        facts["replica_changes"] = [*(info.replica_changes or []),
-                                    {"from_epoch": epoch, "from": saved, "to": replicas}]
-    run.update_info(status="running", resumed_from=epoch, started=time.time(), error=None,
-                    error_at=None, replicas=replicas, max_restarts=restarts, **facts)
+    return Resuming(epoch, tuple(sets), tuple(changes), stored if changes else None, replicas, saved,
+                    restarts)
 
 
 def _train_again(run: RunDir, info: RunInfo) -> str | None:

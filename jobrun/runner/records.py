@@ -26,11 +26,21 @@ class Metrics:
         self.lock = threading.Lock()
         self.fd: int | None = None
         self.warned = False
-        if path is not None:
+        self._open()
+
+    def _open(self) -> None:
+        if self.path is not None:
             try:
-                self.fd = safefs.open_write(path, append=True)
+                self.fd = safefs.open_write(self.path, append=True)
             except OSError as e:
                 self._drop(e)
+
+    def reopen(self) -> None:
+        """Append to the file now at the path (a resume replaced it with one that ends at
+        its checkpoint)."""
+        with self.lock:
+            self.close()
+            self._open()
 
     def write(self, record: dict[str, Any]) -> None:
         if self.fd is None:

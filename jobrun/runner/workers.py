@@ -30,6 +30,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, U
 from jobrun.plans import ir
 from jobrun.runner import group
 from jobrun.runner.pick import pick_epoch
+from jobrun.runner.resuming import Resuming
 from jobrun.runner.rundir import CONSOLE_FILE, RunDir
 
 # How long a rank whose peer is gone waits for the launcher to stop it (so that the
@@ -54,6 +55,7 @@ class Launch:
     # The ranks that died so far, as the launcher saw them (rank, exitcode, signal, time);
     # a restarted worker reports the last one.
     deaths: list[dict[str, Any]] = field(default_factory=list)
+    resuming: Resuming | None = None  # what a resume records once it restored (rank 0 writes it)
 
     @property
     def verified(self) -> bool:
@@ -351,8 +353,11 @@ def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
     from jobrun.runner.job import JobConfig, JobRunner
     from jobrun.runner.rng import seed_everything
 
+    if launch.resuming is not None and launch.resuming.recorded(RunDir(launch.run_dir)):
+        launch = replace(launch, resuming=None)  # a restarted rank: the resume is recorded
     if plan is None:
-        plan = RunDir(launch.run_dir).plan()
+        run, sets = RunDir(launch.run_dir), launch.resuming.sets if launch.resuming else ()
+        plan = run.changed_plan(sets)[0] if sets else run.plan()  # the sets are not stored yet
     # Model classes and functions next to the plan are importable by `build`/`call`.
     if str(launch.plan_dir) not in sys.path:
         sys.path.insert(0, str(launch.plan_dir))
@@ -367,7 +372,7 @@ def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
     cfg = JobConfig(plan=plan, run_dir=launch.run_dir.resolve(), plan_dir=launch.plan_dir,
                     device=device, rank=rank, world_size=world,
                     resume_epoch=launch.resume_epoch, resume_verified=launch.verified,
-                    resume_world=launch.resume_world, force=launch.force,
+                    resume_world=launch.resume_world, force=launch.force, resuming=launch.resuming,
                     restart=_restart_facts(launch, restart) if restart else None,
                     profile=launch.profile is not None, profile_torch=launch.profile or 0)
     return JobRunner(cfg).run()
