@@ -206,6 +206,32 @@ def test_each_train_makes_a_new_run_and_commands_default_to_the_latest(here):
     assert again.code == 0 and "run runs/counter/1 (the latest" in again.err and "already finished" in again.out
 
 
+def test_runs_tells_a_killed_run_from_a_running_one_and_counts_its_epochs(here):
+    # run.json says `running` from the start and records last_epoch when a run ends: a
+    # kill -9 left "running, -" in the listing forever. The run's lock says whether a
+    # process holds it; metrics.jsonl's epoch records say how far it got.
+    import fcntl
+
+    assert jobrun("train", "plan.yaml", "--run-dir", "runs/killed").code == 0
+    info = json.loads((here / "runs/killed/run.json").read_text())
+    info["status"] = "running"
+    del info["last_epoch"], info["ended"]
+    (here / "runs/killed/run.json").write_text(json.dumps(info))  # what a kill -9 leaves
+
+    def listed() -> tuple[str, int]:
+        (row,) = json.loads(jobrun("runs", "--json").out)
+        return row["status"], row["epochs"]
+
+    assert listed() == ("died", 2)
+    with open(here / "runs/killed/.lock", "a") as lock:  # a process holds it: running
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert listed() == ("running", 2)
+        info["status"], info["last_epoch"] = "finished", 2  # a resume still in its init
+        (here / "runs/killed/run.json").write_text(json.dumps(info))
+        assert listed() == ("running", 2)
+    assert listed() == ("finished", 2)
+
+
 def test_a_run_of_the_old_layout_is_left_alone_and_listed(here):
     """runs/<job> itself a run (made before runs were numbered, or by --run-dir): new runs
     go beside it, never inside it, and the old one is found as the others are."""

@@ -29,7 +29,8 @@ import yaml
 
 from jobrun import safefs
 from jobrun.errors import JobrunError, UsageError
-from jobrun.runner.rundir import RUN_FILE, RunDir
+from jobrun.runner.locks import holder
+from jobrun.runner.rundir import LOCK_FILE, RUN_FILE, RunDir
 
 ROOT = Path("runs")
 MAX_METRICS_BYTES = 1 << 30
@@ -121,14 +122,21 @@ class Summary:
 def summarize(run: RunDir) -> Summary:
     info = run.info()
     monitor, mode = _monitor(run)
+    status, epochs = str(info.status or "?"), info.last_epoch
+    if holder(run.path / LOCK_FILE) is not None:
+        status = "running"  # a process holds the run (a resume still in init says so too)
+    elif status == "running" and not run.several_hosts():
+        status = "died"  # no process holds it, nothing recorded how it ended: a kill -9, the OOM killer
+    records = _epoch_records(run) if monitor is not None or status in ("running", "died") else []
+    if status in ("running", "died"):  # run.json's last_epoch is written when a run ends
+        epochs = max((int(r.get("epoch", 0)) for r in records), default=epochs)
     best = best_epoch = None
     if monitor is not None:
-        for epoch, value in _values(run, monitor):
+        for epoch, value in _values(records, monitor):
             if best is None or (value < best if mode == "min" else value > best):
                 best, best_epoch = value, epoch
     # run.json is checked by its schema (records_schema.RUN_INFO): the fields have their types.
-    return Summary(str(run.path), str(info.job), str(info.status or "?"), info.last_epoch,
-                   monitor, best, best_epoch,
+    return Summary(str(run.path), str(info.job), status, epochs, monitor, best, best_epoch,
                    None if info.started is None else float(info.started), list(info.sets or []))
 
 
@@ -148,8 +156,8 @@ def _monitor(run: RunDir) -> tuple[str | None, str]:
     return None, "min"
 
 
-def _values(run: RunDir, name: str) -> list[tuple[int, float]]:
-    """(epoch, value) of an epoch-task output, from the run's metrics.jsonl."""
+def _epoch_records(run: RunDir) -> list[dict[str, Any]]:
+    """The epoch records of the run's metrics.jsonl (one per epoch that ran to its end)."""
     try:
         data = safefs.read_bounded(run.metrics_file, MAX_METRICS_BYTES)
     except OSError:
@@ -160,12 +168,19 @@ def _values(run: RunDir, name: str) -> list[tuple[int, float]]:
             record = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(record, dict) or record.get("event") != "epoch":
-            continue
+        if isinstance(record, dict) and record.get("event") == "epoch" and isinstance(record.get("epoch"), int):
+            out.append(record)
+    return out
+
+
+def _values(records: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+    """(epoch, value) of an epoch-task output, from the run's epoch records."""
+    out = []
+    for record in records:
         for outputs in (record.get("outputs") or {}).values():
             value = outputs.get(name) if isinstance(outputs, dict) else None
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                out.append((int(record.get("epoch", 0)), float(value)))
+                out.append((record["epoch"], float(value)))
     return out
 
 
