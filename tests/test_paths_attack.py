@@ -521,3 +521,31 @@ def test_schema_and_new_never_write_through_a_link(tmp_path, monkeypatch, comman
         assert r.code == 2 and "exists already" in r.err
     _clean(r)
     assert _snapshot(decoys) == before
+
+
+# -- a save or export over the run's own files ---------------------------------------------
+
+
+@pytest.mark.parametrize("saved", ["run.json", "metrics.jsonl", "./plan.yaml", "ckpt/local.1/rank-0/COMMIT"])
+def test_a_save_over_the_runs_own_files_is_refused_before_the_run(tmp_path, saved):
+    # It once overwrote run.json (no command could read the run after) or a checkpoint's
+    # file, and the run still exited 0.
+    plan = _plan(tmp_path)
+    plan.write_text(plan.read_text() + SAVE.replace("SAVED", saved))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "Traceback" not in r.text, r.text
+    line = plan.read_text().splitlines().index(f"    do: [{{save: {{in: [total], path: {saved}}}}}]") + 1
+    assert f"plan.yaml:{line}:" in r.err and f"save: path '{saved}' is" in r.err, r.err
+    assert "writing it would leave the run unreadable" in r.err and "a name of its own" in r.err
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
+def test_export_over_the_runs_own_files_is_refused(tmp_path):
+    run = tmp_path / "run"
+    assert jobrun("train", _plan(tmp_path), "--run-dir", run).code == 0
+    before = _snapshot(run)
+    for target in (run / "run.json", run / "ckpt" / "local.1" / "rank-0" / "values.json"):
+        r = jobrun("export", run, "--blob", "total", "-o", target)
+        assert r.code == 2 and "which the run needs" in r.err and "Traceback" not in r.text, r.text
+    assert _snapshot(run) == before
+    assert jobrun("export", run, "--blob", "total", "-o", run / "total.json").code == 0  # a file of its own

@@ -27,6 +27,7 @@ from jobrun.plans import ir
 from jobrun.plans.visit import task_calls
 
 READERS = frozenset({"data.load", "load"})  # ops whose `path` is a file read from the plan's directory
+WRITERS = frozenset({"save", "export"})  # ops whose `path` is a file written in the run directory
 
 
 def check(plan: ir.Plan, plan_dir: Path, run_dir: Path) -> None:
@@ -43,6 +44,7 @@ def check(plan: ir.Plan, plan_dir: Path, run_dir: Path) -> None:
             for text in _strings([value for _key, value in step.args]):
                 made |= {text, str(under(plan_dir, text)), str(under(run_dir, text)), os.path.abspath(text)}
     user_code = [slot for slot, step in order if step.op not in builtin]
+    _check_writes(plan, order, run_dir)
     for slot, step in order:
         path = dict(step.args).get("path")
         if step.op not in READERS or not isinstance(path, str):
@@ -58,6 +60,23 @@ def check(plan: ir.Plan, plan_dir: Path, run_dir: Path) -> None:
             hint += f"; {path} is in the current directory: give its path from the plan's directory"
         raise PlanError(f"{step.op}: {path!r} {what} ({file})" if str(file) != path else
                         f"{step.op}: {path!r} {what}", pos, hint)
+
+
+def _check_writes(plan: ir.Plan, order: list[tuple[Any, ir.OpCall]], run_dir: Path) -> None:
+    """Refuse a `save` or `export` whose `path` is a file of the run's own (run.json, a
+    checkpoint): written, it left every command unable to read the run."""
+    from jobrun.ops.context import under
+    from jobrun.runner.rundir import RunDir, jobruns_own
+
+    checkpoints = RunDir(run_dir, plan).checkpoints
+    for _slot, step in order:
+        path = dict(step.args).get("path")
+        if step.op in WRITERS and isinstance(path, str):
+            owned = jobruns_own(run_dir, checkpoints, under(run_dir, path))
+            if owned is not None:
+                raise PlanError(f"{step.op}: path {path!r} {owned}: writing it would leave the run "
+                                "unreadable", dict(step.arg_pos).get("path", step.pos),
+                                "give the file a name of its own (e.g. model.safetensors)")
 
 
 def _ordered(plan: ir.Plan) -> Iterator[tuple[tuple[int, int, int], ir.OpCall]]:

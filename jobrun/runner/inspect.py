@@ -18,7 +18,7 @@ from jobrun.plans import ir
 from jobrun.runner import rng
 from jobrun.runner.display import human_size
 from jobrun.runner.monitor import best_epoch, epoch_value, ranked_epochs
-from jobrun.runner.rundir import RunDir
+from jobrun.runner.rundir import RunDir, jobruns_own
 from jobrun.store import SavedState, shards
 
 Epoch = int | str  # a number, or "best"
@@ -224,6 +224,10 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
     blobs = _select(run.load(e, n, 0), wanted, f"node {n!r} epoch {e}")
     out = Path(output)
     suffix = out.suffix.lower()
+    owned = jobruns_own(run.path, run.ckpt_dir, out)
+    if owned is not None:
+        raise UsageError(f"cannot export to {out}: it {owned}, which the run needs",
+                         hint="give -o a file of your own (e.g. model.safetensors)")
     if suffix not in (".safetensors", ".json", ".pt"):
         raise UsageError(f"cannot export to {suffix or 'a file without suffix'!r}",
                          hint="use -o FILE.safetensors, FILE.json or FILE.pt")

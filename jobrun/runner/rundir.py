@@ -469,6 +469,23 @@ def _differences(before: Any, after: Any, at: str = "") -> list[str]:
 _NONE = object()
 
 
+def jobruns_own(run_dir: Path, checkpoint_dir: Path | None, target: Path) -> str | None:
+    """Whether a file written at ``target`` would replace the run's own: its records
+    (run.json, plan.yaml, metrics.jsonl...), which every command reads, or anything in its
+    checkpoint directory (what it is: "is in the run's checkpoint directory ..."); None
+    when not (a `save` or `export` path, `export -o`)."""
+    t, run = Path(os.path.realpath(target)), Path(os.path.realpath(run_dir))
+    if t.parent == run and t.name in (RUN_FILE, PLAN_FILE, METRICS_FILE, CONSOLE_FILE, LOCK_FILE,
+                                      safedel.WRITTEN_FILE):
+        return f"is the run's own {t.name}"
+    if checkpoint_dir is not None:
+        ckpt = Path(os.path.realpath(checkpoint_dir))
+        first = t.relative_to(ckpt).parts[:1] if ckpt in t.parents else ()
+        if first and (first[0] == LOCK_FILE or re.fullmatch(r".+\.\d+", first[0])):  # <node>.<epoch>
+            return f"is in the run's checkpoint directory ({checkpoint_dir})"
+    return None
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
