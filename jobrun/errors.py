@@ -128,3 +128,18 @@ def did_you_mean(word: str, choices, most: int = 1) -> str | None:
     best = sorted(c for c in close if score[c] == score[close[0]])
     rest = [c for c in close if c not in best][: max(0, most - len(best))]
     return "did you mean " + " or ".join(repr(c) for c in best + rest) + "?"
+
+
+MAX_SAID = 2000  # characters of an exception's text a message shows
+
+
+def said(e: BaseException) -> str:
+    """An exception's text as a message shows it: str(e), cut to MAX_SAID characters (a
+    user's exception may carry a whole tensor's repr), or a note when its __str__ raises."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - the user's __str__; the message must still be said
+        return f"<{type(e).__name__}: its str() raised>"
+    if len(text) > MAX_SAID:
+        text = f"{text[:MAX_SAID]}... ({len(text) - MAX_SAID} more characters)"
+    return text

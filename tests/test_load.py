@@ -502,3 +502,17 @@ epoch:
 """
     plan = compile_text(text, "p.yaml", sets=["epoch.0.do.0.data.synthetic.n=64"])
     assert plan.epoch.tasks[0].do[0].kwargs["n"] == 64
+
+
+def test_a_string_holding_a_nul_is_refused_at_its_place() -> None:
+    # A quoted "\0" (in a plan, or a --set value) made a job name or a path that the OS
+    # refuses: `train` gave a traceback.
+    from jobrun.errors import PlanError
+    from jobrun.plans.load import parse_value
+
+    with pytest.raises(PlanError) as e:
+        load_text('job: x\nvars: {name: "a\\0b"}\n', "p.yaml")
+    assert "NUL character" in e.value.message and e.value.pos == Pos("p.yaml", 2, 14)
+    with pytest.raises(PlanError, match="NUL character"):
+        parse_value('"a\\0b"', "--set")
+    assert load_text('job: "a\\tb"\n')["job"] == "a\tb"  # other escapes are fine

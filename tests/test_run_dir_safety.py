@@ -481,3 +481,18 @@ def test_a_plan_from_a_pipe_is_read(tmp_path):
     big = subprocess.run([sys.executable, "-m", "jobrun", "analyze", "/dev/stdin"],
                          input="#" * (65 << 20), capture_output=True, text=True, timeout=HANG_S)
     assert big.returncode == 2 and "bytes allowed" in big.stderr
+
+
+def test_a_checkpoint_dir_that_is_a_file_or_a_run_dir_too_long_is_refused_before_the_run(tmp_path):
+    # The run trained to its end with every save failing ("check the disk"), exited 0 and
+    # said "last checkpoint epoch 0"; a run directory's name too long gave a traceback.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    (tmp_path / "afile").write_text("user's\n")
+    for where in ("afile", "afile/under"):
+        r = jobrun("train", plan, "--run-dir", tmp_path / "run", f"checkpoint.dir={tmp_path / where}")
+        assert r.code == 2 and "Traceback" not in r.text, r.text
+        assert f"checkpoint directory {tmp_path / where}" in r.err and "set checkpoint.dir" in r.err
+    assert not (tmp_path / "run").exists() and (tmp_path / "afile").read_text() == "user's\n"
+    r = jobrun("train", plan, "--run-dir", tmp_path / ("r" * 300))
+    assert r.code == 2 and "File name too long" in r.err and "Traceback" not in r.text, r.text

@@ -30,6 +30,19 @@ def stop():
     raise KeyboardInterrupt
 
 
+class Unsayable(Exception):
+    def __str__(self):
+        raise RuntimeError("str fails")
+
+
+def unsayable():
+    raise Unsayable()
+
+
+def long_winded():
+    raise ValueError("x" * 100_000)
+
+
 class Net:
     def __init__(self, width):
         if width < 0:
@@ -82,11 +95,23 @@ def test_a_called_function_that_raises_shows_its_own_frames_under_the_op_line(tm
     assert info["status"] == "failed" and "user_divide.divide" in info["error"]
 
 
+def test_an_exception_whose_text_fails_or_is_huge_is_still_one_short_message(tmp_path):
+    # A __str__ that raised gave jobrun's own traceback; a 100 kB text was printed twice.
+    r, info = _train(tmp_path, "user_unsayable", 'call: {fn: "MOD:unsayable", out: b}')
+    assert r.code == 1 and "Traceback" not in r.err and "jobrun/" not in r.err, r.err
+    assert "failed: Unsayable: <Unsayable: its str() raised> (in user_unsayable.unsayable)" in r.err
+    assert info["status"] == "failed"
+    r, info = _train(tmp_path, "user_long", 'call: {fn: "MOD:long_winded", out: b}')
+    assert r.code == 1 and "Traceback" not in r.err
+    assert len(r.err) < 6000 and r.err.count("more characters)") == 2, r.err[-300:]
+    assert len(info["error"]) < 6000
+
+
 def test_a_built_class_that_raises_shows_its_frames_and_the_ops_hint(tmp_path):
     r, info = _train(tmp_path, "user_net", 'build: {target: "MOD:Net", args: [-1], out: net}')
     assert r.code == 1
     assert "op `build`" in r.err and "user_net:Net(...) failed: ValueError: width -1 < 0" in r.err
-    assert f'File "{tmp_path / "user_net.py"}", line 16, in __init__' in r.err
+    assert f'File "{tmp_path / "user_net.py"}", line 29, in __init__' in r.err
     assert r.err.rstrip().splitlines()[-1].strip().startswith("hint: check the arguments")
     assert info["status"] == "failed"
 

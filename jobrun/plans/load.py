@@ -283,6 +283,9 @@ class _Builder:
                         raise PlanError(value.message, pos, value.hint)
                 elif tag is None or tag == "!" or tag == _STR:
                     value = ev.value
+                    if "\x00" in value:  # a quoted "\0": no name, path or text holds one
+                        raise PlanError("a string holds a NUL character (\\0)", pos,
+                                        "remove it: no name, path or text of a plan may hold one")
                 else:
                     value = self.tagged(tag, ev.value)
                     if value.__class__ is Bad:

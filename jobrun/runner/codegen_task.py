@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from jobrun.errors import Interrupted, JobrunError, RunError
+from jobrun.errors import Interrupted, JobrunError, RunError, said
 from jobrun.ops.context import STEP_COUNTER, OpContext
 from jobrun.ops.core import truthy
 from jobrun.ops.registry import registry, resolve_impl
@@ -368,7 +368,7 @@ class Generator(Visitor):
             if isinstance(e, JobrunError):
                 message = e.message.removeprefix(f"{s.op}: ")  # the op is named already
                 raise _op_error(f"op `{s.op}` {where}: {message}", s.pos, e.hint, e) from e
-            raise _op_error(f"op `{s.op}` {where} failed: {type(e).__name__}: {e}", s.pos, None, e) from e
+            raise _op_error(f"op `{s.op}` {where} failed: {type(e).__name__}: {said(e)}", s.pos, None, e) from e
 
         return failed
 

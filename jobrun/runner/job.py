@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jobrun import signals, store
-from jobrun.errors import Interrupted, JobrunError, RunError
+from jobrun.errors import Interrupted, JobrunError, RunError, said
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
@@ -179,14 +179,14 @@ class JobRunner(Checkpoints):
                     died = worker_died(e)
                     self._record("failed", died)
                     raise died from e
-                error = RunError(f"{type(e).__name__}: {e}")
+                error = RunError(f"{type(e).__name__}: {said(e)}")
                 error.__cause__ = e
                 if self._peer_lost(error):
                     raise error from e
                 self._record("failed", error)
                 raise
             except BaseException as e:  # a SystemExit... from user code: not "running"
-                self._record("failed", RunError(f"{type(e).__name__}: {e}"))
+                self._record("failed", RunError(f"{type(e).__name__}: {said(e)}"))
                 raise
             finally:
                 self._wait_for_writer()  # a background save in flight completes first

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -280,6 +281,12 @@ class RunDir:
         hold none either (it may lie outside the run directory)."""
         hint_resume = (f"continue it with `jobrun resume {self.path}`, replace it: add --overwrite "
                        "to this `jobrun train`, or choose another --run-dir")
+        try:
+            os.stat(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a name too long, a component that is a file
+            raise UsageError(f"--run-dir {self.path}: {e.strerror or e}", hint="choose another --run-dir") from None
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"--run-dir {self.path} is not a directory", hint="choose another --run-dir")
         if self.path.is_dir():
@@ -298,6 +305,8 @@ class RunDir:
                     f"{self.path} is not empty and is not a jobrun run directory",
                     hint="jobrun only writes into a new or empty directory: choose another --run-dir",
                 )
+        if checkpoint_dir is not None:
+            _check_checkpoint_dir(checkpoint_dir)
         if checkpoint_dir is not None and not _inside(checkpoint_dir, self.path) \
                 and (who := holder(checkpoint_dir / LOCK_FILE)):
             raise _checkpoints_busy(checkpoint_dir, who)  # before "holds checkpoints": the cause
@@ -401,6 +410,23 @@ class RunDir:
         kept = [line for line, record in metrics_records(path, data)  # the end phase runs again
                 if record.group not in ("download", "exit") and (record.epoch or 0) <= after_epoch]
         self._write(path, "".join(k + "\n" for k in kept).encode())
+
+
+def _check_checkpoint_dir(checkpoint_dir: Path) -> None:
+    """Refuse a checkpoint directory that cannot be one (a file, or under a file): the
+    run trained to its end with every save failing, and said "last checkpoint epoch 0"."""
+    for p in (checkpoint_dir, *checkpoint_dir.parents):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise UsageError(f"checkpoint directory {checkpoint_dir}: {e.strerror or e}",
+                             hint="set checkpoint.dir to a directory (--set checkpoint.dir=DIR)") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"checkpoint directory {checkpoint_dir} cannot be made: {p} is a file",
+                             hint="set checkpoint.dir to a directory (--set checkpoint.dir=DIR)")
+        return
 
 
 def _checkpoints_busy(checkpoint_dir: Path, who: str) -> UsageError:

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 import jobrun
+from jobrun.errors import MAX_SAID
 
 _JOBRUN = str(Path(jobrun.__file__).resolve().parent)
 _LIBRARIES = tuple(sorted({str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
@@ -89,7 +90,10 @@ def of(error: BaseException) -> UserTrace | None:
         if not entries:  # importlib's frames of a module not found: the message says it all
             return None
     summary = traceback.StackSummary.extract((t.tb_frame, t.tb_lineno) for t in entries)
-    text = "".join(summary.format()) + "".join(traceback.format_exception_only(type(seen), seen))
+    last_line = "".join(traceback.format_exception_only(type(seen), seen))
+    if len(last_line) > MAX_SAID:  # the exception's text, said in full once is enough
+        last_line = f"{last_line[:MAX_SAID]}... ({len(last_line) - MAX_SAID} more characters)\n"
+    text = "".join(summary.format()) + last_line
     frame = entries[0].tb_frame
     module = frame.f_globals.get("__name__")
     name = frame.f_code.co_qualname
