@@ -294,6 +294,11 @@ def test_export_takes_the_latest_epoch_by_default(here):
     r = jobrun("export", "--blob", "total", "-o", "t.json")
     assert r.code == 0, r.text
     assert json.loads((here / "t.json").read_text())["total"] == 2
+    # The newest epoch incomplete (a kill during its save): the one before, and said so
+    (here / "runs/counter/1/ckpt/local.2/rank-0/COMMIT").unlink()
+    r = jobrun("export", "--blob", "total", "-o", "t.json")
+    assert r.code == 0 and json.loads((here / "t.json").read_text())["total"] == 1
+    assert "epoch 2 is not complete" in r.err and "the latest complete one is epoch 1" in r.err, r.err
 
 
 def test_no_runs_hint_names_real_commands(here):

@@ -84,7 +84,7 @@ def test_changed_data_stops_a_resume_naming_the_blob_and_force_goes_on(data_run)
     assert "jobrun resume --force" in r.err
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "--force")
     assert r.code == 0, r.text
-    assert "resuming anyway (--force)" in r.err
+    assert "resuming anyway (--force, or overrides that change the plan)" in r.err
     assert [v["_epoch"] for v in logged(run)] == [1, 2]
 
 

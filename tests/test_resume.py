@@ -143,6 +143,26 @@ def test_kill_9_during_saves(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_a_closed_output_stops_the_run_as_sigpipe_would_and_it_resumes(reference, tmp_path):
+    # `jobrun train plan.yaml | head -1`: the next epoch line met a closed pipe, and the
+    # run was recorded failed ("BrokenPipeError"), with nothing said on stderr.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("epoch 1/6")
+    proc.stdout.close()  # the reader goes away
+    err = proc.stderr.read()
+    assert proc.wait(timeout=HANG_S) == 128 + signal.SIGPIPE, err
+    assert "stopped by SIGPIPE" in err and "jobrun resume" in err and "Traceback" not in err, err
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert _final(run) == _final(reference)
+
+
+@pytest.mark.slow
 def test_a_resume_stopped_before_its_restore_leaves_the_run_as_it_was(tmp_path):
     # A resume records itself (overrides, status, the metrics after its epoch dropped) only
     # once the checkpoint is restored: one stopped in init changes nothing of the run.

@@ -115,7 +115,8 @@ class Checkpoints:
             return
         what = f"init built other things than when the run started (node {node!r}): " + "; ".join(changed)
         if self.cfg.force:
-            self._warn(f"{what}; resuming anyway (--force): the result differs from an uninterrupted run")
+            self._warn(f"{what}; resuming anyway (--force, or overrides that change the plan): the result "
+                       "differs from an uninterrupted run")
             return
         raise CheckpointError(
             f"cannot resume from checkpoint epoch {epoch}: {what}",

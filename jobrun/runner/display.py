@@ -41,6 +41,22 @@ def begun(iterator: Any, n: int | None) -> int:
     return (len(FOREVER) if n is None else n) - operator.length_hint(iterator)
 
 
+def _stdout_closed() -> None:
+    """Stop as SIGPIPE stops a command whose output's reader left, but cleanly: the line
+    comes after the epoch's checkpoint, the run is recorded interrupted and resumes. stdout
+    goes to /dev/null first, so that nothing written later (Python's own flush at exit, a
+    thread's progress line) fails again; only the main thread stops the job."""
+    import signal
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    if threading.current_thread() is threading.main_thread():
+        from jobrun.errors import Interrupted
+
+        raise Interrupted(signal.SIGPIPE)
+
+
 class Display:
     def __init__(self, enabled: bool = True, tty: bool | None = None, log: Path | None = None,
                  heartbeat: float = HEARTBEAT_S):
@@ -143,7 +159,10 @@ class Display:
         if self._progress_bar is not None:
             self._progress_bar.console.print(text, markup=False, highlight=False)
         else:
-            print(text, flush=True)
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:  # `jobrun train ... | head`: the reader went away
+                _stdout_closed()
         self.to_log(text)
 
     def warn(self, text: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,15 @@ class _Run:
         if epoch == "best":
             return best_epoch(self.infos(), self.nodes, self.plan, str(self.path))
         if epoch == "latest":  # as resume picks it, without reading the checksums
-            complete = store.complete_epochs(self.ckpt_dir, self.nodes) if self.ckpt_dir.is_dir() else []
+            infos = self.infos()
+            complete = store.complete_epochs(self.ckpt_dir, self.nodes) if infos else []
             if not complete:
                 raise CheckpointError(f"no complete checkpoint in {self.ckpt_dir}",
                                       hint="`jobrun ckpt list` shows what is there")
+            newest = max(info.epoch for info in infos)
+            if newest > complete[-1]:  # said: the newest one is what the user expects
+                print(f"note: epoch {newest} is not complete (see `jobrun ckpt list`); the latest "
+                      f"complete one is epoch {complete[-1]}", file=sys.stderr)
             return complete[-1]
         return int(epoch)
 
