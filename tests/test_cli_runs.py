@@ -299,6 +299,9 @@ def test_export_takes_the_latest_epoch_by_default(here):
     r = jobrun("export", "--blob", "total", "-o", "t.json")
     assert r.code == 0 and json.loads((here / "t.json").read_text())["total"] == 1
     assert "epoch 2 is not complete" in r.err and "the latest complete one is epoch 1" in r.err, r.err
+    # a rank the run never had: asked for wrongly, not a checkpoint "that can be deleted"
+    r = jobrun("ckpt", "show", "--rank", "5", "--blob", "total")
+    assert r.code == 2 and "saved by 1 rank(s): there is no rank 5" in r.err and "deleted" not in r.err, r.err
 
 
 def test_no_runs_hint_names_real_commands(here):

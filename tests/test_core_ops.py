@@ -134,7 +134,7 @@ def test_load_missing_blob_names_what_is_there(plan_file, tmp_path):
 
 def test_save_refuses_unknown_suffix(plan_file, tmp_path):
     r, _ = run(plan_file, tmp_path, "      - save: {in: [zero], path: x.txt}\n")
-    assert r.code == 1 and "unknown file type '.txt'" in r.err and ".json, .safetensors or .pt" in r.err
+    assert r.code == 2 and "unknown file type '.txt'" in r.err and ".json, .safetensors or .pt" in r.err
 
 
 def test_div_by_zero_is_a_clear_error(plan_file, tmp_path):

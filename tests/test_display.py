@@ -102,6 +102,21 @@ def test_a_failure_is_in_console_log_too(tmp_path):
     assert "boom" in p.stderr and "boom" in log.splitlines()[-1]
 
 
+def test_console_log_begins_with_what_train_said_before_the_run_started(tmp_path, monkeypatch):
+    # README: "Everything printed is also in console.log"; the new run's directory and
+    # analyze's warnings were printed before it existed, and were not in it.
+    monkeypatch.chdir(tmp_path)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(COUNTER.replace("epoch:\n", "epoch:\n  - task: idle\n    do: [{const: {out: unread, value: 1}}]\n", 1))
+    p = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan)], capture_output=True, text=True,
+                       timeout=HANG_S)
+    assert p.returncode == 0, p.stderr
+    said = [line for line in p.stderr.splitlines() if line.startswith(("run directory", "warning:", "  (`jobrun"))]
+    assert said[-1] == "run directory runs/counter/1" and any("'unread'" in line for line in said), said
+    log = (tmp_path / "runs/counter/1/console.log").read_text().splitlines()
+    assert log[:len(said)] == said and log[len(said)].startswith("epoch 1/")
+
+
 def _start(d, key, i, n):
     """A loop at iteration i, as the executor writes it (the display's entry, and the
     epoch's loops by key)."""

@@ -113,6 +113,9 @@ def test_a_rank_restarted_during_a_resume_keeps_the_resumes_record_as_written_on
     info = json.loads((run / "run.json").read_text())
     assert info["sets"] == ["max_epochs=2", "max_epochs=4", f"vars.deaths={deaths}"]
     assert [c["from_epoch"] for c in info["changes"]] == [1] and info["resumed_from"] == 1
+    # the checkpoint names the model's own class, not the DDP<Class> replicate() gives it
+    shown = jobrun("ckpt", "show", run, "--blob", "model")
+    assert "model = state of torch.nn.modules.container.Sequential" in shown.out, shown.text
 
 
 def test_a_rank_that_dies_more_often_than_allowed_stops_the_job_cleanly(tmp_path):

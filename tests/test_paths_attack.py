@@ -549,3 +549,11 @@ def test_export_over_the_runs_own_files_is_refused(tmp_path):
         assert r.code == 2 and "which the run needs" in r.err and "Traceback" not in r.text, r.text
     assert _snapshot(run) == before
     assert jobrun("export", run, "--blob", "total", "-o", run / "total.json").code == 0  # a file of its own
+
+
+def test_a_save_of_a_type_it_cannot_write_is_refused_before_the_run(tmp_path):
+    plan = _plan(tmp_path)
+    plan.write_text(plan.read_text() + SAVE.replace("SAVED", "model.yaml"))  # found after training, once
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "save: unknown file type '.yaml' for model.yaml" in r.err, r.text
+    assert "use .json, .safetensors or .pt" in r.err and not (tmp_path / "run").exists()

@@ -543,7 +543,12 @@ def test_two_runners_cannot_share_a_run_dir(tmp_path):
         proc.wait()
 
 
-def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path):
+def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path, monkeypatch):
+    # A file where a directory should be. `train` refuses such a checkpoint.dir before it
+    # starts; one that becomes unwritable later (a disk gone) is this: every save fails.
+    from jobrun.runner import rundir
+
+    monkeypatch.setattr(rundir, "_check_checkpoint_dir", lambda checkpoint_dir: None)
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where a directory should be")
     plan = tmp_path / "plan.yaml"

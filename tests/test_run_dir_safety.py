@@ -99,6 +99,11 @@ def test_an_absolute_checkpoint_dir_holding_checkpoints_is_not_trained_over(tmp_
     r = jobrun("train", plan, "--run-dir", tmp_path / "second")
     assert r.code == 2
     assert f"checkpoint directory {shared} already holds checkpoints" in r.err
+    # not "continue it with `jobrun resume second`": second is no run; and --overwrite,
+    # given, deletes only a run's own checkpoints
+    assert "another run's" in r.err and "set checkpoint.dir" in r.err and "jobrun resume" not in r.err
+    r = jobrun("train", plan, "--run-dir", tmp_path / "second", "--overwrite")
+    assert r.code == 2 and "another run's" in r.err and "add --overwrite" not in r.err, r.err
     assert _snapshot(shared) == before
     assert not (tmp_path / "second").exists()  # refused before anything was created
 

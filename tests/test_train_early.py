@@ -132,6 +132,11 @@ def test_a_module_that_fails_on_its_own_is_left_to_the_run_which_shows_its_trace
     assert r.code == 1
     assert "fn 'early_broken:f' cannot be imported: ZeroDivisionError: division by zero" in r.err
     assert f'File "{tmp_path / "early_broken.py"}", line 5, in <module>' in r.err
+    assert "hint: the module raised while it was imported: fix it" in r.err and "spelling" not in r.err
+    (tmp_path / "early_broken.py").write_text("def f(x:\n")  # a syntax error: where to fix it
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run2")
+    assert r.code == 1 and "SyntaxError" in r.err and "Traceback" not in r.err, r.err
+    assert f"hint: fix the syntax of {tmp_path / 'early_broken.py'}, line 1" in r.err
 
 
 # -- analyze's warnings, printed by train -----------------------------------------------------

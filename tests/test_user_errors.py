@@ -377,3 +377,12 @@ def test_a_failure_in_a_dataloader_worker_names_its_type_once():
     assert _failure(reader, caught).message == (  # type: ignore[arg-type]
         "the reader over Pts failed: RuntimeError: stack expects each tensor to be equal size")
     assert _failure(reader, ValueError("bad")).message == "the reader over Pts failed: ValueError: bad"  # type: ignore[arg-type]
+
+
+def test_a_stop_when_output_of_several_values_is_refused_at_its_place(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("job: sb\nmax_epochs: 3\nstop_when: [d]\nepoch:\n  - task: t\n    do:\n"
+                    "      - fill: {out: d, shape: [3]}\n    outputs: [d]\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 1 and "Traceback" not in r.err, r.err
+    assert r.err.startswith(f"{plan}:3:13: error: stop_when 'd': a tensor of shape (3,) has no single truth value")

@@ -63,8 +63,9 @@ def check(plan: ir.Plan, plan_dir: Path, run_dir: Path) -> None:
 
 
 def _check_writes(plan: ir.Plan, order: list[tuple[Any, ir.OpCall]], run_dir: Path) -> None:
-    """Refuse a `save` or `export` whose `path` is a file of the run's own (run.json, a
-    checkpoint): written, it left every command unable to read the run."""
+    """Refuse a `save` of a file type it cannot write, and a `save` or `export` whose
+    `path` is a file of the run's own (run.json, a checkpoint): written, it left every
+    command unable to read the run."""
     from jobrun.ops.context import under
     from jobrun.runner.rundir import RunDir, jobruns_own
 
@@ -72,11 +73,15 @@ def _check_writes(plan: ir.Plan, order: list[tuple[Any, ir.OpCall]], run_dir: Pa
     for _slot, step in order:
         path = dict(step.args).get("path")
         if step.op in WRITERS and isinstance(path, str):
+            where = dict(step.arg_pos).get("path", step.pos)
             owned = jobruns_own(run_dir, checkpoints, under(run_dir, path))
             if owned is not None:
                 raise PlanError(f"{step.op}: path {path!r} {owned}: writing it would leave the run "
-                                "unreadable", dict(step.arg_pos).get("path", step.pos),
+                                "unreadable", where,
                                 "give the file a name of its own (e.g. model.safetensors)")
+            if step.op == "save" and Path(path).suffix.lower() not in (".json", ".safetensors", ".pt"):
+                raise PlanError(f"save: unknown file type {Path(path).suffix or '(none)'!r} for {path}",
+                                where, "use .json, .safetensors or .pt")  # found after training, once
 
 
 def _ordered(plan: ir.Plan) -> Iterator[tuple[tuple[int, int, int], ir.OpCall]]:

@@ -71,6 +71,13 @@ class _Run:
                 f"no checkpoint of epoch {epoch} for node {node!r}",
                 hint=f"epochs present: {', '.join(map(str, epochs)) if epochs else 'none'}",
             )
+        try:
+            world = store.read_manifest(self.ckpt_dir, node, epoch).get("world_size")
+        except Exception:  # noqa: BLE001 - a damaged manifest: the load below says what is wrong
+            world = None
+        if isinstance(world, int) and not 0 <= rank < world:  # asked for, not lost
+            raise UsageError(f"epoch {epoch} of node {node!r} was saved by {world} rank(s): there is no "
+                             f"rank {rank}", hint=f"give --rank 0 to {world - 1}")
         blobs, _meta = store.load(self.ckpt_dir, node, epoch, rank=rank, as_numpy=True)
         blobs.pop("jobrun:rng", None)
         if shards.holds_shards(blobs):  # parallel: fsdp: every rank's part makes the whole

@@ -294,11 +294,15 @@ class JobRunner(Checkpoints):
         return max(node.ctx.step for node in self.nodes.values())
 
     def _should_stop(self, outputs: dict[str, dict[str, Any]], epoch: int) -> bool:
-        names = {ref.name for ref in self.plan.stop_when}
+        refs = {ref.name: ref for ref in self.plan.stop_when}
         for task_outputs in outputs.values():
             for name, value in task_outputs.items():
-                if name in names and truthy(value):
-                    return True
+                if name in refs:
+                    try:
+                        if truthy(value):
+                            return True
+                    except RunError as e:  # a tensor of several values: where it is named
+                        raise RunError(f"stop_when {name!r}: {e.message}", refs[name].pos, e.hint) from None
         if self.plan.max_steps is not None and self.step >= self.plan.max_steps:
             return True
         return self.plan.max_epochs is not None and epoch >= self.plan.max_epochs

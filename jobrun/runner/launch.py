@@ -17,7 +17,7 @@ import hashlib
 import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +61,31 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
     launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
                     plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
     device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
-    print_warnings(warnings)  # once, now that the plan runs
+    said = print_warnings(warnings)  # once, now that the plan runs
     run.create(new=run_dir is None)
     if run_dir is None:
-        print(f"run directory {run.path}", file=sys.stderr)
+        said.append(f"run directory {run.path}")
+        print(said[-1], file=sys.stderr)
     with run.lock(), run.lock_checkpoints(run.checkpoints):
         run.check_can_train(run.checkpoints, overwrite)
         if overwrite:
             run.clear(keep=src)
         run.start(yaml.safe_dump(stored, sort_keys=False), new_run_info(plan, src, sets, launch))
+        _to_console_log(run, said)  # what was said before console.log was there
         return start(launch, False, plan)
+
+
+def _to_console_log(run: RunDir, lines: list[str]) -> None:
+    """Begin the run's console.log with ``lines`` (a full disk: the run goes on without)."""
+    from jobrun import safefs
+
+    if lines:
+        with suppress(OSError):
+            fd = safefs.open_write(run.console_file, append=True)
+            try:
+                safefs.write_all(fd, "".join(line + "\n" for line in lines).encode())
+            finally:
+                os.close(fd)
 
 
 def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] = (),
@@ -186,9 +201,10 @@ def refuse_errors(plan: ir.Plan) -> list[Any]:
     return found
 
 
-def print_warnings(warnings: list[Any]) -> None:
+def print_warnings(warnings: list[Any]) -> list[str]:
     """analyze's warnings, one line each (`jobrun analyze` adds each one's fix): yellow
-    on a terminal, as the run's own warnings are (rich is imported only then)."""
+    on a terminal, as the run's own warnings are (rich is imported only then). The lines
+    said, as plain text."""
     lines = [f"{d.pos}: {d.message}" for d in warnings]
     if lines and sys.stderr.isatty():
         from rich.console import Console
@@ -200,8 +216,11 @@ def print_warnings(warnings: list[Any]) -> None:
     else:
         for line in lines:
             print(f"warning: {line}", file=sys.stderr)
-    if lines:
-        print(f"  (`jobrun analyze PLAN` shows how to fix {'it' if len(lines) == 1 else 'them'})", file=sys.stderr)
+    if not lines:
+        return []
+    fix = f"  (`jobrun analyze PLAN` shows how to fix {'it' if len(lines) == 1 else 'them'})"
+    print(fix, file=sys.stderr)
+    return [*(f"warning: {line}" for line in lines), fix]
 
 
 def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str], Any]:

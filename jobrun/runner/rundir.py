@@ -312,6 +312,9 @@ class RunDir:
             raise _checkpoints_busy(checkpoint_dir, who)  # before "holds checkpoints": the cause
         if checkpoint_dir is not None and not (overwrite and self._owns(checkpoint_dir)) \
                 and _holds_checkpoints(checkpoint_dir, depth=0):
+            if not (self.path.is_dir() and self._owns(checkpoint_dir)):  # another run's
+                hint_resume = ("they are another run's (or an older run's of this directory): set "
+                               "checkpoint.dir to another directory (--set checkpoint.dir=DIR)")
             raise UsageError(f"checkpoint directory {checkpoint_dir} already holds checkpoints",
                              hint=hint_resume)
 
@@ -351,6 +354,9 @@ class RunDir:
         try:
             self.path.mkdir(parents=True, exist_ok=not new)
         except FileExistsError:
+            if self.path.is_symlink():  # a link to nothing: mkdir finds the name taken
+                raise UsageError(f"--run-dir {self.path} is a link to {os.readlink(self.path)}, which "
+                                 "does not exist", hint="make its target, or choose another --run-dir") from None
             raise UsageError(f"another `jobrun train` made {self.path} at the same moment",
                              hint="run the command again: it takes the next number") from None
         except OSError as e:
@@ -377,7 +383,7 @@ class RunDir:
         """An exclusive flock on <run_dir>/.lock while the block runs."""
         with hold_lock(self.path / LOCK_FILE, f"pid {os.getpid()}",
                        lambda who: UsageError(f"run directory {self.path} is in use by {who}",
-                                                 hint="wait for that job to end, or choose another --run-dir")):
+                                                 hint="wait for that job to end, or use another run directory")):
             yield
 
     @contextmanager

@@ -95,7 +95,12 @@ def type_name_of(obj: Any) -> str:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Generator):
         return "torch.Generator"  # its class lives in torch._C
-    return _qualname(type(obj))
+    t = type(obj)
+    if t.__module__.startswith("torch.distributed.") and len(t.__bases__) > 1:
+        # replicate() and fully_shard() give a module the class `DDP<Cls>` / `FSDP<Cls>`
+        # (their mixin, then its own): the user's class is the one to name
+        t = next((b for b in t.__bases__ if not b.__module__.startswith("torch.distributed.")), t)
+    return _qualname(t)
 
 
 def restore(live: Any, saved: SavedState) -> None:
