@@ -557,3 +557,18 @@ def test_a_save_of_a_type_it_cannot_write_is_refused_before_the_run(tmp_path):
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
     assert r.code == 2 and "save: unknown file type '.yaml' for model.yaml" in r.err, r.text
     assert "use .json, .safetensors or .pt" in r.err and not (tmp_path / "run").exists()
+
+
+def test_overwrite_deletes_the_profile_and_the_csv_loggers_rows_of_the_old_run(tmp_path):
+    # They are jobrun's; --overwrite kept them ("what jobrun did not write") beside the new run.
+    plan = _plan(tmp_path)
+    plan.write_text(plan.read_text() + "loggers: [csv]\n")
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run, "--profile").code == 0
+    old = {"profile.txt", "profile.json", "metrics.csv", "trackers.json"}
+    assert old <= {p.name for p in run.iterdir()}
+    (run / "mine.txt").write_text("user's\n")
+    r = jobrun("train", plan, "--run-dir", run, "--overwrite", "--set", "loggers=[]")
+    assert r.code == 0, r.text
+    assert not old & {p.name for p in run.iterdir()} and (run / "mine.txt").exists()
+    assert "kept what jobrun did not write in" in r.err and "mine.txt" in r.err and "profile" not in r.err

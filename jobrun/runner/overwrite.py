@@ -2,7 +2,8 @@
 
 What jobrun wrote is what its own records say: the run's manifest of its files
 (:data:`RUN_SHAPE`: run.json, plan.yaml, metrics.jsonl, console.log, metrics.png,
-tensorboard/'s event files, and what `save` and `export` ops recorded in
+tensorboard/'s event files, --profile's files, metrics.csv and trackers.json, and what
+`save` and `export` ops recorded in
 :data:`jobrun.safedel.WRITTEN_FILE`), and the checkpoint epochs of the old plan's nodes,
 each rank directory by its manifest (:func:`jobrun.store.files.checkpoint_dir_shape`).
 Everything goes through :func:`jobrun.safedel.remove_in`: no link is followed, nothing
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from jobrun import safedel
 from jobrun.errors import JobrunError, UsageError
+from jobrun.runner.profile import PROFILE_JSON, PROFILE_TEXT, TRACE_DIR
 from jobrun.runner.rundir import (
     CONSOLE_FILE,
     LOCK_FILE,
@@ -31,6 +33,7 @@ from jobrun.runner.rundir import (
     _same_file,
     _write_error,
 )
+from jobrun.runner.trackers import CSV_FILE, IDS_FILE
 
 if TYPE_CHECKING:
     from jobrun.plans import ir
@@ -38,11 +41,14 @@ if TYPE_CHECKING:
 # The run's manifest of its own files: what jobrun writes in a run directory (the lock
 # stays: the new run holds it). A half-written file under write_atomic's temporary name
 # is jobrun's too; tensorboard/ holds the event files torch's SummaryWriter writes.
+# --profile's table and trace, the csv logger's rows and the trackers' ids are jobrun's
+# too (the trackers' own stores, mlflow.db and wandb/, are theirs: a new run joins them).
 _OWN_FILES = "|".join(map(re.escape, (RUN_FILE, PLAN_FILE, METRICS_FILE, CONSOLE_FILE, PLOT_FILE,
-                                      safedel.WRITTEN_FILE)))
+                                      safedel.WRITTEN_FILE, PROFILE_TEXT, PROFILE_JSON, CSV_FILE, IDS_FILE)))
 RUN_SHAPE = safedel.Shape(
     files=re.compile(safedel.tmp_name_of(_OWN_FILES)),
-    dirs=((re.compile("tensorboard"), safedel.Shape(files=re.compile(r"events\.out\.tfevents\..+"))),),
+    dirs=((re.compile("tensorboard"), safedel.Shape(files=re.compile(r"events\.out\.tfevents\..+"))),
+          (re.compile(re.escape(TRACE_DIR)), safedel.Shape(files=re.compile(r".+\.pt\.trace\.json")))),
 )
 
 
