@@ -226,3 +226,27 @@ def test_ckpt_list_verify_in_its_own_process_finds_a_damaged_generator_state(run
     r = jobrun_proc("ckpt", "list", run, "--verify")
     row = next(line for line in r.out.splitlines() if line.split()[0] == "3")
     assert "INVALID" in row and "Invalid mt19937 state" in row
+
+
+def test_a_reader_state_out_of_range_names_the_epoch_and_blob_and_the_epoch_before(tmp_path):
+    # A damaged (re-sealed) reader position: "reader state is out of range: {...}", with
+    # no epoch, no blob and no way on.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("do: [{const: {out: total, value: 0}}, {randn: {out: w, shape: [4]}}]",
+                                 "do: [{const: {out: total, value: 0}}, {randn: {out: w, shape: [4]}},\n"
+                                 "         {reader: {in: w, out: r, passes: 0}}]").replace(
+        "      - add: {in: [total, 1], out: total}\n",
+        "      - add: {in: [total, 1], out: total}\n      - read: {in: r, out: [x]}\n"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    rdir = _rank(run, 3)
+    text = json.dumps(json.loads((rdir / "values.json").read_text()))
+    assert '"position": 3' in text  # the reader's, after 3 reads
+    (rdir / "values.json").write_text(text.replace('"position": 3', '"position": -5', 1))
+    _reseal_file(rdir, "values.json")
+    r = jobrun("resume", run, "max_epochs=4")
+    assert r.code != 0 and "Traceback" not in r.text
+    assert "checkpoint epoch 3, blob 'r' on node 'local': its saved state does not load: reader state is " \
+           "out of range" in r.err, r.err
+    assert "jobrun resume --epoch 2" in r.err
+    assert jobrun("resume", run, "--epoch", "2", "max_epochs=4").code == 0

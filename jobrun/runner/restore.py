@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from jobrun import store
-from jobrun.errors import CheckpointError
+from jobrun.errors import CheckpointError, JobrunError
 from jobrun.runner import rng
 from jobrun.runner.executor import NodeRuntime
 from jobrun.store import SavedState, shards
@@ -82,7 +82,14 @@ def _blob(node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
                 hint="init must build every object the epochs use (the plan changed?)",
             )
         _check_fits(node, blob, live, saved, epoch)
-        store.restore(live, saved)  # its state dict, and a module's modes and frozen parameters
+        try:
+            store.restore(live, saved)  # its state dict, and a module's modes and frozen parameters
+        except (JobrunError, ValueError, TypeError, KeyError) as e:  # a state the object refuses
+            raise CheckpointError(
+                f"checkpoint epoch {epoch}, blob {blob!r} on node {node.name!r}: its saved state does "
+                f"not load: {e.message if isinstance(e, JobrunError) else e}",
+                hint=f"the checkpoint is damaged or from another plan: resume from an earlier epoch "
+                     f"(`jobrun resume --epoch {epoch - 1}`; `jobrun ckpt list` shows them)") from None
         return
     node.globals[blob] = _to_device(saved, node.ctx.device)
 
