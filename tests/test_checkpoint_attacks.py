@@ -250,3 +250,13 @@ def test_a_reader_state_out_of_range_names_the_epoch_and_blob_and_the_epoch_befo
            "out of range" in r.err, r.err
     assert "jobrun resume --epoch 2" in r.err
     assert jobrun("resume", run, "--epoch", "2", "max_epochs=4").code == 0
+
+
+def test_a_damaged_epoch_in_the_way_of_its_save_again_says_to_move_it(run):
+    # Resumed from the epoch before, the run saves this epoch again; the damaged files are
+    # not jobrun's by its records, so they stay: the warning said "check the disk".
+    (_rank(run, 3) / "MANIFEST.json").unlink()
+    r = jobrun("resume", run, "max_epochs=4")
+    assert r.code == 0 and "resumed from checkpoint epoch 2" in r.out, r.text
+    assert "checkpoint of epoch 3 was NOT saved" in r.err and "a damaged checkpoint" in r.err, r.err
+    assert f"move {_rank(run, 3)} away" in r.err and "check the disk" not in r.err

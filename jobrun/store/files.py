@@ -410,6 +410,10 @@ def write_error(e: OSError, target: Path, where: Path) -> CheckpointError:
         what, hint = "permission denied", f"make {where} writable, or set checkpoint.dir"
     elif e.errno == errno.EROFS:
         what, hint = "read-only file system", "set checkpoint.dir to a writable directory"
+    elif e.errno == errno.EEXIST:  # a damaged checkpoint of that epoch, or the user's files
+        what = f"{e.strerror or e}"
+        hint = (f"a damaged checkpoint (see `jobrun ckpt list`) or files of yours are in the way: "
+                f"move {e.filename or target} away to let this epoch be saved")
     else:
         what = f"{e.strerror or e}" + (f" ({code})" if code else "")
         hint = f"check the disk holding {where}, or set checkpoint.dir"
