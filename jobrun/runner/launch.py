@@ -297,7 +297,7 @@ def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
 def _train_again(run: RunDir, info: RunInfo) -> str | None:
     """The command that starts a run that stopped before its first checkpoint again, in
     its own directory (a run without checkpoints may be trained over)."""
-    if not info.source:
+    if not info.source or info.last_epoch:  # epochs ran: their checkpoints are gone or damaged
         return None
     import shlex
 
