@@ -242,7 +242,7 @@ class _TextPrinter(Visitor):
         if plan.max_restarts:
             add(f"max_restarts: {plan.max_restarts}")
         if plan.vars:
-            add(f"vars: {format_arg(to_plain(plan.vars))}")
+            add("vars: {" + ", ".join(f"{_map_key(k)}: {format_arg(v)}" for k, v in to_plain(plan.vars).items()) + "}")
         add(f"max_epochs: {format_value(plan.max_epochs)}")
         if plan.max_steps is not None:
             add(f"max_steps: {plan.max_steps}")
