@@ -94,6 +94,12 @@ def test_random_windows_never_run_out() -> None:
     """
     assert [d.code for d in run(text)] == []
     assert [d.code for d in run(text.replace("sample: random", "sample: order"))] == ["reader-passes"]
+    # shuffle and drop_last do nothing beside sample: random: said, at the key
+    d = only(text.replace("sample: random", "sample: random, shuffle: true"), "reader-random")
+    assert d.severity == "warning" and "`shuffle` does nothing with `sample: random`" in d.message
+    assert d.pos.line == 8 and d.pos.col == 92 and "sample: order" in d.hint  # at shuffle
+    assert [d.code for d in run(text.replace("sample: random", "sample: random, drop_last: true"))] == \
+        ["reader-random"]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])

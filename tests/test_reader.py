@@ -91,10 +91,12 @@ def test_numpy_and_list_fields_batch_with_their_own_type():
     assert [("abcd"[i]) for i in arr] == names and not done
 
 
-def test_an_empty_reader_is_done_at_once():
-    ctx = OpContext()
-    r = reader_op(ctx, torch.zeros(0, 3), batch_size=4, passes=2)
-    assert _drain(ctx, r, 3) == ["done", "done", "done"]
+def test_an_empty_reader_is_refused_as_an_empty_dataset_is():
+    # It was done at once: a training loop over it ran no step, and the job "finished"
+    # with loss=0 and exit 0 (an empty Dataset or stream was an error already).
+    with pytest.raises(RunError, match="reader inputs have no records") as e:
+        reader_op(OpContext(), torch.zeros(0, 3), batch_size=4, passes=2)
+    assert "an empty file" in e.value.hint
 
 
 @pytest.mark.parametrize(

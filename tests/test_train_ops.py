@@ -127,6 +127,15 @@ def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
     save_file({"a": torch.ones(3), "b": torch.arange(2)}, tmp_path / "t.safetensors")
     b2 = data.data_load(ctx, path="t.safetensors", keys=["b"])
     assert b2.tolist() == [0, 1]
+    # Without keys: the format keeps no order (it stores by dtype, then name), so an
+    # int64 y saved after a float x came out first, silently swapped; refused instead.
+    save_file({"x": torch.ones(3, 2), "y": torch.arange(3)}, tmp_path / "xy.safetensors")
+    with pytest.raises(RunError, match=r"holds 2 tensors \(x, y\).*keeps no order") as e:
+        data.data_load(ctx, path="xy.safetensors")
+    assert "keys: [x, y]" in e.value.hint
+    x, y = data.data_load(ctx, path="xy.safetensors", keys=["x", "y"])
+    assert x.shape == (3, 2) and y.tolist() == [0, 1, 2]
+    assert data.data_load(ctx, path="t.safetensors", keys=["a"]).tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(RunError, match="no such file"):
         data.data_load(ctx, path="missing.npz")
 

@@ -122,7 +122,12 @@ def data_load(
     elif suffix == ".csv":
         values = _load_csv(file, columns, header, delimiter)
     elif suffix == ".safetensors":
-        values = _pick(_load_safetensors(file), keys, file)
+        tensors = _load_safetensors(file)
+        if keys is None and len(tensors) > 1:  # the format keeps no order: never guess one
+            raise RunError(f"data.load: {file.name!r} holds {len(tensors)} tensors "
+                           f"({', '.join(sorted(tensors))}), and a safetensors file keeps no order",
+                           hint=f"name them in the order of `out` with `keys: [{', '.join(sorted(tensors))}]`")
+        values = _pick(tensors, keys, file)
     elif suffix == ".pt":
         values = _load_pt(file, keys)
     else:

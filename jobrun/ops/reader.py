@@ -338,6 +338,9 @@ class TensorReader(Reader):
                 f"reader inputs have different lengths {lengths}",
                 hint="every input must have one entry per record (same first dimension)",
             )
+        if not lengths[0]:  # it "trained" an epoch of no steps and finished, as a Dataset's does not
+            raise RunError("reader inputs have no records (their first dimension is 0)",
+                           hint="check the data the reader is given (an empty file, a filter that kept nothing?)")
         super().__init__(lengths[0], **geometry)
         self.fields = tuple(fields)
         self.field_count = len(self.fields)

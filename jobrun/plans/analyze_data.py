@@ -8,7 +8,8 @@ Two kinds, both worked out from the plan alone (no file is opened, no torch):
   op itself refuses the same through :func:`load_problem`: one rule, two places to meet it.
 - warnings: a reader made once, in `init`, with a finite number of `passes`, that every
   epoch reads to the end of a pass (an unbounded loop that stops at the read's `done`):
-  the epochs after the last pass read nothing and train on nothing.
+  the epochs after the last pass read nothing and train on nothing; `shuffle` or
+  `drop_last` beside `sample: random`, which ignores them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,19 @@ def load_problem(path: str, dtype: Any, columns: Any, mmap: Any) -> tuple[str, s
 
 def problems(plan: ir.Plan) -> list[Problem]:
     """Every data problem of ``plan``, in plan order."""
-    return [*_load_problems(plan), *_drained_readers(plan)]
+    return [*_load_problems(plan), *_random_windows(plan), *_drained_readers(plan)]
+
+
+def _random_windows(plan: ir.Plan) -> Iterator[Problem]:
+    """`sample: random` draws every batch's windows anew: `shuffle` and `drop_last` given
+    beside it do nothing (a run with them read the same batches as one without)."""
+    for call in _calls(plan.groups):
+        if call.op == "reader" and call.kwargs.get("window") is not None and call.kwargs.get("sample") == "random":
+            for key in ("shuffle", "drop_last"):
+                if call.kwargs.get(key):
+                    yield ("warning", "reader-random", call.pos_of(key),
+                           f"reader: `{key}` does nothing with `sample: random` (each batch's windows "
+                           "are drawn anew, anywhere in the stream)", f"remove `{key}`, or use `sample: order`")
 
 
 def _load_problems(plan: ir.Plan) -> Iterator[Problem]:
