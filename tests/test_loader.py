@@ -262,15 +262,22 @@ def flaky(tmp_path):
     return tmp_path
 
 
-def test_in_a_job_a_failing_sample_is_named_with_the_op_and_its_position(flaky):
+@pytest.mark.parametrize("workers", [2, 0])
+def test_in_a_job_a_failing_sample_is_named_with_the_op_and_its_position(flaky, workers):
     (flaky / "raise").touch()
-    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run")
+    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run", f"init.setup.reader.num_workers={workers}")
     assert r.code == 1
     line = JOB.splitlines().index("          - read: {in: r, out: [xb, yb, end]}") + 1
     assert f"plan.yaml:{line}:13: error: op `read` in task 'train' on node 'local': dataset " \
         "Flaky: sample 5: ValueError: unreadable image (at " in r.err
     raised = FLAKY.splitlines().index('            raise ValueError("unreadable image")') + 1
     assert f"flaky.py:{raised} in __getitem__)" in r.err
+    # Neither torch's worker traceback (text in its exception) nor jobrun's SampleError:
+    # in this process, the user's own frame and exception, as for any code of theirs.
+    assert "torch/utils/data" not in r.err and "SampleError" not in r.err and "jobrun/" not in r.err, r.err
+    if workers == 0:
+        assert "traceback of your code" in r.err and r.err.rstrip().splitlines()[-2].strip() == \
+            "ValueError: unreadable image"
 
 
 @pytest.mark.slow

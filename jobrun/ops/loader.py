@@ -401,6 +401,11 @@ def fetch(reader: Reader, iterator: Iterator[Any]) -> Any:
         raise
     except Exception as e:
         reader._stop()  # type: ignore[attr-defined]
+        if isinstance(e, SampleError) or str(e).startswith("Caught ") or is_worker_death(e):
+            # The message says it all: a worker's traceback is text in torch's exception,
+            # whose own frames are torch's; a sample that failed here has the dataset's
+            # exception as its cause, with the user's frames.
+            raise _failure(reader, e) from e.__cause__ if isinstance(e.__cause__, Exception) else None
         raise _failure(reader, e) from e
 
 
