@@ -374,6 +374,8 @@ epoch:
       - {step}
 """, f"      - {step}")
     assert isinstance(e, OpFailed) and message in str(e) and e.pos.line == line
+    if "value(s) for" in message:  # how to make them agree, for the ops users miscount most
+        assert "one name for each value" in e.hint and "a `read` gives its reader's fields, then `done`" in e.hint
 
 
 def test_an_undefined_elif_condition_is_reported_at_its_branch():

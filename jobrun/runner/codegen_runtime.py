@@ -35,11 +35,15 @@ def loss_mean(blocks: list[Any], losses: list[Any]) -> Any:
 
 def results(result: Any, n: int) -> tuple[Any, ...]:
     """An op's results for `n` outputs (a tuple or a list of n values), or why not."""
-    if not isinstance(result, tuple | list):
-        raise RunError(f"op returned 1 value(s) for {n} outputs")
-    if len(result) != n:
-        raise RunError(f"op returned {len(result)} value(s) for {n} outputs")
+    got = len(result) if isinstance(result, tuple | list) else 1
+    if got != n:
+        raise RunError(f"op returned {got} value(s) for {n} outputs", hint=_COUNT_HINT)
     return tuple(result)
+
+
+_COUNT_HINT = ("give `out` one name for each value the op returns (`jobrun ops NAME` says what it "
+               "returns): a `read` gives its reader's fields, then `done` (which may be left out); "
+               "a `data.load` one array per name (`keys` picks them); a `call` what your function returns")
 
 
 def as_int(n: Any, s: ir.Loop) -> int:
