@@ -24,8 +24,8 @@ import argparse
 import collections
 import functools
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any

@@ -58,6 +58,16 @@ def die_on_rank(epoch: int, rank: int = 1, at: int = 2) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_later(epoch: int, rank: int = 1, at: int = 2, delay: float = 0.3) -> None:
+    """As die_on_rank, `delay` seconds later, from a timer thread: the ranks go on with
+    their steps meanwhile, and this one dies in the middle of one (its collectives too)."""
+    import signal
+    import threading
+
+    if int(os.environ.get("RANK", 0)) == rank and epoch == at:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+
 def fail_once(path: str, message: str = "bad luck") -> None:
     """Raise the first time (leaving `path` behind), pass every later time."""
     if not os.path.exists(path):

@@ -130,6 +130,22 @@ def test_dead_rank_stops_the_job_and_it_resumes(runs, tmp_path):
     assert _weights(run) == _weights(runs / "two")
 
 
+def test_a_rank_killed_while_the_other_waits_in_a_collective_is_named_at_once_and_alone(tmp_path):
+    # A user's run (a 76 MB MLP, rank 1 killed with kill -9 in the middle of its steps)
+    # saw rank 0 get the broken connection, wait 15 s in the store (for a message, then
+    # for the launcher's signal, which the store's wait held off) and print torch's
+    # "Connection reset by peer" with a frame of jobrun's as its own error; the launcher
+    # named rank 1 only then. This smaller run did not show it before the fix (timing);
+    # it checks that the death is said by the launcher alone.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("die_on_rank", "die_later"))
+    r = jobrun_proc("train", plan, "--run-dir", tmp_path / "run", "--replicas", "2", timeout=HANG_S)
+    assert r.code == 1, r.text
+    assert "replica rank 1 failed (exit code -9): killed by signal 9" in r.err, r.err
+    assert "[rank 0]" not in r.err and "c10d" not in r.err and "reset by peer" not in r.err, r.err
+    assert "jobrun/" not in r.err and "Traceback" not in r.text
+
+
 def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
     import subprocess
     import sys

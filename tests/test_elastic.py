@@ -176,7 +176,10 @@ def _start(plan: Path, run: Path) -> subprocess.Popen:
 # exact is test_fsdp.py's test_fsdp_resume_is_exact (and its killed-rank test).
 @pytest.mark.parametrize("to,sig,parallel", [
     ("launcher", signal.SIGINT, "ddp"), ("group", signal.SIGINT, "ddp"),
-    ("launcher", signal.SIGUSR1, "ddp"), ("launcher", signal.SIGINT, "fsdp")])
+    ("launcher", signal.SIGUSR1, "ddp"), ("launcher", signal.SIGINT, "fsdp"),
+    # SLURM signals the group: Python's resource tracker, in the launcher's group, died
+    # of SIGUSR1 and printed a traceback for each semaphore of the workers
+    ("group", signal.SIGUSR1, "ddp")])
 def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(reference, tmp_path, to, sig, parallel):
     # fsdp agrees on the stop flags as ddp does (an asynchronous all-reduce read a step later)
     plan = tmp_path / "plan.yaml"
@@ -197,6 +200,7 @@ def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(refere
     # torch's agent SIGKILLs workers that take over 5 s to stop: they stopped in time
     assert "forcefully" not in log and "SIGKILL" not in log + out + err
     assert f"stopped by {stopped.name}" in err and "Traceback" not in out + err
+    assert "resource_tracker" not in out + err, err
     # Both ranks stopped at the same point: the same checkpoints, none half written.
     saved = sorted(p.name for p in (run / "ckpt").iterdir())
     assert all(sorted(x.name for x in (run / "ckpt" / e).iterdir()) == ["rank-0", "rank-1"] for e in saved)

@@ -177,9 +177,12 @@ def tell_failure(rank: int, text: str) -> None:
         if dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
             store.compare_set(_FAILURE_KEY, "", json.dumps({"rank": rank, "message": text[:_MAX_FAILURE_CHARS]}))
-            # A while for another rank to read it: when this host's launcher holds the
-            # store, it goes when this rank has ended.
-            store.wait([_FAILURE_KEY + "/seen"], timedelta(seconds=_SEEN_WAIT_S))
+            if int(os.environ.get("LOCAL_WORLD_SIZE", "0")) < dist.get_world_size():
+                # A while for a rank of another host to read it: when this host's launcher
+                # holds the store, it goes when this rank has ended. (On one host every
+                # rank's console is this one's, and the others wait in a collective for this
+                # rank to leave: they could not read it before; the wait cost 5 s.)
+                store.wait([_FAILURE_KEY + "/seen"], timedelta(seconds=_SEEN_WAIT_S))
     except Exception:  # noqa: BLE001 - the message is printed here anyway; nobody read it in time
         pass
 

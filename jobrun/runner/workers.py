@@ -96,6 +96,7 @@ def _elastic(launch: Launch) -> int:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
         monitor_interval=0.2, start_method="spawn", **quick_stop,
     )
+    _tracker_ignores_usr1()
     try:
         with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), \
                 _handlers_kept(), _usr1_as_term():
@@ -195,6 +196,23 @@ def describe_death(death: dict[str, Any] | None) -> str:
     return f"exit code {death.get('exitcode')}"
 
 
+def _tracker_ignores_usr1() -> None:
+    """Start Python's multiprocessing resource tracker (the spawned workers use it) with
+    SIGUSR1 ignored. It lives in the launcher's process group and ignores only SIGINT and
+    SIGTERM: SLURM's SIGUSR1 to the group (`--signal=USR1@90`) killed it, and it printed
+    a Python traceback for each of the workers' semaphores. An ignored signal stays
+    ignored across its exec; the launcher's own handler is put back at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    from multiprocessing import resource_tracker
+
+    kept = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGUSR1, kept)
+
+
 @contextmanager
 def _deaths_seen(launch: Launch, log: Any) -> Iterator[None]:
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
@@ -252,8 +270,11 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
             raise
         if world > 1 and group.lost_peer(e):
             # Another rank failed: say what it said (on another host too), not the broken
-            # connection, then let the launcher stop this one.
-            told = group.peer_failure()
+            # connection, then let the launcher stop this one. Its signal (it saw that rank
+            # die) ends this one quietly whenever it comes: the handlers first, and the
+            # store's wait for a message on a thread, where it cannot hold the signal off.
+            _leave_on_signal(launch)
+            told = _interruptibly(group.peer_failure)
             if told is not None:
                 theirs = f"[rank {told[0]}] {told[1]}"
                 _error_file(theirs)  # the root cause a launcher on this host reports
@@ -264,6 +285,11 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
             _await_stop(launch)
             if told is not None:  # not stopped (another host's launcher): leave, said already
                 _leave(launch, e.exit_code)
+            # Not told, not stopped: a rank of another host went away without a word. Its
+            # broken connection (torch's text, a frame of jobrun's) is no message of ours.
+            e = RunError("stopped: another rank left while this one waited for it in a collective, "
+                         "without a message (killed, or its host went down)",
+                         hint=f"its launcher names it; continue with `{RunDir(launch.run_dir).resume_command()}`")
         text = f"[rank {rank}] {e.format_message()}" if world > 1 else e.format_message()
         if world > 1:
             group.tell_failure(rank, e.format_message())
@@ -409,9 +435,9 @@ def _restart_facts(launch: Launch, restart: int) -> dict[str, Any]:
             "how": describe_death(death) if death else "a rank failed"}
 
 
-def _await_stop(launch: Launch) -> None:
-    """Wait (a while) for the launcher to stop this rank, which ends it quietly (at once
-    when the launcher's signal came already)."""
+def _leave_on_signal(launch: Launch) -> None:
+    """From now on a signal ends this rank quietly (the launcher stopping it); one that
+    came already ends it now."""
     if signals.requested():
         _leave(launch, 128 + signals.requested())
 
@@ -420,6 +446,22 @@ def _await_stop(launch: Launch) -> None:
 
     for s in signals.SIGNALS:
         signal.signal(s, leave)
+
+
+def _interruptibly(fn: Any) -> Any:
+    """fn() on a thread of its own, waited for by this one, where a signal's handler runs
+    at once (one that came during a wait in C++, as a store's, ran only after it)."""
+    box: list[Any] = [None]
+    thread = threading.Thread(target=lambda: box.__setitem__(0, fn()), daemon=True)
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+def _await_stop(launch: Launch) -> None:
+    """Wait (a while) for the launcher to stop this rank, which ends it quietly (at once
+    when the launcher's signal came already)."""
+    _leave_on_signal(launch)
     time.sleep(PEER_LOST_WAIT_S)
 
 
