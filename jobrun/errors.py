@@ -98,17 +98,18 @@ class Interrupted(_Reported, BaseException):
     (`except Exception`) must let it through.
 
     ``during``: the phase it stopped in when nothing can be resumed yet (start-up, init);
-    ``hint``: how to go on, when there is a way."""
+    ``hint``: how to go on, when there is a way; ``why``: what sent the signal, when it
+    is known to be no one's choice (a launcher that died)."""
 
     def __init__(self, signum: int, during: str | None = None,
-                 hint: str | None = "continue with `jobrun resume`"):
+                 hint: str | None = "continue with `jobrun resume`", why: str | None = None):
         import signal
 
         name = signal.Signals(signum).name
         if during:
-            super().__init__(f"interrupted during {during} ({name})", hint=None)
+            super().__init__(f"interrupted during {during} ({why or name})", hint=None)
         else:
-            super().__init__(f"stopped by {name}", hint=hint)
+            super().__init__(f"stopped: {why}" if why else f"stopped by {name}", hint=hint)
         self.signum = signum
         self.exit_code = 128 + signum
 

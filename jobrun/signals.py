@@ -156,3 +156,30 @@ def disarm() -> None:
 def reset() -> None:
     disarm()
     _requested.clear()
+
+
+# -- a spawned worker's launcher ----------------------------------------------------------
+#
+# torch's spawned workers get SIGINT when their parent dies (their parent-death signal):
+# a launcher killed with kill -9 stops its ranks as a Ctrl-C would, and they say why.
+
+_parent: list[int] = []
+LAUNCHER_GONE = "the launcher went away (killed?), and the ranks stopped with it"
+
+
+def watch_parent() -> None:
+    """Remember this worker's launcher (its parent)."""
+    _parent[:] = [os.getppid()]
+
+
+def orphaned() -> bool:
+    """Whether the launcher this worker remembered is gone (it has another parent now). A
+    while is given: the ranks may act on the launcher's death (its sockets closed) before
+    the kernel gives them their new parent; a Ctrl-C waits 0.2 s more for its answer."""
+    import time
+
+    for _ in range(10):
+        if not _parent or os.getppid() != _parent[0]:
+            return bool(_parent)
+        time.sleep(0.02)
+    return False

@@ -211,6 +211,28 @@ def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(refere
         assert _weights(run) == _weights(reference)
 
 
+def test_a_launcher_killed_stops_its_ranks_which_say_why(reference, tmp_path):
+    # torch's workers get SIGINT when their launcher dies: they said "stopped by SIGINT",
+    # and run.json too, though nobody pressed Ctrl-C.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    p = _start(plan, run)
+    deadline = time.monotonic() + HANG_S
+    while not (run / "ckpt" / "local.1" / "rank-1" / "COMMIT").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.02)
+    p.kill()
+    out, err = p.communicate(timeout=HANG_S)  # the ranks hold its pipes until they end
+    assert "stopped: the launcher went away (killed?)" in err and "SIGINT" not in err, err
+    assert "Traceback" not in out + err and "leaked semaphore" not in err
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "interrupted" and "launcher went away" in info["error"]
+    again = jobrun_proc("resume", "--run-dir", run, timeout=HANG_S)
+    assert again.code == 0, again.text
+    assert _weights(run) == _weights(reference)
+
+
 # -- resume with another number of replicas ----------------------------------------------------------
 
 # The MLP example's job with ids beside the data: `record_ids` logs which records each rank

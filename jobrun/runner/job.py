@@ -214,11 +214,12 @@ class JobRunner(Checkpoints):
 
     def _interrupted(self, signum: int) -> Interrupted:
         """The error for a signal: how to go on, when a checkpoint exists to go on from."""
+        why = signals.LAUNCHER_GONE if signum == signal.SIGINT and signals.orphaned() else None
         if self.ckpt_dir is None:
-            return Interrupted(signum, hint="this plan writes no checkpoints: train it again")
+            return Interrupted(signum, hint="this plan writes no checkpoints: train it again", why=why)
         if not self._resumable:
-            return Interrupted(signum, during=self.group)
-        return Interrupted(signum, hint=f"continue with `{self.run_dir.resume_command()}`")
+            return Interrupted(signum, during=self.group, why=why)
+        return Interrupted(signum, hint=f"continue with `{self.run_dir.resume_command()}`", why=why)
 
     def _start(self) -> bool:
         self._run_group("init")

@@ -96,7 +96,7 @@ def _elastic(launch: Launch) -> int:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
         monitor_interval=0.2, start_method="spawn", **quick_stop,
     )
-    _tracker_ignores_usr1()
+    _start_resource_tracker()
     try:
         with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), \
                 _handlers_kept(), _usr1_as_term():
@@ -196,21 +196,25 @@ def describe_death(death: dict[str, Any] | None) -> str:
     return f"exit code {death.get('exitcode')}"
 
 
-def _tracker_ignores_usr1() -> None:
+def _start_resource_tracker() -> None:
     """Start Python's multiprocessing resource tracker (the spawned workers use it) with
-    SIGUSR1 ignored. It lives in the launcher's process group and ignores only SIGINT and
-    SIGTERM: SLURM's SIGUSR1 to the group (`--signal=USR1@90`) killed it, and it printed
-    a Python traceback for each of the workers' semaphores. An ignored signal stays
-    ignored across its exec; the launcher's own handler is put back at once."""
+    SIGUSR1 ignored and its warnings off. It lives in the launcher's process group and
+    ignores only SIGINT and SIGTERM: SLURM's SIGUSR1 to the group (`--signal=USR1@90`)
+    killed it, and it printed a Python traceback for each of the workers' semaphores; a
+    launcher killed with kill -9 had it warn of "leaked semaphore objects", which it then
+    cleans up itself. An ignored signal stays ignored across its exec, and it takes the
+    interpreter's -W options; the launcher's own are put back at once."""
     if threading.current_thread() is not threading.main_thread():
         return
     from multiprocessing import resource_tracker
 
-    kept = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    kept, options = signal.signal(signal.SIGUSR1, signal.SIG_IGN), list(sys.warnoptions)
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
     try:
         resource_tracker.ensure_running()
     finally:
         signal.signal(signal.SIGUSR1, kept)
+        sys.warnoptions[:] = options
 
 
 @contextmanager
@@ -251,6 +255,7 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
     """
     if launch.spawned:
         _own_session()
+        signals.watch_parent()  # its death comes as SIGINT: said as such (signals.LAUNCHER_GONE)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     alone = world == 1 and not launch.spawned
