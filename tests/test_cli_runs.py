@@ -230,6 +230,13 @@ def test_runs_tells_a_killed_run_from_a_running_one_and_counts_its_epochs(here):
         (here / "runs/killed/run.json").write_text(json.dumps(info))
         assert listed() == ("running", 2)
     assert listed() == ("finished", 2)
+    # a run.json that cannot be read: listed as damaged (it was left out), not the latest
+    (here / "runs/other").mkdir()
+    (here / "runs/other/run.json").write_text('{"replicas": "abc"}')
+    rows = {r["path"]: r["status"] for r in json.loads(jobrun("runs", "--json").out)}
+    assert rows == {"runs/other": "damaged", "runs/killed": "finished"}
+    assert "runs/other" in jobrun("runs").out and "damaged" in jobrun("runs").out
+    assert "run runs/killed (the latest" in jobrun("ckpt", "list").err
 
 
 def test_a_run_of_the_old_layout_is_left_alone_and_listed(here):

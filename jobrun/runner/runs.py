@@ -52,8 +52,9 @@ def _names(path: Path) -> list[str]:
         return []
 
 
-def find_runs(root: Path = ROOT) -> list[RunDir]:
-    """Every run directory under ``root`` (one or two levels down), oldest start first."""
+def find_runs(root: Path = ROOT, damaged: bool = False) -> list[RunDir]:
+    """Every run directory under ``root`` (one or two levels down), oldest start first;
+    ``damaged``: also those whose run.json is there but cannot be read (first)."""
     found: list[tuple[float, str, RunDir]] = []
     for first in sorted(_names(root)):
         d = root / first
@@ -64,7 +65,9 @@ def find_runs(root: Path = ROOT) -> list[RunDir]:
             try:
                 started = float(run.info().started or 0)
             except (JobrunError, TypeError, ValueError):
-                continue
+                if not (damaged and (path / RUN_FILE).is_file()):
+                    continue
+                started = -1.0
             found.append((started, str(path), run))
     return [run for _, _, run in sorted(found, key=lambda t: (t[0], t[1]))]
 
@@ -120,7 +123,10 @@ class Summary:
 
 
 def summarize(run: RunDir) -> Summary:
-    info = run.info()
+    try:
+        info = run.info()
+    except (JobrunError, TypeError, ValueError):  # listed, not hidden: `jobrun resume` says what is wrong
+        return Summary(str(run.path), "?", "damaged", None, None, None, None, None, [])
     monitor, mode = _monitor(run)
     status, epochs = str(info.status or "?"), info.last_epoch
     if holder(run.path / LOCK_FILE) is not None:
@@ -185,7 +191,7 @@ def _values(records: list[dict[str, Any]], name: str) -> list[tuple[int, float]]
 
 
 def runs_text(as_json: bool, root: Path = ROOT) -> str:
-    summaries = [summarize(run) for run in find_runs(root)]
+    summaries = [summarize(run) for run in find_runs(root, damaged=True)]
     if as_json:
         return json.dumps([s.to_json() for s in summaries], indent=2)
     if not summaries:
