@@ -294,6 +294,12 @@ def test_ckpt_verify_finds_a_damaged_file(here):
     damaged = [(c["epoch"], c["valid"]) for c in json.loads(r.out)["checked"]]
     assert damaged == [(0, True), (1, False), (2, True)]
     assert jobrun("ckpt", "verify", "--epoch", "2").code == 0
+    # An epoch some rank never saved (it failed first) is incomplete, not damaged
+    from jobrun import store
+
+    store.save({"total": 3}, {}, here / "runs/counter/1/ckpt", "local", 3, rank=0, world_size=2)
+    r = jobrun("ckpt", "verify", "runs/counter/1", "--epoch", "3")
+    assert r.code == 1 and "epoch 3 node local: INCOMPLETE: " in r.out and "rank 1" in r.out, r.text
 
 
 def test_export_takes_the_latest_epoch_by_default(here):
