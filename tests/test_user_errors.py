@@ -386,3 +386,17 @@ def test_a_stop_when_output_of_several_values_is_refused_at_its_place(tmp_path):
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
     assert r.code == 1 and "Traceback" not in r.err, r.err
     assert r.err.startswith(f"{plan}:3:13: error: stop_when 'd': a tensor of shape (3,) has no single truth value")
+
+
+def test_a_batch_of_another_dtype_than_the_model_gets_a_hint_to_convert_it():
+    # float64 samples (numpy's default) from a Dataset: torch's "must have the same dtype"
+    # and no hint.
+    import torch
+
+    layer = torch.nn.Linear(3, 2)
+    for batch, words in ((torch.zeros(4, 3, dtype=torch.float64), "a float64 batch"),
+                         (torch.zeros(4, 3, dtype=torch.int64), "an integer batch")):
+        with pytest.raises(RuntimeError) as e:
+            layer(batch)
+        assert usertrace.hint_for(e.value).startswith(words), str(e.value)
+    assert usertrace.hint_for(RuntimeError("something else")) is None

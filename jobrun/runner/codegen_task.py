@@ -76,7 +76,7 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
     """An OpFailed for ``cause``, with the user's frames when it came from user code."""
     from jobrun.runner import usertrace
 
-    error = OpFailed(message, pos, hint)
+    error = OpFailed(message, pos, hint or usertrace.hint_for(cause))
     found = usertrace.of(cause)
     if found is not None:
         error.trace = found.text

@@ -98,3 +98,18 @@ def of(error: BaseException) -> UserTrace | None:
     module = frame.f_globals.get("__name__")
     name = frame.f_code.co_qualname
     return UserTrace(f"{module}.{name}" if isinstance(module, str) else name, text)
+
+
+def hint_for(error: BaseException) -> str | None:
+    """A hint for the commonest error of a port's data: a batch whose dtype is not the
+    model's (torch says "mat1 and mat2 must have the same dtype, but got Double and Float")."""
+    text = str(error) if isinstance(error, RuntimeError) else ""
+    if "must have the same dtype" not in text and "expected scalar type" not in text:
+        return None
+    if "Double" in text:
+        return ("a float64 batch (numpy's default) met float32 weights: give the model float32 "
+                "data (`.float()`, or np.float32 in a Dataset's __getitem__; data.load casts floats "
+                "to float32 unless float_dtype says otherwise)")
+    if "Long" in text or "Int" in text:
+        return "an integer batch met float weights: give the model float inputs (`.float()`)"
+    return None
