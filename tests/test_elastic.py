@@ -434,6 +434,10 @@ def test_two_hosts_without_a_shared_disk_train_die_and_resume(reference, tmp_pat
         assert listed.out.count(f"ok here (rank {other} of 2 on other hosts)") == 2, listed.out
         assert "INVALID" not in listed.out
     assert _weights(host0 / "run") == _weights(reference)
+    # On rank 0's host, export takes the latest epoch whose ranks here are intact: under
+    # DDP rank 0's files hold the whole model ("no complete checkpoint" before)
+    exported = jobrun("export", host0 / "run", "--blob", "model", "-o", tmp_path / "model.json")
+    assert exported.code == 0 and (tmp_path / "model.json").is_file(), exported.text
     rank1 = jobrun("ckpt", "show", host1 / "run", "--epoch", "4", "--rank", "1", "--json")
     assert rank1.code == 0, rank1.text
     assert json.loads(rank1.out)["nodes"]["local"]["model"]["state"] == _weights(reference)

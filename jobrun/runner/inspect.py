@@ -48,6 +48,8 @@ class _Run:
         if epoch == "latest":  # as resume picks it, without reading the checksums
             infos = self.infos()
             complete = store.complete_epochs(self.ckpt_dir, self.nodes) if infos else []
+            if self.hosts and not complete:  # no shared disk: an epoch whose ranks here are
+                complete = store.intact_epochs(self.nodes, infos)  # intact (rank 0's hold a DDP model)
             if not complete:
                 raise CheckpointError(f"no complete checkpoint in {self.ckpt_dir}",
                                       hint="`jobrun ckpt list` shows what is there")
