@@ -170,6 +170,18 @@ def _start(plan: Path, run: Path) -> subprocess.Popen:
                             text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def _in_epoch_2(tmp_path: Path, text: str) -> tuple[subprocess.Popen, Path]:
+    """The 2-replica job of ``text`` started (_start), once both ranks saved epoch 1."""
+    plan, run = tmp_path / "plan.yaml", tmp_path / "run"
+    plan.write_text(text)
+    p = _start(plan, run)
+    deadline = time.monotonic() + HANG_S
+    while not (run / "ckpt" / "local.1" / "rank-1" / "COMMIT").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.02)
+    return p, run
+
+
 # SIGTERM to the launcher has no case of its own: SIGUSR1's case goes through it (the
 # launcher turns SIGUSR1 into a SIGTERM to itself). Only ddp's SIGINT case resumes: a
 # stopped run resumes from its last epoch checkpoint, and that fsdp's resume from one is
@@ -182,14 +194,7 @@ def _start(plan: Path, run: Path) -> subprocess.Popen:
     ("group", signal.SIGUSR1, "ddp")])
 def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(reference, tmp_path, to, sig, parallel):
     # fsdp agrees on the stop flags as ddp does (an asynchronous all-reduce read a step later)
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN if parallel == "ddp" else "parallel: fsdp" + PLAN)
-    run = tmp_path / "run"
-    p = _start(plan, run)
-    deadline = time.monotonic() + HANG_S
-    while not (run / "ckpt" / "local.1" / "rank-1" / "COMMIT").exists():
-        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
-        time.sleep(0.02)
+    p, run = _in_epoch_2(tmp_path, PLAN if parallel == "ddp" else "parallel: fsdp" + PLAN)
     time.sleep(0.1)  # in the middle of epoch 2
     os.killpg(p.pid, sig) if to == "group" else p.send_signal(sig)
     out, err = p.communicate(timeout=HANG_S)
@@ -214,14 +219,7 @@ def test_a_signal_stops_every_replica_at_once_and_the_run_resumes_exactly(refere
 def test_a_launcher_killed_stops_its_ranks_which_say_why(reference, tmp_path):
     # torch's workers get SIGINT when their launcher dies: they said "stopped by SIGINT",
     # and run.json too, though nobody pressed Ctrl-C.
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN)
-    run = tmp_path / "run"
-    p = _start(plan, run)
-    deadline = time.monotonic() + HANG_S
-    while not (run / "ckpt" / "local.1" / "rank-1" / "COMMIT").exists():
-        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
-        time.sleep(0.02)
+    p, run = _in_epoch_2(tmp_path, PLAN)
     p.kill()
     out, err = p.communicate(timeout=HANG_S)  # the ranks hold its pipes until they end
     assert "stopped: the launcher went away (killed?)" in err and "SIGINT" not in err, err
