@@ -251,14 +251,19 @@ class Flaky(torch.utils.data.Dataset):
             raise ValueError("unreadable image")
         if i == 5 and (here / "kill").exists() and (here / "epoch2").exists():
             os.kill(os.getpid(), signal.SIGKILL)
+        if i == 5 and (here / "odd").exists():
+            return torch.tensor([float(i)]), i, "extra"
         return torch.tensor([float(i)]), i
 '''
 
 
 @pytest.fixture
 def flaky(tmp_path):
+    import sys
+
     (tmp_path / "plan.yaml").write_text(JOB)
     (tmp_path / "flaky.py").write_text(FLAKY)
+    sys.modules.pop("flaky", None)  # in this process, an earlier test's (its markers) was imported
     return tmp_path
 
 
@@ -278,6 +283,18 @@ def test_in_a_job_a_failing_sample_is_named_with_the_op_and_its_position(flaky, 
     if workers == 0:
         assert "traceback of your code" in r.err and r.err.rstrip().splitlines()[-2].strip() == \
             "ValueError: unreadable image"
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_in_a_job_a_batch_that_cannot_be_collated_names_its_samples_and_the_odd_one(flaky, workers):
+    # torch said "each element in list of batch should be of equal size", of no sample,
+    # with the hint to check the dataset, and in a worker its traceback as text.
+    (flaky / "odd").touch()
+    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run", f"init.setup.reader.num_workers={workers}")
+    assert r.code == 1 and "Traceback" not in r.err and "torch/utils/data" not in r.err, r.err
+    assert "dataset Flaky: samples [" in r.err and "] could not be collated: RuntimeError: each element" in r.err
+    assert "; sample 5 is a tuple of 3 (tensor [1], int, str), sample " in r.err and "a tuple of 2 (tensor [1], int)" in r.err
+    assert "make every sample of a batch alike" in r.err
 
 
 @pytest.mark.slow

@@ -123,7 +123,7 @@ class Options:
         # torch does with batch_size=None: collate_fn sees one sample).
         self.collate: Callable[[list[Any]], Any] = (
             _Unbatched(default_convert if collate_fn is None else collate)
-            if geometry.get("batch_size", 1) == 1 else collate
+            if geometry.get("batch_size", 1) == 1 else _Collate(collate)
         )
 
     def loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
@@ -148,6 +148,42 @@ def _settle_record_function() -> None:
     traceback beside our message."""
     with torch.autograd.profiler.record_function("jobrun.reader"):
         pass
+
+
+class _Collate:
+    """collate_fn, naming the samples of a batch it could not collate and the first one
+    whose make differs from the batch's first (torch said "stack expects each tensor to be
+    equal size ... at entry 2", of no sample anyone knows)."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        try:
+            return self.fn(samples)
+        except Exception as e:
+            indices = _FETCHED[0] if len(_FETCHED[0]) == len(samples) else list(range(len(samples)))
+            first = _make(samples[0])
+            odd = next((k for k, x in enumerate(samples) if _make(x) != first), None)
+            said = "" if odd is None else (f"; sample {indices[odd]} is {_make(samples[odd])}, "
+                                           f"sample {indices[0]} {first}")
+            mine = self.fn is not default_collate  # a user's collate_fn: its frames are worth showing
+            raise SampleError(f"samples {indices} could not be collated: {type(e).__name__}: {e}{said}") \
+                from (e if mine else None)
+
+
+def _make(sample: Any) -> str:
+    """What a sample is made of, as a message names it: `a tuple of 2 (tensor [3], int)`."""
+    if isinstance(sample, torch.Tensor | np.ndarray):
+        return f"{'tensor' if isinstance(sample, torch.Tensor) else 'array'} {list(sample.shape)}"
+    if isinstance(sample, tuple | list):
+        return f"a {type(sample).__name__} of {len(sample)} ({', '.join(_make(x) for x in sample[:8])})"
+    if isinstance(sample, dict):
+        return f"a dict of {', '.join(map(str, sample))}"
+    return "None" if sample is None else type(sample).__name__
+
+
+_FETCHED: list[list[int]] = [[]]  # the indices this process fetched last (what it collates next)
 
 
 class _Unbatched:
@@ -243,6 +279,7 @@ class _Fetch(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
+        _FETCHED[0] = list(indices)
         seed = getattr(indices, "seed", None)
         if seed is not None and get_worker_info() is not None:
             random.seed(seed)
@@ -439,6 +476,10 @@ def _failure(reader: Reader, e: Exception) -> RunError:
         m = _SAMPLE.search(text)
         what = m.group(1) if m else text
         where = _user_frame(e, text)
+        if "could not be collated" in what:
+            return RunError(f"dataset {name}: {what}",
+                            hint="make every sample of a batch alike (the same fields, of one shape), or "
+                            "give the reader a collate_fn that takes them as they are")
         return RunError(
             f"dataset {name}: {what}{f' (at {where})' if where else ''}",
             hint="fix the dataset's __getitem__ for this sample; the run resumes from its "
