@@ -135,12 +135,14 @@ MAX_SAID = 2000  # characters of an exception's text a message shows
 
 
 def said(e: BaseException) -> str:
-    """An exception's text as a message shows it: str(e), cut to MAX_SAID characters (a
-    user's exception may carry a whole tensor's repr), or a note when its __str__ raises."""
+    """An exception's text as a message shows it: str(e), cut (a user's exception may
+    carry a whole tensor's repr), or a note when its __str__ raises."""
     try:
-        text = str(e)
+        return cut(str(e))
     except Exception:  # noqa: BLE001 - the user's __str__; the message must still be said
         return f"<{type(e).__name__}: its str() raised>"
-    if len(text) > MAX_SAID:
-        text = f"{text[:MAX_SAID]}... ({len(text) - MAX_SAID} more characters)"
-    return text
+
+
+def cut(text: str) -> str:
+    """``text`` cut to MAX_SAID characters, saying how many were left out."""
+    return text if len(text) <= MAX_SAID else f"{text[:MAX_SAID]}... ({len(text) - MAX_SAID} more characters)"

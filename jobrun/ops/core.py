@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import operator
+import os
 from functools import reduce
 from typing import Any
 
@@ -187,6 +188,18 @@ def _state_of(value: Any) -> Any:
     return state_dict() if callable(state_dict) else value
 
 
+SAVE_SUFFIXES = (".json", ".safetensors", ".pt")  # what `save` writes (and `jobrun export`)
+
+
+def save_type_problem(path: str) -> tuple[str, str] | None:
+    """(message, hint) when `save` cannot write a file of ``path``'s type, else None: the
+    op's rule, which `train` checks before the run too (jobrun.plans.inputs)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in SAVE_SUFFIXES:
+        return None
+    return f"save: unknown file type {suffix or '(none)'!r} for {path}", "use .json, .safetensors or .pt"
+
+
 def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) -> None:
     if ctx.distributed and ctx.parallel == "fsdp":
         from jobrun.ops.fsdp import gathered
@@ -209,8 +222,7 @@ def save(ctx: OpContext, *values: Any, path: str, _names: tuple[str, ...] = ()) 
         torch = _torch()
         fill = lambda f: torch.save({k: _state_of(v) for k, v in named.items()}, f)  # noqa: E731
     else:
-        raise RunError(f"save: unknown file type {suffix or '(none)'!r} for {path}",
-                       hint="use .json, .safetensors or .pt")
+        raise RunError(*save_type_problem(path))  # type: ignore[misc]
     try:
         safefs.make_dirs_under(ctx.run_dir, target.parent)
         safefs.write_with(target, fill)

@@ -67,6 +67,7 @@ def _check_writes(plan: ir.Plan, order: list[tuple[Any, ir.OpCall]], run_dir: Pa
     `path` is a file of the run's own (run.json, a checkpoint): written, it left every
     command unable to read the run."""
     from jobrun.ops.context import under
+    from jobrun.ops.core import save_type_problem
     from jobrun.runner.rundir import RunDir, jobruns_own
 
     checkpoints = RunDir(run_dir, plan).checkpoints
@@ -79,9 +80,9 @@ def _check_writes(plan: ir.Plan, order: list[tuple[Any, ir.OpCall]], run_dir: Pa
                 raise PlanError(f"{step.op}: path {path!r} {owned}: writing it would leave the run "
                                 "unreadable", where,
                                 "give the file a name of its own (e.g. model.safetensors)")
-            if step.op == "save" and Path(path).suffix.lower() not in (".json", ".safetensors", ".pt"):
-                raise PlanError(f"save: unknown file type {Path(path).suffix or '(none)'!r} for {path}",
-                                where, "use .json, .safetensors or .pt")  # found after training, once
+            problem = save_type_problem(path) if step.op == "save" else None
+            if problem is not None:  # found after training, once
+                raise PlanError(problem[0], where, problem[1])
 
 
 def _ordered(plan: ir.Plan) -> Iterator[tuple[tuple[int, int, int], ir.OpCall]]:

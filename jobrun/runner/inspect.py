@@ -15,6 +15,7 @@ from typing import Any
 
 from jobrun import safefs, store
 from jobrun.errors import CheckpointError, UsageError
+from jobrun.ops.core import SAVE_SUFFIXES
 from jobrun.plans import ir
 from jobrun.runner import rng
 from jobrun.runner.display import human_size
@@ -243,7 +244,7 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
     if owned is not None:
         raise UsageError(f"cannot export to {out}: it {owned}, which the run needs",
                          hint="give -o a file of your own (e.g. model.safetensors)")
-    if suffix not in (".safetensors", ".json", ".pt"):
+    if suffix not in SAVE_SUFFIXES:
         raise UsageError(f"cannot export to {suffix or 'a file without suffix'!r}",
                          hint="use -o FILE.safetensors, FILE.json or FILE.pt")
     only = next(iter(blobs.values())) if len(blobs) == 1 else None

@@ -51,16 +51,21 @@ def monitored(monitor: ir.Monitor, outputs: dict[str, dict[str, Any]], epoch: in
 
 
 def _as_float(value: Any) -> float | None:
-    if isinstance(value, bool | int | float):
-        return float(value)
-    item = getattr(value, "item", None)  # a one-element tensor or numpy scalar
-    if callable(item):
-        try:
-            got = item()
-        except (ValueError, RuntimeError, TypeError):
-            return None
-        return float(got) if isinstance(got, bool | int | float) else None
-    return None
+    got = scalar(value)
+    return float(got) if isinstance(got, bool | int | float) else None
+
+
+def scalar(value: Any) -> Any:
+    """An epoch output as a Python value: a one-element tensor's or a numpy scalar's
+    (`train.step`'s mean loss stays a device tensor until read), None for a tensor of
+    several values; anything else as it is."""
+    item = getattr(value, "item", None)
+    if not callable(item) or isinstance(value, bool | int | float | type):
+        return value
+    try:
+        return item()
+    except (ValueError, RuntimeError, TypeError):
+        return None
 
 
 def _kind(value: Any) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 
 from jobrun import safefs
 from jobrun.errors import UsageError
+from jobrun.runner.monitor import scalar
 
 IDS_FILE = "trackers.json"
 CSV_FILE = "metrics.csv"
@@ -49,13 +50,6 @@ JOIN_S = 300.0  # how long the end of a run waits for the trackers to store what
 
 def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _scalar(v: Any) -> Any:
-    """A one-element tensor's value (an epoch's mean `loss` stays a device tensor until
-    now), anything else as it is."""
-    numel = getattr(v, "numel", None)
-    return v.item() if callable(numel) and not isinstance(v, type) and numel() == 1 else v
 
 
 class Trackers:
@@ -102,7 +96,7 @@ class Trackers:
 
     def epoch(self, epoch: int, outputs: dict[str, dict[str, Any]], rates: dict[str, Any]) -> None:
         numbers = {f"epoch/{t}/{k}": float(v) for t, o in outputs.items()
-                   for k, v in ((k, _scalar(v)) for k, v in o.items()) if _number(v)}
+                   for k, v in ((k, scalar(v)) for k, v in o.items()) if _number(v)}
         numbers.update({f"system/{k}": float(v) for k, v in rates.items() if _number(v)})
         numbers["epoch"] = float(epoch)
         self._metrics(numbers, self.step or epoch, epoch)

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 import jobrun
-from jobrun.errors import MAX_SAID
+from jobrun.errors import cut
 
 _JOBRUN = str(Path(jobrun.__file__).resolve().parent)
 _LIBRARIES = tuple(sorted({str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
@@ -90,9 +90,8 @@ def of(error: BaseException) -> UserTrace | None:
         if not entries:  # importlib's frames of a module not found: the message says it all
             return None
     summary = traceback.StackSummary.extract((t.tb_frame, t.tb_lineno) for t in entries)
-    last_line = "".join(traceback.format_exception_only(type(seen), seen))
-    if len(last_line) > MAX_SAID:  # the exception's text, said in full once is enough
-        last_line = f"{last_line[:MAX_SAID]}... ({len(last_line) - MAX_SAID} more characters)\n"
+    # the exception's text, said in full once is enough
+    last_line = cut("".join(traceback.format_exception_only(type(seen), seen)).rstrip("\n")) + "\n"
     text = "".join(summary.format()) + last_line
     frame = entries[0].tb_frame
     module = frame.f_globals.get("__name__")
