@@ -8,7 +8,6 @@ the runner, rich) is imported inside the command that needs it, so `jobrun --hel
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -415,9 +414,9 @@ def ckpt_verify(run_dir: str | None, epoch: int | str | None, as_json: bool) -> 
         click.echo(json.dumps({"run_dir": path, "checked": rows, "damaged": len(bad)}, indent=2))
     else:
         for r in rows:
+            incomplete = bool(r["world_size"]) and r["ranks"] < r["world_size"]  # a rank never saved
             state = "ok" if r["valid"] else "on other hosts" if r["on_other_hosts"] else \
-                f"INCOMPLETE: {r['problem']}" if re.search(r"rank \d+ (of \d+ missing|is missing)", r["problem"]) \
-                else f"DAMAGED: {r['problem']}"
+                f"{'INCOMPLETE' if incomplete else 'DAMAGED'}: {r['problem']}"
             click.echo(f"epoch {r['epoch']} node {r['node']}: {state}")
         click.echo(f"{path}: {len(rows) - len(bad)} of {len(rows)} checkpoint(s) intact", err=True)
     sys.exit(1 if bad else 0)

@@ -135,7 +135,7 @@ def summarize(run: RunDir) -> Summary:
         status = "died"  # no process holds it, nothing recorded how it ended: a kill -9, the OOM killer
     records = _epoch_records(run) if monitor is not None or status in ("running", "died") else []
     if status in ("running", "died"):  # run.json's last_epoch is written when a run ends
-        epochs = max((int(r.get("epoch", 0)) for r in records), default=epochs)
+        epochs = max((r["epoch"] for r in records), default=epochs)
     best = best_epoch = None
     if monitor is not None:
         for epoch, value in _values(records, monitor):
