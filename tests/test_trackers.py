@@ -176,7 +176,8 @@ def test_wandb_offline_run_holds_the_config_and_the_logged_steps(plan_file, tmp_
     r = jobrun("resume", "--run-dir", run_dir, "max_epochs=3")
     assert r.code == 0, r.text
     assert json.loads((run_dir / "trackers.json").read_text())["wandb"] == run_id
-    runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    # a run started in the same second as the last one gets a "-1" after its id
+    runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*"))
     assert len(runs) == 2  # the same run id, continued (wandb sync merges them)
     resumed = [row["epoch"] for row in _wandb_history(runs[-1] / f"run-{run_id}.wandb") if "epoch" in row]
     assert resumed == [3]
