@@ -440,6 +440,25 @@ def test_resume_max_epochs_extends_a_finished_run_exactly(trained, tmp_path):
     assert again.code == 0 and "already finished at epoch 4" in again.out
 
 
+def test_resume_shows_a_var_and_the_values_it_gives_and_extends_without_a_warning(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("max_epochs: 2", 'vars: {epochs: 2, step: 1}\nmax_epochs: "${epochs}"')
+                    .replace("[total, 1]", '[total, "${step}"]'))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("resume", "--run-dir", run, "vars.epochs=3")
+    assert r.code == 0, r.text
+    # the var, then what it changed with its values (the template "${epochs}" was shown)
+    assert "resuming with vars.epochs: 2 -> 3\nresuming with max_epochs: 2 -> 3\n" in r.err
+    assert "warning" not in r.err and "epoch 3/3" in r.out  # only max_epochs changed: exact
+    r = jobrun("resume", "--run-dir", run, "max_epochs=4")
+    assert r.code == 0 and "resuming with max_epochs: 3 -> 4" in r.err and "warning" not in r.err
+    r = jobrun("resume", "--run-dir", run, "--epoch", "2", "vars.step=5")
+    assert r.code == 0, r.text
+    assert "resuming with epoch.0.do.0.add.in.1: 1 -> 5" in r.err  # where the var is used
+    assert "no longer the one an uninterrupted run would give" in r.err
+
+
 def test_resume_with_other_changes_warns_and_records_them(trained):
     plan, run = trained
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "--set", "seed=7")

@@ -310,7 +310,9 @@ _EXTENDING = ("max_epochs", "max_steps")
 
 
 def beyond_extending(changes: list[str]) -> bool:
-    return any(not c.startswith(tuple(f"{k}:" for k in _EXTENDING)) for c in changes)
+    """Whether a change reaches past max_epochs and max_steps. A var's own line does not
+    count: the keys it changed are listed after it with their new values."""
+    return any(not c.startswith((*(f"{k}:" for k in _EXTENDING), "vars.")) for c in changes)
 
 
 def _warn_changes(changes: list[str]) -> None:

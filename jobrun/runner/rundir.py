@@ -265,9 +265,12 @@ class RunDir:
         before = to_plain(tree)
         apply_sets(tree, sets)
         after = to_plain(tree)
-        plan = compile_tree(tree, name, (), run_dir=str(self.path.resolve()), plan_dir=str(self.plan_dir))
+        dirs = {"run_dir": str(self.path.resolve()), "plan_dir": str(self.plan_dir)}
+        plan = compile_tree(tree, name, (), **dirs)
         self._plan = plan
-        return plan, _differences(before, after), after
+        was, _, _ = self._source()  # compiled as before, for the values the change gave
+        compile_tree(was, name, own, **dirs)
+        return plan, _changes(before, after, to_plain(was), to_plain(tree)), after
 
     @property
     def plan_dir(self) -> Path:
@@ -480,6 +483,15 @@ def _holds_checkpoints(root: Path, depth: int) -> Path | None:
             if found:
                 return found
     return None
+
+
+def _changes(before: Any, after: Any, resolved_before: Any, resolved_after: Any) -> list[str]:
+    """`key: old -> new`: the vars as the overrides changed them, then every other key
+    with its values after substitution (`max_epochs: 4 -> 6`, not `"${epochs}" -> 6`),
+    so a var shows where it is used and a change that uses no var shows its value."""
+    var = lambda tree: {"vars": tree.get("vars", _NONE)} if isinstance(tree, dict) else {}  # noqa: E731
+    rest = lambda tree: {k: v for k, v in tree.items() if k != "vars"} if isinstance(tree, dict) else tree  # noqa: E731
+    return _differences(var(before), var(after)) + _differences(rest(resolved_before), rest(resolved_after))
 
 
 def _differences(before: Any, after: Any, at: str = "") -> list[str]:
