@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from runner_util import HANG_S, ckpt_values, close, jobrun, jobrun_proc, logged
+from runner_util import HANG_S, ckpt_values, close, jobrun, jobrun_proc, logged, metrics
 
 PLAN = """
 job: dp
@@ -70,6 +70,9 @@ def test_one_and_two_replicas_train_the_same_model(runs):
     l1 = [r["loss"] for r in logged(runs / "one")]
     l2 = [r["loss"] for r in logged(runs / "two")]
     assert all(close(a, b, 1e-4) for a, b in zip(l1, l2)) and len(l1) == len(l2) == 3
+    for run in ("one", "two"):  # samples/s count the global batches: 8 of 12 an epoch
+        epochs = [m for m in metrics(runs / run) if m.get("event") == "epoch"]
+        assert [round(e["samples_per_s"] * e["seconds"]) for e in epochs] == [96] * 3, run
 
 
 def test_each_rank_checkpoints_and_ranks_agree(runs):

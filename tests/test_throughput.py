@@ -105,17 +105,60 @@ def _tally(feed: Feed, records: int, tokens: int, seconds: float = 0.0) -> None:
     assert reader.feed is feed
 
 
-def test_epoch_rates_are_over_the_epoch_and_count_every_replica():
+class FixedRows(torch.utils.data.Dataset):
+    """Token rows of one length (7)."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((7,), i, dtype=torch.long)
+
+
+@pytest.mark.parametrize("make", ["tensor", "windows", "dataset", "ones"])
+def test_each_rank_counts_the_global_batches_its_parts_belong_to(make):
+    """With replicas each rank reads its part of every global batch, the parts unequal
+    when the batch does not divide (5 records on 2 ranks: 3 and 2). Every rank's tally
+    is the global batches' (10 records of 7 tokens), so samples/s of rank 0 needs no
+    multiplying by the ranks (which counted 12 for 10 here); a batch of single records,
+    which every rank reads whole, counts once."""
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.reader import read_op, reader_op
+
+    ids = torch.arange(70).reshape(10, 7)
+    tallies, parts = [], []
+    for rank in (0, 1):
+        ctx = OpContext(rank=rank, world_size=2)
+        args, kw = {
+            "tensor": ((ids, torch.zeros(10)), {"batch_size": 5, "shuffle": True}),
+            "windows": ((torch.arange(71),), {"window": 7, "batch_size": 5}),
+            "dataset": ((FixedRows(),), {"batch_size": 5}),
+            "ones": ((ids, torch.zeros(10)), {"batch_size": 1}),
+        }[make]  # fmt: skip
+        reader = reader_op(ctx, *args, **kw)
+        names = ("x", "done") if make == "dataset" else ("x", "y", "done")
+        sizes = []
+        while not (batch := read_op(ctx, reader, names))[-1]:
+            sizes.append(counts(tuple(batch[:-1]))[0] if make != "ones" else 1)
+        tallies.append(reader.tally[:2])
+        parts.append(sizes)
+    if make == "ones":
+        assert parts == [[1] * 10] * 2 and tallies == [[10, 0]] * 2  # every rank reads each one
+    else:
+        assert parts == [[3, 3], [2, 2]] and tallies == [[10, 70]] * 2
+
+
+def test_epoch_rates_are_over_the_epoch():
     feed = Feed()
-    rates = EpochRates(feed, "cpu", world_size=2)
+    rates = EpochRates(feed, "cpu")
     _tally(feed, 10, 40, 0.5)  # 10 sequences of 4 tokens, read in 0.5 s
     r = rates.finish(2.0)
-    assert r["samples_per_s"] == 10 * 2 / 2.0 and r["tokens_per_s"] == 40 * 2 / 2.0
+    assert r["samples_per_s"] == 10 / 2.0 and r["tokens_per_s"] == 40 / 2.0
     assert r["data_s"] == 0.5 and r["compute_s"] == 1.5
     assert r["peak_memory_bytes"] >= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - 1
     text = epoch_text(r, 2.0, human_size)
-    assert text.startswith("40 tokens/s  data 25%  peak ")
-    assert "samples_per_s" not in EpochRates(feed, "cpu", 1).finish(1.0)  # nothing read
+    assert text.startswith("20 tokens/s  data 25%  peak ")
+    assert "samples_per_s" not in EpochRates(feed, "cpu").finish(1.0)  # nothing read
 
 
 def test_epoch_records_and_line_show_throughput_and_memory(plan_file, tmp_path):
@@ -158,7 +201,7 @@ def test_the_heartbeat_line_shows_samples_per_second(capsys):
 def test_cuda_peak_memory_is_the_allocator_peak_of_the_epoch():
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     del x
-    rates = EpochRates(Feed(), "cuda", 1)  # resets the peak
+    rates = EpochRates(Feed(), "cuda")  # resets the peak
     y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
     peak = rates.finish(1.0)["peak_memory_bytes"]
     assert 8 << 20 <= peak < 64 << 20

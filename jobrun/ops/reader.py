@@ -248,25 +248,34 @@ class Reader:
             raise ahead.error
         return self._to_device.land(ahead) if self._move else ahead
 
-    def _handed(self, fields: tuple[Any, ...], n: int) -> None:
-        """Count a batch of `n` records (this rank's part) of a reader whose records all
-        have one shape: its tokens are n times those of a record, learnt from the first
-        batch by the rule of jobrun.ops.batches (one integer-division, not a look at
-        every batch). `fields` may end with the batch's `done` flag: the rule counts by
-        the first field (or the dict of a reader with keys, which pairs keys and fields)."""
+    def _handed(self, fields: tuple[Any, ...], n: int, total: int) -> None:
+        """Count a global batch of `total` records, of which this rank got `n` (`fields`),
+        of a reader whose records all have one shape: its tokens are `total` times those
+        of a record, learnt from the first batch by the rule of jobrun.ops.batches (one
+        integer-division, not a look at every batch). `fields` may end with the batch's
+        `done` flag: the rule counts by the first field (or the dict of a reader with
+        keys, which pairs keys and fields). The tally is the global batch's, so samples/s
+        is right when ranks get unequal parts (a batch of 5 on 2 ranks: 3 and 2)."""
         tally = self.tally
-        tally[0] += n
+        tally[0] += total
         width = self._width
         if width is None:
             if not n:
                 return
             width = self._width = counts(self._as_handed(fields))[1] // n
-        tally[1] += n * width
+        tally[1] += total * width
 
     def _handed_batch(self, fields: tuple[Any, ...]) -> None:
         """Count a batch by the rule of jobrun.ops.batches (records of many shapes: a
-        Dataset's collated items); a batch of single records (`batch_size: 1`) is one."""
+        Dataset's collated items); a batch of single records (`batch_size: 1`) is one.
+        A rank's part of a split batch counts as the global batch (marked on it, see
+        :func:`mark_records`), its tokens scaled alike: exact for records of one length,
+        an estimate from this rank's part for others."""
         n, tokens = counts(self._as_handed(fields)) if self.batch_size > 1 else (1, 0)
+        total = global_records(fields[0]) if fields else None
+        if total is not None and n:
+            tokens = tokens * total // n
+            n = total
         self.tally[0] += n
         self.tally[1] += tokens
 
@@ -401,7 +410,7 @@ class TensorReader(Reader):
                 self._ahead_at = stop
             else:
                 self._ahead = None
-            self._handed(batch, stop - start)
+            self._handed(batch, stop - start, stop - start)
             return batch
         order = self._pass_order() if self.shuffle else None
         ahead = self._prepared(start)
@@ -411,7 +420,7 @@ class TensorReader(Reader):
         if self.world_size > 1 and self.batch_size > 1:
             mark_records(fields, stop - start)
         lo, hi = self.rank_part(start, stop)
-        self._handed(fields, hi - lo)
+        self._handed(fields, hi - lo, stop - start)
         return (*fields, False)
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:

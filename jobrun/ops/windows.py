@@ -82,7 +82,7 @@ class WindowReader(Reader):
         if self.world_size > 1 and self.batch_size > 1:  # train.step weights by the share
             mark_records(fields, stop - start)
         lo, hi = self.rank_part(start, stop)
-        self._handed(fields, hi - lo)
+        self._handed(fields, hi - lo, stop - start)
         return (*fields, False)
 
     def _random(self) -> tuple[Any, ...]:
@@ -100,7 +100,7 @@ class WindowReader(Reader):
         self._ahead_starts = nxt
         if self.world_size > 1 and self.batch_size > 1:
             mark_records(fields, self.batch_size)
-        self._handed(fields, hi - lo)
+        self._handed(fields, hi - lo, self.batch_size)
         return fields
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:

@@ -254,7 +254,7 @@ class JobRunner(Checkpoints):
         for node in self.nodes.values():
             for tctx in node.task_ctxs:
                 tctx.epoch = epoch
-        rates = EpochRates(self.feed, self.cfg.device, self.cfg.world_size)
+        rates = EpochRates(self.feed, self.cfg.device)
         t0 = time.perf_counter()
         outputs = self._run_group("epoch")
         self.completed = epoch

@@ -56,10 +56,9 @@ class Feed:
 class EpochRates:
     """One epoch's throughput, from the feed at its start and end."""
 
-    def __init__(self, feed: Feed, device: str, world_size: int):
+    def __init__(self, feed: Feed, device: str):
         self.feed = feed
         self.device = device
-        self.world = world_size
         self.start = feed.snapshot()
         if device.startswith("cuda"):
             import torch
@@ -67,14 +66,14 @@ class EpochRates:
             torch.cuda.reset_peak_memory_stats(device)
 
     def finish(self, seconds: float) -> dict[str, Any]:
-        """The epoch's figures for its line and its metrics record (rank 0's reads times
-        the replicas: each reads an equal part of every global batch)."""
+        """The epoch's figures for its line and its metrics record: rank 0's readers
+        count the global batches that the ranks' parts make up (Reader._handed)."""
         records, tokens, wait = (b - a for a, b in zip(self.start, self.feed.snapshot()))
         out: dict[str, Any] = {}
         if records and seconds > 0:
-            out["samples_per_s"] = round(records * self.world / seconds, 3)
+            out["samples_per_s"] = round(records / seconds, 3)
             if tokens:
-                out["tokens_per_s"] = round(tokens * self.world / seconds, 3)
+                out["tokens_per_s"] = round(tokens / seconds, 3)
             out["data_s"] = round(wait, 6)
             out["compute_s"] = round(max(seconds - wait, 0.0), 6)
         out["peak_memory_bytes"] = peak_memory(self.device)
