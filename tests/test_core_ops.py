@@ -191,3 +191,30 @@ def test_reader_and_read_in_a_plan(plan_file, tmp_path):
     assert r.code == 0, r.text
     # two passes of batches 2, 2, 1, each pass ended by one `done`
     assert logged(run_dir)[0]["seen"] == [2, 2, 1, -1, 2, 2, 1, -1]
+
+
+def test_save_writes_tied_weights_under_each_name(tmp_path):
+    """A model whose two modules share a weight (a GPT's lm_head and token embedding):
+    safetensors refuses tensors that share memory, so `save` failed after the whole run
+    had trained; each name now gets its tensor, and the file loads with strict=True."""
+    import torch
+    from safetensors.torch import load_file
+
+    from jobrun.ops.context import OpContext
+    from jobrun.ops.core import save
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.wte.weight
+
+    model = Tied()
+    save(OpContext(run_dir=tmp_path), model, path="model.safetensors", _names=("model",))
+    state = load_file(tmp_path / "model.safetensors")
+    assert sorted(state) == ["model.head.weight", "model.wte.weight"]
+    assert torch.equal(state["model.head.weight"], model.wte.weight.detach())
+    again = Tied()
+    again.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=True)
+    assert torch.equal(again.head.weight, model.head.weight)
