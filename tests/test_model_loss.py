@@ -154,6 +154,35 @@ def test_model_output_without_a_loss_is_one_clear_error():
     assert "model" in e.value.hint
 
 
+class Wrapped(Logits):
+    """Logits wrapped as a model with its own loss returns them without targets."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.wrap = {"tuple": lambda t: (t, None), "mapping": lambda t: {"logits": t},
+                     "object": lambda t: _Output(loss=None, logits=t)}[style]  # type: ignore[arg-type]
+
+    def forward(self, idx):  # type: ignore[override]
+        return self.wrap(super().forward(idx))
+
+
+@pytest.mark.parametrize("style", ["tuple", "mapping", "object"])
+def test_a_model_with_its_own_loss_under_a_loss_by_name_is_told_to_use_loss_model(style):
+    """nanoGPT's (logits, loss) or a ModelOutput given to cross_entropy or mse (which
+    said "AttributeError: 'tuple' object has no attribute 'ndim'", from jobrun's code)."""
+    ctx = OpContext()
+    x, y = _data()
+    model = Wrapped(style)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kind = {"tuple": "a tuple of 2", "mapping": "a dict", "object": "a _Output"}[style]
+    for call in (lambda: train.train_step(ctx, model, opt, x[:8], y[:8]),
+                 lambda: train.train_step(ctx, model, opt, x[:8], y[:8].float(), loss="mse"),
+                 lambda: train.evaluate(ctx, model, reader_op(ctx, x, y, batch_size=8))):
+        with pytest.raises(RunError, match=f"the model returned {kind}, not a tensor of predictions") as e:
+            call()
+        assert "`loss: model`" in e.value.hint
+
+
 def test_loss_of_a_mapping_output_reads_ordered_dicts_too():
     from jobrun.ops.losses import forward, model_loss
 

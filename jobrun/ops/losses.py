@@ -35,10 +35,11 @@ MODEL = "model"  # `loss: model`
 
 
 def _cross_entropy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if y.dtype is _LONG and pred.ndim == 2:
+    if y.dtype is _LONG and pred.__class__ is _Tensor and pred.ndim == 2:
         # The common case first, in attribute reads: each method call here costs ~1 us
         # between the step's kernels (cold caches), a tiny model's step ~400 us.
         return F.cross_entropy(pred, y)
+    _predictions(pred, "cross_entropy")
     if y.is_floating_point() and y.dim() == pred.dim() - 1:
         y = y.long()  # class indices stored as floats (e.g. read from a CSV file)
     if pred.dim() > 2 and y.dim() == pred.dim() - 1:
@@ -48,11 +49,27 @@ def _cross_entropy(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    _predictions(pred, "mse")
     if not y.is_floating_point():
         y = y.to(pred.dtype)
     if y.shape != pred.shape and y.numel() == pred.numel():
         y = y.reshape(pred.shape)  # [n] targets against [n, 1] predictions
     return F.mse_loss(pred, y)
+
+
+def _predictions(pred: Any, loss: str) -> None:
+    """Refuse a model output that is no tensor of predictions (a nanoGPT model's (logits,
+    loss), a Hugging Face ModelOutput) for a loss computed from predictions."""
+    if isinstance(pred, _Tensor):
+        return
+    what = f"a {type(pred).__name__}"
+    if isinstance(pred, tuple | list):
+        what += f" of {len(pred)}"
+    raise RunError(
+        f"the model returned {what}, not a tensor of predictions, which loss {loss!r} needs",
+        hint="a model that computes its loss itself (nanoGPT's (logits, loss), Hugging Face's "
+             "output with .loss) takes `loss: model`; else make forward return the predictions",
+    )
 
 
 def model_loss(model: Any, x: Any, y: Any) -> torch.Tensor:
