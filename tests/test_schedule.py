@@ -103,6 +103,25 @@ def test_a_decay_that_does_not_exist_is_caught_by_analyze(tmp_path):
     assert r.code == 1 and "cosine" in r.out + r.err
 
 
+@pytest.mark.parametrize("schedule, message, hint", [
+    ("warmpu: 10, steps: 100", "warmpu need(s) a `target`", "did you mean 'warmup'"),
+    ("warmup: 60, steps: 40", "must be a whole number above warmup (60); got 40", "decay: constant"),
+    ("warmup: 6", "must be a whole number above warmup (6); it is not given", "steps: 5000"),
+])
+def test_analyze_refuses_a_schedule_the_op_would_refuse_before_train_makes_a_run(tmp_path, schedule, message,
+                                                                                  hint):
+    """The op's own rule (jobrun.ops.schedule.problem), asked by analyze: these passed it
+    and failed at run time, after init, leaving a failed run directory."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.format(schedule=schedule, max_steps=3))
+    r = jobrun("analyze", plan)
+    assert r.code == 1 and "plan.yaml:10:" in r.out and message in r.out and hint in r.out, r.text
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and message in r.err and not (tmp_path / "run").exists()
+    ok = jobrun("analyze", plan, "--set", "init.setup.scheduler.decay=constant") if "warmpu" not in schedule else r
+    assert "warmpu" in schedule or ok.code == 0, ok.text
+
+
 def test_ops_lists_the_schedule_and_print_shows_it(tmp_path):
     out = jobrun("ops", "scheduler").out
     for word in ("warmup", "decay", "min_ratio", "global step"):

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jobrun.errors import RunError
+from jobrun.errors import RunError, did_you_mean
 from jobrun.ops.context import OpContext
 
 DECAYS = ("cosine", "linear", "constant")
+SCHEDULE_ARGS = ("warmup", "decay", "steps", "min_lr", "min_ratio")  # without a target
 
 
 class StepSchedule:
@@ -79,26 +80,41 @@ class StepSchedule:
         return f"StepSchedule({args})"
 
 
+def problem(schedule: dict[str, Any], others: dict[str, Any]) -> tuple[str, str, str | None] | None:
+    """Why a schedule without a target cannot run, as (the key at fault, message, hint),
+    else None. `analyze` asks it before the run (jobrun.plans.signatures), the op when
+    it is made: one rule for both."""
+    warmup, decay, steps = schedule["warmup"], schedule["decay"], schedule["steps"]
+    if others:
+        first = sorted(others)[0]
+        guess = did_you_mean(first, [*SCHEDULE_ARGS, "target"])
+        return first, (
+            f"scheduler: {', '.join(sorted(others))} need(s) a `target` (a torch scheduler class); "
+            "a schedule without one takes warmup, decay, steps, min_lr or min_ratio"), (
+            guess or "add e.g. target: torch.optim.lr_scheduler.StepLR, or remove those keys")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        return "warmup", f"scheduler: warmup must be a whole number of steps >= 0, got {warmup!r}", None
+    if decay not in DECAYS:
+        return "decay", f"scheduler: unknown decay {decay!r}", f"one of {', '.join(DECAYS)}"
+    if decay != "constant" and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= warmup):
+        got = "it is not given" if steps is None else f"got {steps!r}"
+        return "steps", (
+            f"scheduler: steps (where the {decay} decay ends) must be a whole number above "
+            f"warmup ({warmup}); {got}"), "e.g. steps: 5000 with warmup: 100, or decay: constant"
+    for name in ("min_lr", "min_ratio"):
+        value = schedule[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+            return name, f"scheduler: {name} must be a number >= 0, got {value!r}", None
+    return None
+
+
 def closed_form(ctx: OpContext, opt: Any, schedule: dict[str, Any], others: dict[str, Any]) -> StepSchedule:
     """`scheduler` without a target: check the arguments, attach the schedule to `opt`;
     `others` are keys the plan gave beside the schedule's own (a torch scheduler's)."""
+    found = problem(schedule, others)
+    if found is not None:
+        raise RunError(found[1], hint=found[2])
     warmup, decay, steps = schedule["warmup"], schedule["decay"], schedule["steps"]
     min_lr, min_ratio = schedule["min_lr"], schedule["min_ratio"]
-    if others:
-        raise RunError(
-            f"scheduler: {', '.join(sorted(others))} need(s) a `target` (a torch scheduler class); "
-            "a schedule without one takes warmup, decay, steps, min_lr or min_ratio",
-            hint="add e.g. target: torch.optim.lr_scheduler.StepLR, or remove those keys")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise RunError(f"scheduler: warmup must be a whole number of steps >= 0, got {warmup!r}")
-    if decay not in DECAYS:
-        raise RunError(f"scheduler: unknown decay {decay!r}", hint=f"one of {', '.join(DECAYS)}")
-    if decay != "constant" and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= warmup):
-        raise RunError(
-            f"scheduler: steps (where the {decay} decay ends) must be a whole number above "
-            f"warmup ({warmup}), got {steps!r}", hint="e.g. steps: 5000 with warmup: 100")
-    for name, value in (("min_lr", min_lr), ("min_ratio", min_ratio)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
-            raise RunError(f"scheduler: {name} must be a number >= 0, got {value!r}")
     return StepSchedule(ctx, opt, warmup=warmup, decay=decay, steps=steps,
                         min_lr=None if min_lr is None else float(min_lr), min_ratio=float(min_ratio))

@@ -57,6 +57,8 @@ class Signatures:
                 found.append(problem)
         if call.op == "train.step" and len(call.ins) == 3:
             found += _dict_batch_step(call)
+        if call.op == "scheduler" and dict(call.args).get("target") is None and not found:
+            found += _schedule(call, spec)
         if info.required:
             given = {key for key, _ in call.args}
             found += [
@@ -81,6 +83,20 @@ def _dict_batch_step(call: ir.OpCall) -> list[Problem]:
         f"`loss: model`; its loss is {_show(loss)} (a loss function takes (output, target))",
         "add `loss: model`, or give the targets as a fourth input: in: [model, opt, xb, yb]",
     )]
+
+
+def _schedule(call: ir.OpCall, spec: OpSpec) -> list[Problem]:
+    """A `scheduler` without a target, by the op's own rule (a misspelt `warmpu`, which
+    the op takes for a torch scheduler's key; steps not above warmup)."""
+    from jobrun.ops.schedule import SCHEDULE_ARGS, problem
+
+    given = dict(call.args)
+    schedule = {k: given.get(k, spec.arg(k).default) for k in SCHEDULE_ARGS}  # type: ignore[union-attr]
+    found = problem(schedule, {k: v for k, v in given.items() if spec.arg(k) is None})
+    if found is None:
+        return []
+    key, message, hint = found
+    return [Problem("arg-value", call.pos_of(key) if key in given else call.pos, message, hint or _op_hint(spec))]
 
 
 class _SpecInfo:
