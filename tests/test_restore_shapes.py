@@ -118,3 +118,29 @@ def test_a_lazy_module_takes_its_shapes_from_the_checkpoint():
     restore._check_fits(_node(), "net", fresh, saved, 1)  # no shape to compare yet: no error
     fresh.load_state_dict(saved.state)
     assert torch.equal(fresh.weight, trained.weight)
+
+
+def test_resume_with_an_override_that_changes_a_readers_data_says_to_start_anew(tmp_path):
+    """A window reader's records change with its window: the saved position no longer
+    fits. The hint said only that the checkpoint was damaged, and to resume from an
+    earlier epoch, which fails the same way."""
+    (tmp_path / "plan.yaml").write_text("""
+job: windows
+vars: {block: 8}
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - fill: {out: toks, shape: [40], value: 3, dtype: int64}
+      - reader: {in: toks, out: data, window: "${block}", batch_size: 2, shuffle: true}
+epoch:
+  - task: read
+    do:
+      - read: {in: data, out: [x, y, done]}
+""")
+    run = tmp_path / "run"
+    assert jobrun("train", tmp_path / "plan.yaml", "--run-dir", run).code == 0
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1", "vars.block=4")
+    assert r.code == 1 and "blob 'data' on node 'local': its saved state does not load" in r.err, r.text
+    assert "changed what init builds, the run must start anew (`jobrun train PLAN --run-dir NEW`)" in r.err

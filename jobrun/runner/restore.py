@@ -88,8 +88,10 @@ def _blob(node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
             raise CheckpointError(
                 f"checkpoint epoch {epoch}, blob {blob!r} on node {node.name!r}: its saved state does "
                 f"not load: {e.message if isinstance(e, JobrunError) else e}",
-                hint=f"the checkpoint is damaged or from another plan: resume from an earlier epoch "
-                     f"(`jobrun resume --epoch {epoch - 1}`; `jobrun ckpt list` shows them)") from None
+                hint="when the plan or an override (`resume vars.block=64`) changed what init builds, "
+                     "the run must start anew (`jobrun train PLAN --run-dir NEW`); otherwise the "
+                     f"checkpoint is damaged: resume from an earlier epoch (`jobrun resume --epoch "
+                     f"{epoch - 1}`; `jobrun ckpt list` shows them)") from None
         return
     node.globals[blob] = _to_device(saved, node.ctx.device)
 
