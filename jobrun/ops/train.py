@@ -270,6 +270,7 @@ def _unused_parameters() -> RunError:
 
 
 _last_loss: list[Any] = [None]
+IGNORE_INDEX = -100  # a label position no loss or accuracy counts (F.cross_entropy's default)
 
 
 def _zero(value: Any, device: str) -> torch.Tensor:
@@ -493,9 +494,11 @@ def _eval_sums(ctx, model, loss_fn, loss: str, passes: Iterable[tuple], host: bo
         pair = _compared(model, pred, x, y, loss)
         if pair is not None:
             guess, labels = pair
-            hits = (guess.argmax(dim=-1) == (labels if labels.dtype == torch.long else labels.long())).sum()
+            labels = labels if labels.dtype == torch.long else labels.long()
+            hits = (guess.argmax(dim=-1) == labels).sum()  # an ignored label (-100) is never hit
+            scored = (labels != IGNORE_INDEX).sum()  # cross_entropy's and Hugging Face's ignored labels
             correct = correct + (int(hits) if host else hits)
-            classified += labels.numel()
+            classified = classified + (int(scored) if host else scored)
     return [loss_sum, count, correct, classified, *per_batch]
 
 
