@@ -467,6 +467,18 @@ def test_resume_with_other_changes_warns_and_records_them(trained):
     assert "no longer the one an uninterrupted run would give" in r.err
 
 
+def test_resume_from_an_older_epoch_says_which_epochs_it_trains_again(trained):
+    plan, run = trained
+    r = jobrun("resume", "--run-dir", run, "--epoch", "0")
+    assert r.code == 0, r.text
+    assert ("note: going on from epoch 0 of a run saved up to epoch 2: epochs 1-2 are trained again, "
+            "replacing the checkpoints") in r.err
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1", "max_epochs=3")
+    assert r.code == 0 and "epoch 2 is trained again" in r.err, r.text
+    r = jobrun("resume", "--run-dir", run, "max_epochs=4")  # from the newest: nothing again
+    assert r.code == 0 and "trained again" not in r.err, r.text
+
+
 def test_resume_says_that_an_edited_plan_file_is_not_used(trained):
     plan, run = trained
     plan.write_text(PLAN.replace("max_epochs: 2", "max_epochs: 9"))

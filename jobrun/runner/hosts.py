@@ -43,6 +43,7 @@ from jobrun.runner.launch import (
     checkpoints_of,
     compile_for_run,
     new_run_info,
+    newer_epochs,
     restarts_of,
     resume_plan,
     resuming,
@@ -175,7 +176,8 @@ class _Lead:
         restarts = restarts_of(info, plan, max_restarts)
         text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()
         self.run, self.plan = run, plan
-        self.after_pick = lambda e, saved: resuming(e, sets, changes, stored, world, saved, restarts)
+        self.after_pick = lambda e, saved: resuming(e, sets, changes, stored, world, saved, restarts,
+                                                    newer_epochs(ckpt_dir, e, epoch))
         settings = _settings(run, plan, text, str(info.device or plan.device), world, restarts,
                              epoch=epoch, resume=True)
         settings["change_ok"] = replicas is not None

@@ -105,7 +105,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()
         n = replicas or (info.replicas or 1)
-        epoch = best_or(epoch, ckpt_dir, plan, run)
+        epoch = asked = best_or(epoch, ckpt_dir, plan, run)
         if already_finished(run, epoch, changes):
             return 0
         inputs.check(plan, run.plan_dir, run.path.resolve())
@@ -120,7 +120,8 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
             e.hint = _train_again(run, info) or e.hint
             raise
         restarts = restarts_of(info, plan, max_restarts)
-        record = resuming(epoch, sets, changes, stored, n, saved, restarts)
+        record = resuming(epoch, sets, changes, stored, n, saved, restarts,
+                          newer_epochs(ckpt_dir, epoch, asked))
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
                         force=force or beyond_extending(changes), profile=profile, resuming=record)
@@ -265,6 +266,15 @@ def best_or(epoch: int | str | None, ckpt_dir: Path, plan: ir.Plan, run: RunDir,
     return best_epoch(infos, nodes, plan, str(run.path), here)
 
 
+def newer_epochs(ckpt_dir: Path, epoch: int, asked: Any) -> list[int]:
+    """The epochs saved after the one a resume goes on from, when the user asked for that
+    one (--epoch): the resume trains them again. Going on from the newest usable epoch,
+    the newer ones are damaged or incomplete, and `pick_epoch` said so."""
+    if asked is None:
+        return []
+    return [info.epoch for info in store.list_checkpoints(ckpt_dir) if info.epoch > epoch]
+
+
 def already_finished(run: RunDir, epoch: int | None, changes: list[str]) -> bool:
     info = run.info()
     if epoch is None and info.status == "finished" and not changes:
@@ -283,11 +293,16 @@ def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
 
 
 def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any, replicas: int,
-             saved: int, restarts: int) -> Resuming:
+             saved: int, restarts: int, newer: list[int] = ()) -> Resuming:  # type: ignore[assignment]
     """What the resume will record once its checkpoint is restored (jobrun.runner.resuming);
-    what it changes is said now."""
+    what it changes is said now, and which later epochs it trains again (``newer``)."""
     if changes:
         _warn_changes(changes)
+    if newer:
+        what = f"epoch {newer[0]} is" if len(newer) == 1 else f"epochs {newer[0]}-{newer[-1]} are"
+        print(f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "
+              "trained again, replacing the checkpoints, metrics lines and files it saved (copy the "
+              "run directory first to keep them)", file=sys.stderr)
     if saved != replicas:
         print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
     return Resuming(epoch, tuple(sets), tuple(changes), stored if changes else None, replicas, saved,
