@@ -102,6 +102,29 @@ epoch:
     assert _held(pure_only) == ("free",)
 
 
+def test_a_private_batch_holds_its_token_stream_only_when_changed_in_place():
+    """A nanoGPT get_batch as an undeclared `call` in a private epoch task: its batch is
+    gone when the task ends, so the stream it was cut from is not saved (it was, in every
+    checkpoint: GBs for a real corpus). Changed in place, the batch may change the
+    stream it is a view of: then the stream is saved."""
+    body = """
+init:
+  - task: setup
+    do:
+      - data.load: {out: tokens, path: train.bin, dtype: uint16}
+epoch:
+  - task: t
+    do:
+      - call: {fn: "batches:get_batch", in: [tokens], out: [xb, yb]}
+      - log: {in: [xb]}
+"""
+    assert _held(body) == ()
+    assert _held(body.replace("- log: {in: [xb]}", '- call: {fn: "m:noise_", in: [xb], mutates: [xb]}')) \
+        == ("tokens",)
+    assert _held(body.replace("  - task: t\n", "  - task: t\n    workspace: global\n")) \
+        == ("tokens", "xb", "yb")  # saved batches hold on to the stream
+
+
 def test_a_changed_object_changes_what_it_keeps():
     """scheduler.step sets the optimizer's learning rate: the optimizer is saved too."""
     body = """

@@ -85,6 +85,9 @@ class _Walk(Visitor):
         self.ops = ops
         self.globals: dict[str, dict[str, None]] = {}  # node -> names, in order of creation
         self.changed: dict[str, set[str]] = {}
+        # Blobs a private epoch task writes: dropped when the task ends, unless the name
+        # is a global blob (the write then reaches the global workspace); see closure.
+        self.private: dict[str, set[str]] = {}
         self.kept: dict[str, dict[str, set[str]]] = {}  # node -> blob -> blobs it holds on to
         self.group = ""
         self.task: ir.Task | None = None
@@ -100,6 +103,7 @@ class _Walk(Visitor):
         self.task = task
         self.globals.setdefault(task.node, {})
         self.changed.setdefault(task.node, set())
+        self.private.setdefault(task.node, set())
         self.kept.setdefault(task.node, {})
         self.generic_visit(task)
 
@@ -109,7 +113,7 @@ class _Walk(Visitor):
         if task.workspace == "global":
             self.globals[task.node].setdefault(name, None)
         if self.group == "epoch":
-            self.changed[task.node].add(name)
+            (self.changed if task.workspace == "global" else self.private)[task.node].add(name)
 
     def visit_Loop(self, loop: ir.Loop) -> None:
         if loop.index is not None:
@@ -157,10 +161,14 @@ class _Walk(Visitor):
         return listed
 
     def closure(self, node: str) -> set[str]:
-        """The changed blobs of `node` and, transitively, what they hold on to."""
+        """The changed blobs of `node` and, transitively, what they hold on to. A private
+        task's new blob is no start: it is gone before any save, so what it holds on to
+        (a `call`'s batch, its token stream) stays as init made it, unless a step changes
+        the blob in place (which reaches what it holds) or the name is global."""
         kept = self.kept.get(node, {})
         seen: set[str] = set()
-        todo = list(self.changed.get(node, ()))
+        todo = [*self.changed.get(node, ()),
+                *(n for n in self.private.get(node, ()) if n in self.globals.get(node, {}))]
         while todo:
             name = todo.pop()
             if name not in seen:
