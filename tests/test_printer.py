@@ -240,7 +240,7 @@ def test_header(lines: list[str]) -> None:
     ]
     # what each node's checkpoints hold: the blobs epoch steps write, per node
     assert lines[9:11] == [
-        "checkpointed @ trainer-0: [enc/w, enc/b] + random state",
+        "checkpointed @ trainer-0: [] + random state",
         "checkpointed @ monitor: [] + random state",
     ]
 
@@ -428,7 +428,7 @@ def test_json_shape() -> None:
     assert data["checkpoint"] == {
         "dir": "ckpt", "every": 2, "keep": None, "upload": "uploads", "async": False,
         "best": {"monitor": "enc/stop", "mode": "max", "keep": 1},
-        "include": [], "exclude": [], "blobs": {"trainer-0": ["enc/w", "enc/b"], "monitor": []},
+        "include": [], "exclude": [], "blobs": {"trainer-0": [], "monitor": []},
     }
     assert [g["name"] for g in data["groups"]] == ["init", "epoch", "download", "exit"]
     train = data["groups"][1]["tasks"][0]
