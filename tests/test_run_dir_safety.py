@@ -459,6 +459,22 @@ def test_resume_shows_a_var_and_the_values_it_gives_and_extends_without_a_warnin
     assert "no longer the one an uninterrupted run would give" in r.err
 
 
+def test_resume_says_when_a_change_leaves_training_as_it_was(tmp_path):
+    """A change to the exit group (where the model is saved) does not change what trains:
+    no warning that the result is another. A var no key uses any more (an earlier
+    override replaced it) changes nothing, and the resume says so."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("max_epochs: 2", 'vars: {epochs: 2}\nmax_epochs: "${epochs}"')
+                    + "exit:\n  - task: save\n    do: [{save: {in: [total], path: total.json}}]\n")
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run, "max_epochs=3").code == 0
+    r = jobrun("resume", "--run-dir", run, "--epoch", "2", "exit.save.save.path=again.json")
+    assert r.code == 0 and 'resuming with exit.0.do.0.save.path: "total.json" -> "again.json"' in r.err
+    assert "warning" not in r.err and (run / "again.json").exists(), r.text
+    r = jobrun("resume", "--run-dir", run, "vars.epochs=6")
+    assert r.code == 0 and "note: no key of the plan uses the changed var(s) now" in r.err, r.text
+
+
 def test_resume_with_other_changes_warns_and_records_them(trained):
     plan, run = trained
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "--set", "seed=7")

@@ -325,14 +325,19 @@ _EXTENDING = ("max_epochs", "max_steps")
 
 
 def beyond_extending(changes: list[str]) -> bool:
-    """Whether a change reaches past max_epochs and max_steps. A var's own line does not
-    count: the keys it changed are listed after it with their new values."""
-    return any(not c.startswith((*(f"{k}:" for k in _EXTENDING), "vars.")) for c in changes)
+    """Whether a change reaches past max_epochs and max_steps into what training computes.
+    A var's own line does not count (the keys it changed are listed after it with their
+    new values), nor do the download and exit groups, which run after the last epoch."""
+    return any(not c.startswith((*(f"{k}:" for k in _EXTENDING), "vars.", "download.", "exit."))
+               for c in changes)
 
 
 def _warn_changes(changes: list[str]) -> None:
     for change in changes:
         print(f"resuming with {change}", file=sys.stderr)
+    if all(c.startswith("vars.") for c in changes):
+        print("note: no key of the plan uses the changed var(s) now (an earlier override may have "
+              "replaced a use, e.g. max_epochs=5): the run goes on as before", file=sys.stderr)
     if any(c.startswith("max_steps:") for c in changes):
         # The steps go on from the checkpoint's exactly; an epoch that the old max_steps
         # ended mid-loop is not taken up again (its later steps run in the next epoch).
