@@ -1,6 +1,7 @@
 """jobrun: run PyTorch training jobs described by declarative YAML plans.
 
-For your own code (a `call`'s function): :func:`batch_rows`.
+For your own code (a `call`'s function): :func:`batch_rows`; for a hand loop that draws
+what a plan draws: :func:`node_seed`.
 """
 
 from __future__ import annotations
@@ -38,3 +39,13 @@ def batch_rows(batch: Any) -> tuple[int, slice]:
         raise ValueError(f"batch_rows: a batch of {len(batch)} rows is not this replica's part "
                          f"({hi - lo} rows) of a global batch of {total}")
     return total, slice(lo, hi)
+
+
+def node_seed(seed: int, node: str = "local") -> int:
+    """The seed of a node's generator in a plan with ``seed: SEED``: the stream a window
+    reader with `sample: random` and a `call`'s `generator` draw from. A hand loop that
+    must draw the same numbers makes ``torch.Generator().manual_seed(node_seed(SEED))``.
+    """
+    from jobrun.ops.context import node_seed as seed_of
+
+    return seed_of(seed, node)

@@ -81,3 +81,18 @@ def test_every_context_name_is_documented(name):
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "plan-language.md").read_text()
     assert f"`{name}`" in doc
+
+
+def test_node_seed_gives_a_hand_loop_the_nodes_generator():
+    """jobrun.node_seed is documented for hand loops (docs/plan-language.md section 12):
+    a generator seeded with it draws what the node's generator draws."""
+    import torch
+
+    import jobrun
+    from jobrun.ops.context import OpContext
+
+    for seed, node in ((0, "local"), (7, "trainer-1")):
+        ctx = OpContext(seed=seed, node=node)
+        ours = torch.randint(1000, (8,), generator=ctx.generator)
+        hand = torch.randint(1000, (8,), generator=torch.Generator().manual_seed(jobrun.node_seed(seed, node)))
+        assert torch.equal(ours, hand)
