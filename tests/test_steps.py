@@ -65,6 +65,7 @@ def test_max_steps_ends_the_epoch_mid_loop_then_saves_downloads_and_exits(tmp_pa
         [(1, 4), (2, 8), (3, 10)]
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0 and "epoch 4" not in r.text
+    assert f"train on with `jobrun resume {run} max_steps=N`" in r.out  # not max_epochs, which did not stop it
 
 
 def test_resume_with_a_larger_max_steps_goes_on_without_a_warning_to_the_same_model(tmp_path):

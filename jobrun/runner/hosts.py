@@ -168,7 +168,7 @@ class _Lead:
         self.held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()
         epoch = best_or(epoch, ckpt_dir, plan, run, hosts=run.several_hosts())
-        if already_finished(run, epoch, changes):
+        if already_finished(run, epoch, changes, plan):
             return {"done": True}
         inputs.check(plan, run.plan_dir, run.path.resolve())  # as on one host: before run.json records it
         inputs.check_code(plan, run.plan_dir)

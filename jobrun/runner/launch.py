@@ -106,7 +106,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         info = run.info()
         n = replicas or (info.replicas or 1)
         epoch = asked = best_or(epoch, ckpt_dir, plan, run)
-        if already_finished(run, epoch, changes):
+        if already_finished(run, epoch, changes, plan):
             return 0
         inputs.check(plan, run.plan_dir, run.path.resolve())
         _ready()
@@ -275,11 +275,14 @@ def newer_epochs(ckpt_dir: Path, epoch: int, asked: Any) -> list[int]:
     return [info.epoch for info in store.list_checkpoints(ckpt_dir) if info.epoch > epoch]
 
 
-def already_finished(run: RunDir, epoch: int | None, changes: list[str]) -> bool:
+def already_finished(run: RunDir, epoch: int | None, changes: list[str], plan: ir.Plan) -> bool:
     info = run.info()
     if epoch is None and info.status == "finished" and not changes:
+        # the key that stops it: max_steps if the plan has it (a plan with both: either)
+        more = f"max_epochs=N` or `{run.path} max_steps=N" if plan.max_epochs and plan.max_steps else \
+            "max_steps=N" if plan.max_steps is not None else "max_epochs=N"
         print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}; "
-              f"nothing to do (train on with `jobrun resume {run.path} max_epochs=N`, or again from "
+              f"nothing to do (train on with `jobrun resume {run.path} {more}`, or again from "
               "epoch E with --epoch E)")
         return True
     return False
