@@ -144,3 +144,29 @@ epoch:
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "vars.block=4")
     assert r.code == 1 and "blob 'data' on node 'local': its saved state does not load" in r.err, r.text
     assert "changed what init builds, the run must start anew (`jobrun train PLAN --run-dir NEW`)" in r.err
+
+
+def test_going_back_removes_the_later_checkpoints_once_restored_and_keeps_them_when_it_fails(tmp_path):
+    """`resume --epoch 1` trains epochs 2.. again. The old run's later checkpoints stayed:
+    a branch stopped short of them (max_epochs=2 here) left the old epoch 3 the newest,
+    which a plain resume and export then went on from, and `keep` pruned the new ones
+    first. They are removed once the checkpoint is restored; a resume that fails before
+    (an override that changes a shape) keeps every one."""
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    run = tmp_path / "run"
+    assert jobrun("train", tmp_path / "plan.yaml", "--run-dir", run, "max_epochs=3").code == 0
+
+    def epochs() -> list[str]:
+        return sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith("."))
+
+    assert epochs() == ["local.0", "local.1", "local.2", "local.3"]
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1", "vars.hidden=16")
+    assert r.code == 1 and epochs() == ["local.0", "local.1", "local.2", "local.3"], r.text
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1", "max_epochs=2", "checkpoint.keep=1")
+    assert r.code == 0, r.text
+    assert "removed the checkpoints of epochs 2-3, which this resume trains again" in r.out
+    assert epochs() == ["local.2"]
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0 and "already finished at epoch 2" in r.out, r.text
+    r = jobrun("ckpt", "list", run, "--json")
+    assert [e["epoch"] for e in json.loads(r.out)["checkpoints"]] == [2], r.text

@@ -199,6 +199,40 @@ class Checkpoints:
                                     "rank": self.rank, "seconds": round(seconds, 6)})
         return meta
 
+    def _drop_replaced(self, epoch: int) -> None:
+        """A resume that went back (`--epoch`): remove the checkpoints saved after `epoch`,
+        which it trains again, once every rank restored its own. Kept, the old run's
+        newer epochs were taken for the newest when the new ones stopped short of them (a
+        later resume or export went on from the old run), and `keep` pruned the new ones
+        first. Only epochs saved before this resume began are removed (a rank restarted
+        later must not remove what it saved since)."""
+        if self.cfg.world_size > 1:
+            from jobrun.runner.group import gather
+
+            gather(None)  # every rank restored: a resume that fails keeps what it had
+        resuming = self.cfg.resuming
+        if resuming is None or not resuming.drops or not self.main_rank or self.ckpt_dir is None:
+            return
+        nodes = list(self.nodes)
+        old = [e for e in resuming.drops if e > epoch and all(
+            _older(store.epoch_dir(self.ckpt_dir, n, e), resuming.started) for n in nodes)]
+        try:
+            store.delete_epochs(self.ckpt_dir, nodes, old)
+        except (CheckpointError, OSError) as e:
+            self._warn(f"the checkpoints after epoch {epoch} were not removed: {e}; `jobrun resume` "
+                       f"without --epoch may take one of them for the newest")
+            return
+        if old:
+            what = f"epoch {old[0]}" if len(old) == 1 else f"epochs {old[0]}-{old[-1]}"
+            self.display.line(f"removed the checkpoints of {what}, which this resume trains again")
+
+
+def _older(path: Path, started: float) -> bool:
+    """Whether an epoch's directory is gone or was saved before `started`."""
+    try:
+        return path.stat().st_mtime < started
+    except FileNotFoundError:
+        return True
 
 
 # -- helpers ---------------------------------------------------------------------------

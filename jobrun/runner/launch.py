@@ -304,12 +304,13 @@ def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
     if newer:
         what = f"epoch {newer[0]} is" if len(newer) == 1 else f"epochs {newer[0]}-{newer[-1]} are"
         print(f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "
-              "trained again, replacing the checkpoints, metrics lines and files it saved (copy the "
-              "run directory first to keep them)", file=sys.stderr)
+              f"trained again; the checkpoints after epoch {epoch} are removed once it is restored, "
+              "and the metrics lines and files they saved are replaced (copy the run directory "
+              "first to keep them)", file=sys.stderr)
     if saved != replicas:
         print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
     return Resuming(epoch, tuple(sets), tuple(changes), stored if changes else None, replicas, saved,
-                    restarts)
+                    restarts, tuple(newer))
 
 
 def _train_again(run: RunDir, info: RunInfo) -> str | None:
