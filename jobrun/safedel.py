@@ -42,6 +42,10 @@ class Shape:
     # A directory of this shape is jobrun's only when its own record says so (given the
     # directory's descriptor): a checkpoint's manifest. Without it, it is kept whole.
     record: Callable[[int], bool] | None = None
+    # Deleted after every other file here: the record's own file, so that a directory cut
+    # short by a kill is still known as jobrun's by what is left (a tensor file would
+    # otherwise stay for good, no longer recognised).
+    last: frozenset[str] = frozenset()
 
     def owns_file(self, name: str) -> bool:
         return self.files is not None and self.files.fullmatch(name) is not None
@@ -88,7 +92,7 @@ def remove_in(root: Path | int, shape: Shape, names: Iterable[str] | None = None
 
 def _clear(fd: int, shape: Shape, prefix: str, names: Iterable[str] | None) -> list[str]:
     kept: list[str] = []
-    for name in sorted(os.listdir(fd) if names is None else set(names)):
+    for name in sorted(os.listdir(fd) if names is None else set(names), key=lambda n: (n in shape.last, n)):
         if not name or "/" in name or name in (".", ".."):
             raise OSError(errno.EINVAL, f"{name!r} is not a name in a directory")
         try:

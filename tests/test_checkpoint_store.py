@@ -841,3 +841,31 @@ def test_an_epoch_saved_again_by_fewer_ranks_drops_the_others(tmp_path: Path) ->
     assert sorted(p.name for p in (tmp_path / "n.2").iterdir()) == ["rank-0"]
     assert ck.verify(tmp_path, "n", 2) == []
     assert ck.latest_complete_epoch(tmp_path, ["n"], 1)[0] == 2
+
+
+def test_a_prune_killed_midway_leaves_what_the_next_clean_removes(tmp_path: Path, monkeypatch) -> None:
+    """A rank directory is jobrun's while its manifest is there: deleted first (files in
+    name order), a kill after it left the tensor file for good, no longer recognised. The
+    manifest goes last now, so what a kill leaves is removed by the next clean."""
+    import jobrun.safedel as safedel
+
+    ck.save({"w": np.zeros(1000, dtype=np.float32)}, {}, tmp_path, "a", 1)
+    ck.save({"w": np.zeros(10, dtype=np.float32)}, {}, tmp_path, "a", 2)
+    real = os.unlink
+    calls = []
+
+    def killed_after_two(name, *a, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process dies here
+        calls.append(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(safedel.os, "unlink", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        ck.delete_epochs(tmp_path, ["a"], [1])
+    monkeypatch.setattr(safedel.os, "unlink", real)
+    assert calls == ["COMMIT", "tensors.safetensors"]  # MANIFEST.json would have gone second
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".deleting-")]
+    removed = ck.clean(tmp_path)
+    assert left.name in removed and not left.exists()
+    assert [i.epoch for i in ck.list_checkpoints(tmp_path)] == [2]

@@ -81,7 +81,7 @@ def _has_manifest(dir_fd: int) -> bool:
 
 # A rank directory in place is jobrun's when its manifest says so; one being written or
 # renamed away (a kill may have cut it short before the manifest) by its name alone.
-RANK_SHAPE = Shape(files=_RANK_FILES, record=_has_manifest)
+RANK_SHAPE = Shape(files=_RANK_FILES, record=_has_manifest, last=frozenset({MANIFEST_FILE}))
 _RANK_LEFTOVER_SHAPE = Shape(files=_RANK_FILES)
 EPOCH_SHAPE = Shape(dirs=((re.compile(r"rank-(?:0|[1-9][0-9]*)"), RANK_SHAPE),
                           (re.compile(r"\.(?:tmp|old)-rank-\d+-\d+-[0-9a-f]{8}|\.deleting-rank-\d+-[0-9a-f]{8}"),
