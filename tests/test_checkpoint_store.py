@@ -869,3 +869,42 @@ def test_a_prune_killed_midway_leaves_what_the_next_clean_removes(tmp_path: Path
     removed = ck.clean(tmp_path)
     assert left.name in removed and not left.exists()
     assert [i.epoch for i in ck.list_checkpoints(tmp_path)] == [2]
+
+
+def test_every_file_of_a_checkpoint_gets_the_mode_the_umask_gives(tmp_path: Path) -> None:
+    """safetensors makes its file 0600 whatever the umask: another account could read a
+    checkpoint's other files but not its tensors, and called every epoch DAMAGED."""
+    old = os.umask(0o022)
+    try:
+        ck.save({"w": np.ones(4, dtype=np.float32)}, {}, tmp_path, "a", 1)
+        os.umask(0o027)
+        ck.save({"w": np.ones(4, dtype=np.float32)}, {}, tmp_path, "a", 2)
+    finally:
+        os.umask(old)
+    for epoch, want in ((1, 0o644), (2, 0o640)):
+        rdir = tmp_path / f"a.{epoch}" / "rank-0"
+        modes = {p.name: p.stat().st_mode & 0o777 for p in rdir.iterdir()}
+        assert modes["tensors.safetensors"] == want and set(modes.values()) == {want}, modes
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_one_message(tmp_path: Path, monkeypatch) -> None:
+    """`ckpt list` of a running job reads epochs the job may prune meanwhile. A tensor
+    file gone between the library's open and torch's mapping of it raised "RuntimeError:
+    unable to open file <...> in read-only mode: No such file or directory (2)", a
+    traceback; now one CheckpointError."""
+    import safetensors
+
+
+    ck.save({"w": np.ones(4, dtype=np.float32)}, {}, tmp_path, "a", 1)
+    rdir = tmp_path / "a.1" / "rank-0"
+    opened = safetensors.safe_open
+
+    def pruned_meanwhile(path, framework):
+        opened(path, framework=framework)
+        Path(path).unlink()
+        raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (2)")
+
+    monkeypatch.setattr(safetensors, "safe_open", pruned_meanwhile)
+    with pytest.raises(CheckpointError, match="cannot read .*no such file"):
+        ck.load(tmp_path, "a", 1, blobs=["w"])
+    assert not (rdir / "tensors.safetensors").exists()

@@ -239,22 +239,15 @@ def _flat_tensors(named: dict[str, Any]) -> dict[str, Any]:
     """The tensors of a .safetensors save, by name. Tensors that share memory (tied
     weights: a GPT's lm_head and its token embedding) are each written under their own
     name, as `jobrun export` writes them, so `load_state_dict(strict=True)` finds every
-    key: the library refuses shared memory, so a later one gets a copy of its own."""
+    key: the library refuses shared memory, so a later one gets a copy of its own, as a
+    checkpoint's tensor file does (store.tensorfile.distinct)."""
+    from jobrun.store.tensorfile import distinct
+
     torch = _torch()
     out: dict[str, Any] = {}
-    seen: set[int] = set()
-
-    def own(t: Any) -> Any:
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel():
-            return t.clone()
-        seen.add(ptr)
-        return t
-
     for name, value in named.items():
         if isinstance(value, torch.Tensor):
-            out[name] = own(value)
+            out[name] = value.detach().cpu().contiguous()
             continue
         state = _state_of(value)
         if not isinstance(state, dict):
@@ -263,8 +256,8 @@ def _flat_tensors(named: dict[str, Any]) -> dict[str, Any]:
         for key, t in state.items():
             if not isinstance(t, torch.Tensor):
                 raise RunError(f"save: {name}.{key} is not a tensor", hint="use .pt for mixed state")
-            out[f"{name}.{key}"] = own(t)
-    return out
+            out[f"{name}.{key}"] = t.detach().cpu().contiguous()
+    return distinct(out)
 
 
 def load(ctx: OpContext, path: str, _out_names: tuple[str, ...] = ()) -> Any:

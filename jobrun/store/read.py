@@ -11,6 +11,7 @@ Checking and verifying never import torch (only ``load`` without ``as_numpy`` do
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -268,6 +269,10 @@ def _load_rank(
             tree = {name: tree[name] for name in blobs if name in tree}
             tensors = tensorfile.Lazy(rdir / TENSORS_FILE, as_numpy=as_numpy)
     except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):  # another account's files: not damage
+            problem(f"cannot read {rdir}: {e.strerror or e}",
+                    hint="check the files' permissions (a run of another account?); the checkpoint "
+                         "may be intact")
         problem(f"cannot read {rdir}: {e.strerror or e}")
     except SafetensorError as e:
         problem(f"{rdir / TENSORS_FILE} cannot be read: {e}")

@@ -87,6 +87,24 @@ def _save_file(tensors: dict[str, Any], path: Path) -> None:
     import safetensors.torch
 
     safetensors.torch.save_file(tensors, path)
+    # The library makes the file 0600 whatever the umask; every other file of a
+    # checkpoint gets 0666 less the umask, and so must this one: another account (a
+    # colleague's evaluation) found every epoch "DAMAGED: Permission denied".
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux); else set and put back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write(path: Path, tensors: dict[str, Any], chunk: int) -> tuple[int, list[str]]:
@@ -99,7 +117,7 @@ def write(path: Path, tensors: dict[str, Any], chunk: int) -> tuple[int, list[st
     from safetensors import SafetensorError
 
     try:
-        _save_file(_distinct(tensors), path)
+        _save_file(distinct(tensors), path)
     except SafetensorError as e:
         raise _os_error(e, path) from e
     fd = os.open(path, os.O_RDONLY)
@@ -113,7 +131,7 @@ def write(path: Path, tensors: dict[str, Any], chunk: int) -> tuple[int, list[st
         os.close(fd)
 
 
-def _distinct(tensors: dict[str, Any]) -> dict[str, Any]:
+def distinct(tensors: dict[str, Any]) -> dict[str, Any]:
     """torch tensors with memory of their own: numpy arrays are wrapped (no copy); a tensor
     whose memory another one already uses (tied weights, views of one tensor), which the
     library refuses to write, is copied."""
@@ -183,7 +201,14 @@ class Lazy:
     def __init__(self, path: Path, *, as_numpy: bool) -> None:
         from safetensors import safe_open
 
-        self._file = safe_open(path, framework="np" if as_numpy else "pt")
+        try:
+            self._file = safe_open(path, framework="np" if as_numpy else "pt")
+        except RuntimeError as e:  # the library's "unable to open file": gone (a prune), unreadable
+            if not os.access(path, os.R_OK):
+                raise OSError(errno.ENOENT if not path.exists() else errno.EACCES,
+                              "no such file" if not path.exists() else "permission denied",
+                              str(path)) from e
+            raise
         self._keys = set(self._file.keys())
 
     def __contains__(self, key: object) -> bool:
