@@ -50,13 +50,16 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     plan = root / "plan.yaml"
     plan.write_text(PLAN)
-    env_no_die = {"JOBRUN_TEST_NO_DIE": "1"}
-    os.environ.update(env_no_die)
+    (root / "tmp").mkdir()
+    env = {"JOBRUN_TEST_NO_DIE": "1", "TMPDIR": str(root / "tmp")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         one = jobrun("train", plan, "--run-dir", root / "one")  # one replica: no process of its own needed
         two = jobrun_proc("train", plan, "--run-dir", root / "two", "--replicas", "2")
     finally:
-        os.environ.pop("JOBRUN_TEST_NO_DIE")
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert one.code == 0, one.text
     assert two.code == 0, two.text
     return root
@@ -73,6 +76,12 @@ def test_one_and_two_replicas_train_the_same_model(runs):
     for run in ("one", "two"):  # samples/s count the global batches: 8 of 12 an epoch
         epochs = [m for m in metrics(runs / run) if m.get("event") == "epoch"]
         assert [round(e["samples_per_s"] * e["seconds"]) for e in epochs] == [96] * 3, run
+
+
+def test_a_replicas_run_leaves_nothing_in_tmpdir(runs):
+    """torch's elastic agent made an empty torchelastic_* tree in $TMPDIR per run (4,208
+    of them in a user's /tmp); its files go to a directory the launch removes."""
+    assert list((runs / "tmp").iterdir()) == []
 
 
 def test_each_rank_checkpoints_and_ranks_agree(runs):

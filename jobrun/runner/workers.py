@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -84,6 +85,7 @@ def start(launch: Launch, torchrun: bool, plan: ir.Plan) -> int:
 
 
 def _elastic(launch: Launch) -> int:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -91,45 +93,49 @@ def _elastic(launch: Launch) -> int:
     # A failed rank's peers get 5 s to stop; torch 2.11's LaunchConfig has no such field
     # (its agent waits its own default), and `torch>=2.10` is what jobrun asks for.
     quick_stop = {"shutdown_timeout": 5} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=launch.replicas, run_id=uuid.uuid4().hex[:12],
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
-        monitor_interval=0.2, start_method="spawn", **quick_stop,
-    )
     _start_resource_tracker()
-    try:
-        with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), \
-                _handlers_kept(), _usr1_as_term():
-            results = elastic_launch(config, worker)(launch)
-    except ChildFailedError as e:
-        rank, failure = _culprit(e.failures)
-        code = failure.exitcode
-        if code in (130, 143):
-            return code
-        if code < 0:
-            detail = f"killed by signal {-code}"
-        else:
-            detail = failure.message if isinstance(failure.message, str) else ""
-        others = sorted(r for r in e.failures if r != rank)
-        stopped = f"; ranks {', '.join(map(str, others))} stopped with it" if others else ""
-        tried = (f" (after {launch.max_restarts} restart{'s' * (launch.max_restarts > 1)})"
-                 if launch.max_restarts else "")
-        error = RunError(
-            f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}{tried}",
-            hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
-                 f"`jobrun resume {launch.run_dir}`",
+    # The agent's error files go to a directory of this launch, removed after it (torch's
+    # default left an empty torchelastic_* tree in $TMPDIR per run).
+    with tempfile.TemporaryDirectory(prefix="jobrun-elastic-", ignore_cleanup_errors=True) as logs:
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=launch.replicas, run_id=uuid.uuid4().hex[:12],
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
+            monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+            **quick_stop,
         )
-        # run.json keeps what the rank itself said (its error file: see _error_file).
-        said = failure.message.get("message") if isinstance(failure.message, dict) else None
-        RunDir(launch.run_dir).record_end(
-            "failed", RunError(said.split("\n")[0]) if isinstance(said, str) and said else error,
-            keep_ended=True)
-        raise error from None
-    except SignalException as e:
-        RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
-        return 128 + int(e.sigval)
-    codes = [c for c in results.values() if c]
-    return max(codes) if codes else 0
+        try:
+            with _torch_logs_to(launch.run_dir / CONSOLE_FILE) as log, _deaths_seen(launch, log), \
+                    _handlers_kept(), _usr1_as_term():
+                results = elastic_launch(config, worker)(launch)
+        except ChildFailedError as e:
+            rank, failure = _culprit(e.failures)
+            code = failure.exitcode
+            if code in (130, 143):
+                return code
+            if code < 0:
+                detail = f"killed by signal {-code}"
+            else:
+                detail = failure.message if isinstance(failure.message, str) else ""
+            others = sorted(r for r in e.failures if r != rank)
+            stopped = f"; ranks {', '.join(map(str, others))} stopped with it" if others else ""
+            tried = (f" (after {launch.max_restarts} restart{'s' * (launch.max_restarts > 1)})"
+                     if launch.max_restarts else "")
+            error = RunError(
+                f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}{tried}",
+                hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
+                     f"`jobrun resume {launch.run_dir}`",
+            )
+            # run.json keeps what the rank itself said (its error file: see _error_file).
+            said = failure.message.get("message") if isinstance(failure.message, dict) else None
+            RunDir(launch.run_dir).record_end(
+                "failed", RunError(said.split("\n")[0]) if isinstance(said, str) and said else error,
+                keep_ended=True)
+            raise error from None
+        except SignalException as e:
+            RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
+            return 128 + int(e.sigval)
+        codes = [c for c in results.values() if c]
+        return max(codes) if codes else 0
 
 
 @contextmanager
