@@ -489,3 +489,17 @@ def test_a_refused_train_leaves_signals_raising_not_exiting(here):
     assert handler is not signals._exit_now  # calling that one would end this process
     with pytest.raises(Interrupted):
         handler(signal.SIGTERM, None)
+
+
+def test_trains_started_at_once_take_the_next_numbers(here):
+    """A sweep launched in parallel (four `jobrun train` at once, no --run-dir): all but
+    one failed with "another `jobrun train` made runs/counter/1 at the same moment"."""
+    procs = [subprocess.Popen([sys.executable, "-m", "jobrun", "train", "plan.yaml", f"vars.lr={i}"],
+                              cwd=here, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(4)]
+    said = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, said
+    runs = sorted((here / "runs" / "counter").iterdir())
+    assert [p.name for p in runs] == ["1", "2", "3", "4"]
+    lrs = sorted(json.loads((p / "run.json").read_text())["sets"][0] for p in runs)
+    assert lrs == [f"vars.lr={i}" for i in range(4)]  # each its own run

@@ -33,7 +33,7 @@ from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
 from jobrun.runner.pick import NoCheckpoint, pick_epoch, replicas_text
 from jobrun.runner.resuming import Resuming
-from jobrun.runner.rundir import RunDir
+from jobrun.runner.rundir import RunDir, RunTaken
 from jobrun.runner.runs import new_run_path
 from jobrun.runner.workers import Launch, device_for, start
 
@@ -49,20 +49,26 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         _ready()
         _no_profile_here(profile)
         return hosts.train(plan_path, run_dir, sets, replicas, device, overwrite, max_restarts)
-    rdir: list[Path] = []
-    warnings: list[Any] = []
-    plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir, warnings=warnings)
     src = Path(plan_path).resolve()
-    inputs.check(plan, src.parent, rdir[0].resolve())  # a missing data file, before any directory is made
-    run = RunDir(rdir[0], plan)
-    run.check_can_train(run.checkpoints, overwrite)
-    _ready()  # everything above is refused in a fraction of a second, without torch
-    inputs.check_code(plan, src.parent)  # a module or name not found, before any directory is made
-    launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
-                    plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
-    device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
+    for tries in range(20, 0, -1):  # trains started at once take the next numbers in turn
+        rdir: list[Path] = []
+        warnings: list[Any] = []
+        plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir, warnings=warnings)
+        inputs.check(plan, src.parent, rdir[0].resolve())  # a missing data file, before any directory is made
+        run = RunDir(rdir[0], plan)
+        run.check_can_train(run.checkpoints, overwrite)
+        _ready()  # everything above is refused in a fraction of a second, without torch
+        inputs.check_code(plan, src.parent)  # a module or name not found, before any directory is made
+        launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
+                        plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
+        device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
+        try:
+            run.create(new=run_dir is None)
+            break
+        except RunTaken:
+            if tries == 1:
+                raise
     said = print_warnings(warnings)  # once, now that the plan runs
-    run.create(new=run_dir is None)
     if run_dir is None:
         said.append(f"run directory {run.path}")
         print(said[-1], file=sys.stderr)

@@ -360,8 +360,8 @@ class RunDir:
             if self.path.is_symlink():  # a link to nothing: mkdir finds the name taken
                 raise UsageError(f"--run-dir {self.path} is a link to {os.readlink(self.path)}, which "
                                  "does not exist", hint="make its target, or choose another --run-dir") from None
-            raise UsageError(f"another `jobrun train` made {self.path} at the same moment",
-                             hint="run the command again: it takes the next number") from None
+            raise RunTaken(f"another `jobrun train` made {self.path} at the same moment",
+                           hint="run the command again: it takes the next number") from None
         except OSError as e:
             raise _write_error(self.path, e) from None
 
@@ -442,6 +442,10 @@ def _checkpoints_busy(checkpoint_dir: Path, who: str) -> UsageError:
     return UsageError(f"checkpoint directory {checkpoint_dir} is in use by {who}",
                       hint="two runs cannot share a checkpoint directory: set checkpoint.dir to another "
                            "directory (--set checkpoint.dir=DIR), or wait for that run to end")
+
+
+class RunTaken(UsageError):
+    """A new numbered run's directory, made by another `train` since its number was picked."""
 
 
 def _inside(path: Path, root: Path) -> bool:
