@@ -183,3 +183,19 @@ def orphaned() -> bool:
             return bool(_parent)
         time.sleep(0.02)
     return False
+
+
+def exit_when_orphaned(code: int, every: float = 0.5) -> None:
+    """After its job: leave with ``code`` if the launcher goes away. torch's wrapper of a
+    spawned worker waits, without a timeout, for its launcher to say it may exit; a
+    launcher killed then (kill -9 after the job ended) left its ranks waiting for good,
+    each holding its memory (found: two ranks of 550 MB each, 23 minutes on)."""
+    import time
+
+    def watch() -> None:
+        while _parent and os.getppid() == _parent[0]:
+            time.sleep(every)
+        os._exit(code)
+
+    if _parent:
+        threading.Thread(target=watch, name="jobrun-orphan-watch", daemon=True).start()

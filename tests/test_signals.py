@@ -96,3 +96,30 @@ def test_a_signal_after_checkpoint_0_offers_resume_with_the_run_dir(tmp_path):
     assert p.returncode == 130, (out, err)
     assert "stopped by SIGINT" in out + err
     assert f"jobrun resume {run}" in out + err
+
+
+def test_a_worker_whose_launcher_is_gone_after_its_job_leaves(tmp_path):
+    """torch's wrapper of a spawned rank waits, without a timeout, for its launcher once
+    the job is done: a launcher killed then left its ranks waiting for good. A rank that
+    watches its launcher (signals.watch_parent) leaves when it goes."""
+    import subprocess
+    import sys
+    import time
+
+    child = ("import threading, sys\nfrom jobrun import signals\nsignals.watch_parent()\n"
+             "signals.exit_when_orphaned(7, every=0.05)\nprint('ready', flush=True)\n"
+             "threading.Event().wait()\n")
+    launcher = ("import subprocess, sys\n"
+                f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True)\n"
+                "assert p.stdout.readline() == 'ready\\n'\nprint(p.pid, flush=True)\n")  # then it exits
+    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    for _ in range(100):  # gone in well under 5 s (it polls every 0.05 s)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the orphaned worker is still waiting")

@@ -269,6 +269,7 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
         code = _run(launch, plan, rank, world)
         if world > 1:
             group.finish()
+        signals.exit_when_orphaned(code)  # torch's wrapper waits for the launcher next
         return code
     except Interrupted as e:
         if alone:
