@@ -123,3 +123,26 @@ def test_a_worker_whose_launcher_is_gone_after_its_job_leaves(tmp_path):
     else:
         os.kill(pid, 9)
         raise AssertionError("the orphaned worker is still waiting")
+
+
+def test_a_signal_during_checkpoint_0_stops_after_it_and_offers_resume(tmp_path, monkeypatch):
+    """A stop that comes while checkpoint 0 is written waits for it, then stops: it said
+    "interrupted during init" and offered no resume, though checkpoint 0 was saved."""
+    from runner_util import jobrun
+
+    from jobrun.runner.checkpoints import Checkpoints
+
+    write_all = Checkpoints._write_all
+
+    def signalled_while_writing(self, epoch, prepared):
+        if epoch == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler defers it: a save is running
+        return write_all(self, epoch, prepared)
+
+    monkeypatch.setattr(Checkpoints, "_write_all", signalled_while_writing)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", ""))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 143 and list(run.glob("ckpt/local.0/rank-0/COMMIT")), r.text
+    assert "during init" not in r.text and f"jobrun resume {run}" in r.text

@@ -94,6 +94,8 @@ class Checkpoints:
             self._saving = False
             if self._pending_signal is not None:
                 self._wait_for_writer()
+                if epoch == 0 and self._failed_save != 0:
+                    self._resumable = True  # checkpoint 0 is saved: the stop offers resume
                 raise Interrupted(self._pending_signal)
 
     def _fingerprint_init(self) -> None:
