@@ -487,8 +487,9 @@ def test_resume_from_an_older_epoch_says_which_epochs_it_trains_again(trained):
     plan, run = trained
     r = jobrun("resume", "--run-dir", run, "--epoch", "0")
     assert r.code == 0, r.text
-    assert ("note: going on from epoch 0 of a run saved up to epoch 2: epochs 1-2 are trained again, "
-            "replacing the checkpoints") in r.err
+    assert ("note: going on from epoch 0 of a run saved up to epoch 2: epochs 1-2 are trained again; "
+            "the checkpoints after epoch 0 are removed once it is restored") in r.err
+    assert "removed the checkpoints of epochs 1-2, which this resume trains again" in r.out
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "max_epochs=3")
     assert r.code == 0 and "epoch 2 is trained again" in r.err, r.text
     r = jobrun("resume", "--run-dir", run, "max_epochs=4")  # from the newest: nothing again
