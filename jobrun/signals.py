@@ -34,21 +34,34 @@ def _remember(signum: int, frame: Any) -> None:
     _pending.append(signum)
 
 
+_finished: list[bool] = []  # the job of this command finished: a signal now comes while it closes
+CLOSING = "closing, after the job finished"
+
+
 def _raise(signum: int, frame: Any) -> None:
     from jobrun.errors import Interrupted
 
-    raise Interrupted(signum, during="start-up")
+    raise Interrupted(signum, during=CLOSING if _finished else "start-up")
 
 
 def _exit_now(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
-    os.write(2, f"interrupted during start-up ({name}); nothing was written\n".encode())
+    said = (f"interrupted during {CLOSING} ({name}); the run is finished, as run.json says" if _finished
+            else f"interrupted during start-up ({name}); nothing was written")
+    os.write(2, f"{said}\n".encode())
     os._exit(128 + signum)
+
+
+def job_finished() -> None:
+    """The job finished (run.json says so): a signal from now on says that it came while
+    the process closed, not during start-up with "nothing was written"."""
+    _finished[:] = [True]
 
 
 def exit_at_once() -> None:
     """Until :func:`interruptible`: a signal ends the process at once (nothing is written
     yet); one that came while deferred ends it now."""
+    _finished.clear()
     if _swap((_remember, _raise), _exit_now) and _pending:
         _exit_now(_pending[0], None)
 

@@ -146,3 +146,36 @@ def test_a_signal_during_checkpoint_0_stops_after_it_and_offers_resume(tmp_path,
     r = jobrun("train", plan, "--run-dir", run)
     assert r.code == 143 and list(run.glob("ckpt/local.0/rank-0/COMMIT")), r.text
     assert "during init" not in r.text and f"jobrun resume {run}" in r.text
+
+
+def test_a_signal_as_a_finished_job_closes_leaves_it_finished_and_says_so(tmp_path, monkeypatch):
+    """Ctrl-C just after "job ... finished": it said "interrupted during start-up ...
+    nothing was written" (the start-up handler was back), or "stopped by SIGINT" with a
+    resume to do; run.json rightly says finished."""
+    import json
+
+    from runner_util import jobrun
+
+    from jobrun import signals
+    from jobrun.errors import Interrupted
+    from jobrun.runner.job import JobRunner
+
+    summary = JobRunner._summary
+
+    def signalled(self):
+        summary(self)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(JobRunner, "_summary", signalled)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", ""))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 130 and "interrupted during closing, after the job finished (SIGINT)" in r.err, r.text
+    assert "resume" not in r.err and json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
+    signals.job_finished()  # once the job finished, the process's own handler says so too
+    with pytest.raises(Interrupted, match="during closing, after the job finished"):
+        signals._raise(signal.SIGINT, None)
+    signals.exit_at_once()  # the next command starts anew
+    signals.end_start_up()
+    with pytest.raises(Interrupted, match="during start-up"):
+        signals._raise(signal.SIGINT, None)

@@ -336,6 +336,7 @@ class JobRunner(Checkpoints):
         self._run_group("exit")
         if self.main_rank:
             self._record("finished")
+        signals.job_finished()
 
     def _agree_on_stop(self) -> None:
         """With replicas: stop here, all ranks together, when any of them was signalled
@@ -424,6 +425,8 @@ class JobRunner(Checkpoints):
             if self._saving:
                 self._pending_signal = signum  # finish the save first: never a half checkpoint
                 return
+            if self.status == "finished":  # as the finished job closes: it stays finished
+                raise Interrupted(signum, during=signals.CLOSING)
             raise Interrupted(signum)
 
         signals.reset()
