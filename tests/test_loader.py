@@ -165,6 +165,20 @@ def test_a_dead_worker_stops_the_reader_with_a_message():
     assert "jobrun resume" in e.value.hint
 
 
+def test_a_worker_killed_while_its_batch_is_taken_is_a_dead_worker():
+    """A worker killed while the main process took its batch's shared memory ends the
+    connection (EOFError) before torch says the worker exited: that was an IndexError of
+    jobrun's own (an error with no text), which CI met once in the test above."""
+    from jobrun.ops.loader import _failure
+
+    r = _reader(Noisy(), batch_size=4, num_workers=2)
+    died = _failure(r, EOFError())
+    assert "a DataLoader worker of the reader over Noisy died: EOFError while taking its batch" in died.message
+    assert "jobrun resume" in died.hint
+    plain = _failure(_reader(Noisy(), batch_size=4), ValueError())  # no text, no workers
+    assert plain.message == "the reader over Noisy failed: ValueError"
+
+
 def test_arguments_that_need_a_dataset_or_workers_are_refused():
     with pytest.raises(RunError, match="num_workers need.* a torch Dataset"):
         reader_op(OpContext(), torch.arange(4), num_workers=2)

@@ -462,7 +462,7 @@ def worker_died(e: BaseException, name: str | None = None) -> RunError:
     """The one message for a dead DataLoader worker (of the reader over ``name``)."""
     of = f" of the reader over {name}" if name else ""
     return RunError(
-        f"a DataLoader worker{of} died: {str(e).strip()}",
+        f"a DataLoader worker{of} died: {str(e).strip() or type(e).__name__ + ' while taking its batch'}",
         hint="workers die when memory runs out (fewer num_workers or a smaller "
         "prefetch_factor help) or when native code in the dataset crashes; the run "
         "resumes from its last checkpoint with `jobrun resume`",
@@ -485,16 +485,19 @@ def _failure(reader: Reader, e: Exception) -> RunError:
             hint="fix the dataset's __getitem__ for this sample; the run resumes from its "
             "last checkpoint with `jobrun resume`",
         )
-    if is_worker_death(e):
+    # A worker killed while the main process takes its batch's shared memory: the
+    # connection ends (EOFError, a reset) before torch's own "worker (pid N) exited".
+    if is_worker_death(e) or (isinstance(e, EOFError | ConnectionError) and reader.options.num_workers):
         return worker_died(e, name)
     if isinstance(e, RuntimeError) and "DataLoader timed out" in text:
         return RunError(
             f"the reader over {name}: {text.strip()}",
             hint="a worker took longer than `timeout` for one batch: raise it (0 waits forever)",
         )
-    first, last = text.strip().splitlines()[0], text.strip().splitlines()[-1] if text.strip() else ""
+    lines = text.strip().splitlines() or [""]
+    first, last = lines[0], lines[-1]
     # A worker's error: its last line is the worker's own `Type: message`.
-    shown = last if first.startswith("Caught ") else f"{type(e).__name__}: {first}"
+    shown = last if first.startswith("Caught ") else f"{type(e).__name__}: {first}" if first else type(e).__name__
     return RunError(f"the reader over {name} failed: {shown}",
                     hint="check the dataset and the reader's collate_fn")
 
