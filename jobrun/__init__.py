@@ -27,14 +27,14 @@ def batch_rows(batch: Any) -> tuple[int, slice]:
     which every replica reads whole, or one computed from a batch), it is
     ``(len(batch), slice(0, len(batch)))``.
     """
-    from jobrun.ops.reader import _rank_bounds, global_records
+    from jobrun.ops.split import global_records, rank_bounds
 
     total = global_records(batch)
     if total is None:
         return len(batch), slice(0, len(batch))
     import torch.distributed as dist
 
-    lo, hi = _rank_bounds(total, dist.get_rank(), dist.get_world_size())
+    lo, hi = rank_bounds(total, dist.get_rank(), dist.get_world_size())
     if hi - lo != len(batch):
         raise ValueError(f"batch_rows: a batch of {len(batch)} rows is not this replica's part "
                          f"({hi - lo} rows) of a global batch of {total}")

@@ -185,7 +185,8 @@ def test_every_reader_tags_a_ranks_part_with_the_records_of_the_global_batch():
     from torch.utils.data import TensorDataset
 
     from jobrun.ops.context import OpContext
-    from jobrun.ops.reader import global_records, read_op, reader_op
+    from jobrun.ops.reader import read_op, reader_op
+    from jobrun.ops.split import global_records
 
     x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
     for rank in (0, 1):

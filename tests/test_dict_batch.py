@@ -15,7 +15,8 @@ from torch import nn
 from jobrun.errors import RunError
 from jobrun.ops import train
 from jobrun.ops.context import OpContext
-from jobrun.ops.reader import global_records, reader_op
+from jobrun.ops.reader import reader_op
+from jobrun.ops.split import global_records
 
 VOCAB, T = 11, 6
 

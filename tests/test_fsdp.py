@@ -334,7 +334,7 @@ _TOTALS = """
 import json, sys, torch, torch.distributed as dist
 from jobrun.ops import fsdp
 from jobrun.ops.context import OpContext
-from jobrun.ops.reader import mark_records
+from jobrun.ops.split import mark_records
 from jobrun.ops.train import train_step
 rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)

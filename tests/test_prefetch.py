@@ -17,7 +17,8 @@ from torch.utils.data import TensorDataset
 
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
-from jobrun.ops.reader import Reader, TensorReader, global_records, read_op, reader_op
+from jobrun.ops.reader import Reader, TensorReader, read_op, reader_op
+from jobrun.ops.split import global_records
 
 TOKENS = torch.arange(1000, dtype=torch.int64) * 7 % 65
 

@@ -149,7 +149,7 @@ def test_batch_rows_names_the_rows_of_the_global_batch_each_rank_read(monkeypatc
 
 
 def _marked(t, records):
-    from jobrun.ops.reader import mark_records
+    from jobrun.ops.split import mark_records
 
     mark_records((t,), records)
     return t

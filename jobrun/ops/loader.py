@@ -53,7 +53,8 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
-from jobrun.ops.reader import Reader, _as_int, _check_int, _mix, mark_records
+from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
+from jobrun.ops.split import mark_records
 
 LOADING_DEFAULTS: dict[str, Any] = {
     "num_workers": 0,

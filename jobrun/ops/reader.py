@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch
 from jobrun.errors import RunError
 from jobrun.ops.batches import counts
 from jobrun.ops.context import OpContext
+from jobrun.ops.split import global_records, mark_records, rank_bounds
 from jobrun.ops.transfer import ToDevice
 
 _ORDINAL_KEY = "reader.ordinal"
@@ -73,29 +74,6 @@ def _field_length(index: int, field: Any) -> int:
     )
 
 
-def _rank_bounds(length: int, rank: int, world: int) -> tuple[int, int]:
-    """This rank's [lo, hi) of a batch of `length`, like torch.tensor_split."""
-    base, extra = divmod(length, world)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
-_RECORDS = "_jobrun_records"
-
-
-def mark_records(fields: tuple[Any, ...], records: int) -> tuple[Any, ...]:
-    """Tag the tensors of a rank's part of a global batch with the records of the whole
-    batch (all ranks together): every rank knows them from the split, so `train.step`
-    weights its loss by its share without a collective to count them. A dict batch's
-    tensors are tagged each (train.step reads the tag of the one that counts its records,
-    see :mod:`jobrun.ops.batches`)."""
-    for f in fields:
-        for t in f.values() if f.__class__ is not torch.Tensor and isinstance(f, Mapping) else (f,):
-            if isinstance(t, torch.Tensor):
-                setattr(t, _RECORDS, records)
-    return fields
-
-
 class Failed:
     """A look-ahead that raised: the `read` that would hand the batch out raises it."""
 
@@ -111,12 +89,6 @@ def _attempt(prepare: Any, args: tuple[Any, ...]) -> Any:
         return prepare(*args)
     except Exception as e:
         return Failed(e)
-
-
-def global_records(t: Any) -> int | None:
-    """The records of the global batch a tensor is a rank's part of (see
-    :func:`mark_records`); None for a tensor a reader did not split."""
-    return getattr(t, _RECORDS, None)
 
 
 class Reader:
@@ -208,7 +180,7 @@ class Reader:
         """
         if self.batch_size == 1 or self.world_size == 1:
             return start, stop
-        lo, hi = _rank_bounds(stop - start, self.rank, self.world_size)
+        lo, hi = rank_bounds(stop - start, self.rank, self.world_size)
         return start + lo, start + hi
 
     # -- reading ------------------------------------------------------------------

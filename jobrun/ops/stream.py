@@ -33,7 +33,8 @@ from jobrun.ops.loader import (
     part,
     shutdown,
 )
-from jobrun.ops.reader import Failed, Reader, _as_int, _mix, _rank_bounds, mark_records
+from jobrun.ops.reader import Failed, Reader, _as_int, _mix
+from jobrun.ops.split import mark_records, rank_bounds
 
 _END = object()  # a look-ahead that found the end of the stream
 
@@ -129,7 +130,7 @@ class IterableReader(Reader):
         n = 0
         if self.batch_size > 1 and self.world_size > 1:
             n = records(fields[0])
-            lo, hi = _rank_bounds(n, self.rank, self.world_size)
+            lo, hi = rank_bounds(n, self.rank, self.world_size)
             fields = tuple(part(f, lo, hi) for f in fields)
         if not self.field_count:
             self.field_count = len(fields)

@@ -33,7 +33,8 @@ from jobrun.ops.losses import LOSSES as _LOSSES
 from jobrun.ops.losses import MODEL, accuracy_logits, forward, model_loss
 from jobrun.ops.losses import loss_fn as _loss_fn
 from jobrun.ops.models import require_optimizer
-from jobrun.ops.reader import Reader, global_records
+from jobrun.ops.reader import Reader
+from jobrun.ops.split import global_records
 
 # ------------------------------------------------------------------------ train.step
 

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from jobrun.errors import RunError
-from jobrun.ops.reader import Reader, mark_records
+from jobrun.ops.reader import Reader
+from jobrun.ops.split import mark_records
 
 SAMPLES = ("order", "random")
 

@@ -39,7 +39,6 @@ from jobrun.runner import group
 from jobrun.runner.launch import (
     already_finished,
     best_or,
-    beyond_extending,
     checkpoints_of,
     compile_for_run,
     new_run_info,
@@ -49,6 +48,7 @@ from jobrun.runner.launch import (
     resuming,
 )
 from jobrun.runner.pick import pick_epoch
+from jobrun.runner.planchanges import beyond_extending
 from jobrun.runner.rundir import RunDir
 from jobrun.runner.workers import Launch, device_for, restart_count, worker
 

@@ -32,6 +32,7 @@ from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
 from jobrun.runner.pick import NoCheckpoint, pick_epoch, replicas_text
+from jobrun.runner.planchanges import beyond_extending
 from jobrun.runner.resuming import Resuming
 from jobrun.runner.rundir import RunDir, RunTaken
 from jobrun.runner.runs import new_run_path
@@ -328,18 +329,6 @@ def _train_again(run: RunDir, info: RunInfo) -> str | None:
 
     args = ["jobrun", "train", info.source, *(info.sets or []), "--run-dir", str(run.path)]
     return f"it stopped before its first checkpoint: start it again with `{shlex.join(args)}`"
-
-
-# Keys a resume may change and still give the result of an uninterrupted run with them.
-_EXTENDING = ("max_epochs", "max_steps")
-
-
-def beyond_extending(changes: list[str]) -> bool:
-    """Whether a change reaches past max_epochs and max_steps into what training computes.
-    A var's own line does not count (the keys it changed are listed after it with their
-    new values), nor do the download and exit groups, which run after the last epoch."""
-    return any(not c.startswith((*(f"{k}:" for k in _EXTENDING), "vars.", "download.", "exit."))
-               for c in changes)
 
 
 def _warn_changes(changes: list[str]) -> None:

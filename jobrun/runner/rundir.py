@@ -259,6 +259,7 @@ class RunDir:
         from jobrun.plans.compile import compile_tree
         from jobrun.plans.load import to_plain
         from jobrun.plans.overrides import apply_sets
+        from jobrun.runner.planchanges import plan_changes
 
         tree, name, own = self._source()
         apply_sets(tree, own)
@@ -270,7 +271,7 @@ class RunDir:
         self._plan = plan
         was, _, _ = self._source()  # compiled as before, for the values the change gave
         compile_tree(was, name, own, **dirs)
-        return plan, _changes(before, after, to_plain(was), to_plain(tree)), after
+        return plan, plan_changes(before, after, to_plain(was), to_plain(tree)), after
 
     @property
     def plan_dir(self) -> Path:
@@ -487,34 +488,6 @@ def _holds_checkpoints(root: Path, depth: int) -> Path | None:
             if found:
                 return found
     return None
-
-
-def _changes(before: Any, after: Any, resolved_before: Any, resolved_after: Any) -> list[str]:
-    """`key: old -> new`: the vars as the overrides changed them, then every other key
-    with its values after substitution (`max_epochs: 4 -> 6`, not `"${epochs}" -> 6`),
-    so a var shows where it is used and a change that uses no var shows its value."""
-    var = lambda tree: {"vars": tree.get("vars", _NONE)} if isinstance(tree, dict) else {}  # noqa: E731
-    rest = lambda tree: {k: v for k, v in tree.items() if k != "vars"} if isinstance(tree, dict) else tree  # noqa: E731
-    return _differences(var(before), var(after)) + _differences(rest(resolved_before), rest(resolved_after))
-
-
-def _differences(before: Any, after: Any, at: str = "") -> list[str]:
-    """`key: old -> new` for every leaf that an override changed, added or removed."""
-    if isinstance(before, dict) and isinstance(after, dict):
-        out = []
-        for key in [*before, *(k for k in after if k not in before)]:
-            path = f"{at}.{key}" if at else str(key)
-            out += _differences(before.get(key, _NONE), after.get(key, _NONE), path)
-        return out
-    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
-        return [d for i, (b, a) in enumerate(zip(before, after)) for d in _differences(b, a, f"{at}.{i}")]
-    if before == after and type(before) is type(after):
-        return []
-    show = lambda v: "(not set)" if v is _NONE else json.dumps(v)  # noqa: E731
-    return [f"{at}: {show(before)} -> {show(after)}"]
-
-
-_NONE = object()
 
 
 def jobruns_own(run_dir: Path, checkpoint_dir: Path | None, target: Path) -> str | None:
