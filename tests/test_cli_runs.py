@@ -503,3 +503,24 @@ def test_trains_started_at_once_take_the_next_numbers(here):
     assert [p.name for p in runs] == ["1", "2", "3", "4"]
     lrs = sorted(json.loads((p / "run.json").read_text())["sets"][0] for p in runs)
     assert lrs == [f"vars.lr={i}" for i in range(4)]  # each its own run
+
+
+def test_a_number_taken_and_trained_before_the_check_is_passed_over(here, monkeypatch):
+    """Another `train` may take the picked number and save checkpoints in it before this
+    one checks the directory: that is the same race, not "already holds checkpoints"
+    (CI met it with four trains at once on two cores)."""
+    from jobrun.runner import launch
+
+    picked = launch.new_run_path
+
+    def taken_meanwhile(job):
+        path = picked(job)
+        if path.name == "1":  # the other train takes 1 and saves its first epoch
+            assert jobrun("train", "plan.yaml", "--run-dir", str(path)).code == 0
+        return path
+
+    monkeypatch.setattr(launch, "new_run_path", taken_meanwhile)
+    r = jobrun("train", "plan.yaml")
+    assert r.code == 0, r.err
+    assert "run directory runs/counter/2" in r.err
+    assert sorted(p.name for p in (here / "runs" / "counter").iterdir()) == ["1", "2"]

@@ -57,6 +57,8 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         plan, stored = compile_for_run(plan_path, sets, run_dir, new_run=rdir, warnings=warnings)
         inputs.check(plan, src.parent, rdir[0].resolve())  # a missing data file, before any directory is made
         run = RunDir(rdir[0], plan)
+        if run_dir is None and os.path.lexists(run.path) and tries > 1:
+            continue  # another `train` took this number since it was picked (and may have saved in it)
         run.check_can_train(run.checkpoints, overwrite)
         _ready()  # everything above is refused in a fraction of a second, without torch
         inputs.check_code(plan, src.parent)  # a module or name not found, before any directory is made
