@@ -105,6 +105,40 @@ def _swap(old: tuple[Any, ...], new: Any) -> bool:
     return True
 
 
+# -- DataLoader workers ---------------------------------------------------------------
+#
+# A signal to the whole process group (Ctrl-C; SLURM's USR1 warning and scancel, `kill --
+# -PGID`, docker stop) reaches a job's DataLoader workers too, and the job stops them itself.
+
+
+def end_quietly(signum: int, frame: Any) -> None:
+    """A worker's SIGTERM: it ends at once with status 0, which torch does not count as a
+    worker's failure (killed by the signal, torch raised "worker is killed by signal" in the
+    job from its SIGCHLD handler: a traceback and exit 1 in place of 143)."""
+    os._exit(0)
+
+
+def in_forked_worker(owner: int, signum: int) -> bool:
+    """Whether the job's handler runs in a process forked from ``owner``: a worker that
+    did not replace the handlers it inherited yet (it is starting). It acts as a worker
+    does (SIGTERM: :func:`end_quietly`; the others: nothing)."""
+    if os.getpid() == owner:
+        return False
+    if signum == signal.SIGTERM:
+        end_quietly(signum, None)
+    return True
+
+
+def expect_worker_deaths() -> None:
+    """A stop signal came: workers killed by it (before their own handlers were set, torch's
+    C handler lets a SIGTERM from anyone but their parent kill them) die as part of the stop.
+    torch's SIGCHLD handler would raise each death in whatever the job runs next (its stop,
+    atexit); the job shuts its workers down itself. Main thread only."""
+    handler = signal.getsignal(signal.SIGCHLD)
+    if getattr(handler, "__module__", "").startswith("torch.utils.data"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 # -- a stop the ranks of a data-parallel job agree on ------------------------------------
 #
 # A rank that raised at once on SIGINT would leave the others waiting for it in their next

@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -396,3 +397,49 @@ def test_a_dead_worker_reported_between_ops_gets_the_same_message_and_keeps_the_
     assert "fewer num_workers" in r.err and "jobrun resume" in r.err and "Traceback" not in r.err
     assert ckpt_values(tmp_path / "run", 0) == {}  # checkpoint 0 is still there
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
+
+
+SLOW = '''
+import time
+from pathlib import Path
+import torch
+
+class Slow(torch.utils.data.Dataset):
+    """12 samples, each 20 ms to fetch; the first fetch of epoch 2's pass leaves a marker."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        if torch.utils.data.get_worker_info() is not None and (Path(__file__).parent / "run" / "ckpt" / "local.1").exists():
+            (Path(__file__).parent / "fetching").touch()
+        return torch.tensor([float(i)]), i
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_the_process_group_stops_a_job_with_workers_cleanly(tmp_path, sig):
+    """SLURM's `--signal=USR1@90` and `scancel`, `kill -- -PGID`, docker stop: the job's
+    DataLoader workers get the signal too. A worker ran the job's own SIGUSR1 handler
+    (inherited through fork) and exited 1, one killed by SIGTERM made torch raise from its
+    SIGCHLD handler: a traceback and exit 1, so SLURM's requeue on 138/143 never came."""
+    (tmp_path / "plan.yaml").write_text(JOB.replace("flaky:Flaky", "slow:Slow").replace("max_epochs: 3", "max_epochs: 50"))
+    (tmp_path / "slow.py").write_text(SLOW)
+    p = subprocess.Popen([sys.executable, "-m", "jobrun", "train", "plan.yaml", "--run-dir", "run"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(3000):  # workers are fetching epoch 2's batches
+            if (tmp_path / "fetching").exists() or p.poll() is not None:
+                break
+            time.sleep(0.01)
+        os.killpg(p.pid, sig)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + sig, err
+    assert "Traceback" not in err and "exited unexpectedly" not in err and "killed by signal" not in err, err
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "interrupted"

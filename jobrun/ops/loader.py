@@ -55,6 +55,7 @@ from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
 from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
 from jobrun.ops.split import mark_records
+from jobrun.signals import end_quietly
 
 LOADING_DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
@@ -213,10 +214,11 @@ def shutdown(iterator: Any) -> None:
 
 
 def _worker_init(worker_id: int) -> None:
-    # Ctrl-C reaches the whole process group: the job stops its workers itself. A
-    # forked worker would otherwise run the job's own handler.
+    # A signal to the process group reaches the workers too (see jobrun.signals): the job
+    # stops them itself. Forked, a worker would run the job's own handler.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, end_quietly)
 
 
 # ---------------------------------------------------------------------------- map-style

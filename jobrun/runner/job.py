@@ -14,6 +14,7 @@ the restore are the runner's base class, in :mod:`jobrun.runner.checkpoints`.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -176,6 +177,8 @@ class JobRunner(Checkpoints):
                 from jobrun.ops.loader import is_worker_death, worker_died
 
                 if is_worker_death(e):
+                    if signals.requested():  # killed by the signal the ranks are stopping for
+                        self._stopped(signals.requested())
                     died = worker_died(e)
                     self._record("failed", died)
                     raise died from e
@@ -417,7 +420,12 @@ class JobRunner(Checkpoints):
             yield
             return
 
+        owner = os.getpid()
+
         def handler(signum: int, frame: Any) -> None:
+            if signals.in_forked_worker(owner, signum):
+                return
+            signals.expect_worker_deaths()
             # With replicas the ranks stop together where they agree (jobrun.signals),
             # unless none comes within its grace.
             if self.cfg.world_size > 1 and not signals.request(signum):
