@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -170,3 +171,23 @@ def test_going_back_removes_the_later_checkpoints_once_restored_and_keeps_them_w
     assert r.code == 0 and "already finished at epoch 2" in r.out, r.text
     r = jobrun("ckpt", "list", run, "--json")
     assert [e["epoch"] for e in json.loads(r.out)["checkpoints"]] == [2], r.text
+
+
+def test_going_back_on_a_damaged_metrics_line_is_refused_before_a_checkpoint_goes(tmp_path):
+    """The resume removed the later checkpoints, then stopped on the damaged line it
+    met as it dropped the later epochs' metrics: epoch 2 was gone, run.json still said
+    finished at 2, and a plain resume had "nothing to do"."""
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    run = tmp_path / "run"
+    assert jobrun("train", tmp_path / "plan.yaml", "--run-dir", run, "max_epochs=2").code == 0
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    n = next(i for i, line in enumerate(lines) if '"step": ' in line)
+    lines[n] = re.sub(r'"step": \d+', '"step": 1' + "0" * 30, lines[n])
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    before = (run / "run.json").read_text()
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 2 and f"metrics.jsonl:{n + 1}: field step:" in r.err and "damaged" in r.err, r.text
+    assert "removed" not in r.out
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith(".")) == \
+        ["local.0", "local.1", "local.2"]
+    assert (run / "run.json").read_text() == before

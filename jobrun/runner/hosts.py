@@ -164,6 +164,7 @@ class _Lead:
         run.info()  # a directory that is not a run is refused before anything is written
         self.held.enter_context(run.lock())
         plan, changes, stored = resume_plan(run, sets)
+        run.metrics_lines()  # a damaged line is refused before anything changes
         ckpt_dir = checkpoints_of(run, plan)
         self.held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()

@@ -110,6 +110,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
     run.info()  # a directory that is not a run is refused before anything is written
     with run.lock(), ExitStack() as held:
         plan, changes, stored = resume_plan(run, sets)
+        run.metrics_lines()  # a damaged line is refused before anything changes
         ckpt_dir = checkpoints_of(run, plan)
         held.enter_context(run.lock_checkpoints(ckpt_dir))
         info = run.info()

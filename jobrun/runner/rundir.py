@@ -410,16 +410,25 @@ class RunDir:
 
     def truncate_metrics(self, after_epoch: int) -> None:
         """On resume from epoch E, drop what the interrupted run logged after E."""
+        lines = self.metrics_lines()
+        if lines is None:
+            return
+        kept = [line for line, record in lines  # the end phase runs again
+                if record.group not in ("download", "exit") and (record.epoch or 0) <= after_epoch]
+        self._write(self.metrics_file, "".join(k + "\n" for k in kept).encode())
+
+    def metrics_lines(self) -> list[tuple[str, MetricsRecord]] | None:
+        """metrics.jsonl's (line, record) pairs (None: there is no file); a UsageError
+        naming a damaged line. A resume reads them before it changes anything: it must not
+        remove checkpoints (`--epoch`) and then stop on the file."""
         path = self.metrics_file
         try:
             data = safefs.read_bounded(path, 1 << 40)
         except FileNotFoundError:
-            return
+            return None
         except OSError as e:
             raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-        kept = [line for line, record in metrics_records(path, data)  # the end phase runs again
-                if record.group not in ("download", "exit") and (record.epoch or 0) <= after_epoch]
-        self._write(path, "".join(k + "\n" for k in kept).encode())
+        return list(metrics_records(path, data))
 
 
 def _check_checkpoint_dir(checkpoint_dir: Path) -> None:
