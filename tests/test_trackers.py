@@ -151,9 +151,13 @@ def test_mlflow_run_holds_metrics_params_and_the_model_and_resume_continues_it(p
 def test_a_missing_tracker_package_is_one_clear_error(plan_file, tmp_path, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed, to importlib
     r = jobrun("train", plan_file(PLAN.replace("LOGGERS", "wandb")), "--run-dir", tmp_path / "run")
-    assert r.code != 0 and 'pip install "jobrun[wandb]"' in r.text and "Traceback" not in r.text
+    assert r.code == 2 and 'pip install "jobrun[wandb]"' in r.text and "Traceback" not in r.text
+    line = PLAN.splitlines().index("loggers: [LOGGERS]") + 1
+    assert f"plan.yaml:{line}:10: error: `loggers: [wandb]` needs the wandb package" in r.err, r.err
+    # refused before the run directory is made: it was left behind as a run that "died"
+    assert not (tmp_path / "run").exists()
 
 
 # -- Weights & Biases -----------------------------------------------------------------------

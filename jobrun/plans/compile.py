@@ -159,7 +159,7 @@ class _Compiler(StepCompiler):
             init=groups["init"], epoch=groups["epoch"], download=groups["download"],
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
             max_restarts=max_restarts, parallel=parallel, fsdp_layers=tuple(fsdp_layers or ()),
-            loggers=loggers,
+            loggers=loggers, loggers_pos=t.at("loggers") if loggers else None,
             max_steps=max_steps,
         )
 

@@ -31,7 +31,9 @@ WRITERS = frozenset({"save", "export"})  # ops whose `path` is a file written in
 
 
 def check(plan: ir.Plan, plan_dir: Path, run_dir: Path) -> None:
-    """Refuse the first file a reader of ``plan`` names that does not exist."""
+    """Refuse a tracker of `loggers` whose package is not installed, and the first file a
+    reader of ``plan`` names that does not exist."""
+    _check_trackers(plan)
     from jobrun.ops.context import under
     from jobrun.ops.registry import CORE_SPECS
     from jobrun.ops.train_specs import TRAIN_SPECS
@@ -116,6 +118,19 @@ def _strings(values: Any) -> Iterator[str]:
 CODE_ARGS = {"call": ("fn",), "build": ("target",), "optimizer": ("target",), "scheduler": ("target",),
              "reader": ("collate_fn",), "train.step": ("loss",), "evaluate": ("loss",)}
 NESTING = frozenset({"build", "optimizer", "scheduler"})
+
+
+def _check_trackers(plan: ir.Plan) -> None:
+    """A tracker package not installed (not imported: that takes seconds) is refused here,
+    before the run directory is made; found at the run's start, it left a run that had
+    "died"."""
+    import importlib.util
+
+    for name in plan.loggers:
+        if name != "csv" and importlib.util.find_spec(name) is None:
+            raise PlanError(f"`loggers: [{name}]` needs the {name} package, which is not installed",
+                            plan.loggers_pos or plan.pos,
+                            f'install the extra: pip install "jobrun[{name}]", or remove {name} from `loggers`')
 
 
 def check_code(plan: ir.Plan, plan_dir: Path) -> None:

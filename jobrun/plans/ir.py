@@ -6,7 +6,7 @@ through :mod:`jobrun.plans.visit`. It never imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jobrun.errors import Pos
@@ -212,6 +212,7 @@ class Plan:
     parallel: str = "ddp"  # ddp: a full model on every rank; fsdp: sharded with FSDP2
     fsdp_layers: tuple[str, ...] = ()  # module classes sharded as units (dotted paths)
     loggers: tuple[str, ...] = ()  # experiment trackers the logged values also go to
+    loggers_pos: Pos | None = field(default=None, compare=False)  # where `loggers:` is
     max_steps: int | None = None  # stop once this many optimizer steps were taken (the global step)
 
     @property
