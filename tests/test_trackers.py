@@ -160,6 +160,22 @@ def test_a_missing_tracker_package_is_one_clear_error(plan_file, tmp_path, monke
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tracker_that_cannot_start_fails_the_run_it_was_made_for(plan_file, tmp_path, monkeypatch):
+    """The run's directory exists by then: run.json said running, and `jobrun runs` listed
+    the run as died, with the error in no file (run.json holds it now)."""
+    from jobrun.runner import trackers
+
+    def unreachable(*args):
+        raise ConnectionError("tracking server refused the connection")
+
+    monkeypatch.setitem(trackers._OPEN, "csv", unreachable)
+    run_dir = tmp_path / "run"
+    r = jobrun("train", plan_file(PLAN.replace("LOGGERS", "csv")), "--run-dir", run_dir)
+    assert r.code == 2 and "cannot start the csv logger: ConnectionError: tracking server refused" in r.err, r.text
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "failed" and "tracking server refused" in info["error"]
+
+
 # -- Weights & Biases -----------------------------------------------------------------------
 
 

@@ -82,8 +82,15 @@ class JobRunner(Checkpoints):
         self.metrics = Metrics(self.run_dir.metrics_file if self.main_rank else None)
         self.tensorboard = TensorBoard(cfg.run_dir if self.main_rank else None)
         self.status = "failed"  # how the run ended, for the trackers
-        self.trackers = trackers.for_run(self.plan, cfg.resume_epoch, self.run_dir, self.display.warn) \
-            if self.main_rank and self.plan.loggers else None
+        self.completed = 0  # the last epoch that ran to its end (run.json's last_epoch)
+        # A resume not restored yet: how it ends is not the run's (the run is as it was).
+        self._unrecorded = cfg.resuming is not None
+        try:
+            self.trackers = trackers.for_run(self.plan, cfg.resume_epoch, self.run_dir, self.display.warn) \
+                if self.main_rank and self.plan.loggers else None
+        except JobrunError as e:  # a tracker that cannot start: the run failed, not "died"
+            self._record("failed", e)
+            raise
         self.epoch = 0
         self.group = "init"
         self.save_failures: list[str] = []
@@ -95,9 +102,6 @@ class JobRunner(Checkpoints):
         self._writer: Writer | None = None
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
         self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
-        self.completed = 0  # the last epoch that ran to its end (run.json's last_epoch)
-        # A resume not restored yet: how it ends is not the run's (the run is as it was).
-        self._unrecorded = cfg.resuming is not None
         self.ckpt_dir = self.run_dir.checkpoints
         self.watch = Watch(self.plan)  # early_stop and checkpoint.best
         # What checkpoints hold: per node, the blobs steps after init write or change.
