@@ -344,3 +344,10 @@ def TiedLM(vocab: int = 11, width: int = 8):  # noqa: N802 - a `build` target, n
             return {"loss": loss, "logits": logits}
 
     return Model()
+
+
+def wait_while(path: str, seconds: float = 120) -> None:
+    """Sleep while the file ``path`` exists (at most ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)

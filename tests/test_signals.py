@@ -3,6 +3,7 @@ no crash, no traceback, and no `jobrun resume` offered when there is nothing to 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,37 @@ def test_a_signal_during_init_says_so_and_offers_no_resume(tmp_path, sig):
     assert f"interrupted during init ({signal.Signals(sig).name})" in err
     assert "resume" not in out + err and "Traceback" not in out + err
     assert "failed" not in err  # not an op failure
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(tmp_path):
+    """SLURM's USR1 during init, then the requeued job script resumes the run its run.json
+    names: "no complete checkpoint", exit 1, and the script never requeued (docs/multi-host.md).
+    Nothing was saved, so resuming is training it again from init, in its own directory."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace('{fn: "jobrun_test_helpers:sleep", seconds: 60}',
+                                      '{fn: "jobrun_test_helpers:wait_while", path: "${run_dir}/../hold"}'))
+    (tmp_path / "hold").touch()
+    run = tmp_path / "run"
+    p = _start(["train", str(plan), "--run-dir", str(run)], tmp_path)
+    deadline = time.monotonic() + HANG_S
+    while not (tmp_path / "init-started").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGUSR1)
+    out, err = p.communicate(timeout=HANG_S)
+    assert p.returncode == 128 + signal.SIGUSR1, (out, err)
+    (tmp_path / "hold").unlink()
+    asked = subprocess.run([sys.executable, "-m", "jobrun", "resume", str(run), "--epoch", "0"],
+                           capture_output=True, text=True, timeout=HANG_S)
+    assert asked.returncode != 0 and "no checkpoint of node 'local' at epoch 0" in asked.stderr  # asked for
+    r = subprocess.run([sys.executable, "-m", "jobrun", "resume", str(run)], capture_output=True, text=True,
+                       timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert "stopped before its first checkpoint, so nothing was saved: it starts again from init" in r.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["last_epoch"] == 2 and info["error"] is None, info
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith(".")) == \
+        ["local.0", "local.1", "local.2"]
 
 
 def test_a_signal_after_checkpoint_0_offers_resume_with_the_run_dir(tmp_path):

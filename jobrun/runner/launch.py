@@ -124,12 +124,15 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, n, select=False)
+        restarts = restarts_of(info, plan, max_restarts)
         try:
             epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None)
         except NoCheckpoint as e:
+            if asked is None and not sets and _never_saved(info, ckpt_dir):
+                return _start_again(run, Launch(run.path, run.plan_dir, device, None, n, restarts,
+                                                profile=profile), plan)
             e.hint = _train_again(run, info) or e.hint
             raise
-        restarts = restarts_of(info, plan, max_restarts)
         record = resuming(epoch, sets, changes, stored, n, saved, restarts,
                           newer_epochs(ckpt_dir, epoch, asked))
         # A plan changed on purpose may make init build other things: warned, not refused.
@@ -321,6 +324,25 @@ def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
         print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
     return Resuming(epoch, tuple(sets), tuple(changes), stored if changes else None, replicas, saved,
                     restarts, tuple(newer))
+
+
+def _never_saved(info: RunInfo, ckpt_dir: Path) -> bool:
+    """Whether the run stopped before its first checkpoint: no epoch ran and its checkpoint
+    directory holds none, complete or not (a damaged one is for the user to look at)."""
+    return not info.last_epoch and not store.list_checkpoints(ckpt_dir)
+
+
+def _start_again(run: RunDir, launch: Launch, plan: ir.Plan) -> int:
+    """`resume` of a run that stopped before its first checkpoint (a scheduler's signal
+    during init): it starts again from init, in its own directory, with its own plan, as
+    a restarted rank does. A job script that resumes whatever run.json it finds (SLURM's
+    requeue) then never loses a job to "no complete checkpoint"."""
+    print("note: the run stopped before its first checkpoint, so nothing was saved: "
+          "it starts again from init", file=sys.stderr)
+    run.truncate_metrics(-1)  # what its init logged: logged again
+    record = {k: v for k, v in run.info().record.items() if k != "ended"}
+    run.write_info({**record, "status": "running", "started": time.time(), "error": None, "error_at": None})
+    return start(launch, False, plan)
 
 
 def _train_again(run: RunDir, info: RunInfo) -> str | None:
