@@ -443,3 +443,17 @@ def test_a_signal_to_the_process_group_stops_a_job_with_workers_cleanly(tmp_path
     assert "Traceback" not in err and "exited unexpectedly" not in err and "killed by signal" not in err, err
     assert f"stopped by {signal.Signals(sig).name}" in err
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_a_jobs_persistent_workers_stop_when_it_ends(flaky):
+    """Left to the atexit hook, a spawned rank's exit (multiprocessing's, which runs
+    first) terminated them, and torch raised their deaths: "replica rank 1 failed (exit
+    code 1)", with a `jobrun resume` to do, on a run whose run.json said finished."""
+    import multiprocessing
+
+    plan = (flaky / "plan.yaml").read_text().replace("num_workers: 2}", "num_workers: 2, persistent_workers: true}")
+    (flaky / "plan.yaml").write_text(plan)
+    before = set(multiprocessing.active_children())
+    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run", "max_epochs=2")
+    assert r.code == 0, r.text
+    assert set(multiprocessing.active_children()) - before == set()

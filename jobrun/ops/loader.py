@@ -202,7 +202,8 @@ open_readers: weakref.WeakSet[Any] = weakref.WeakSet()  # readers that may have 
 
 
 @atexit.register  # registered after multiprocessing's: runs before it terminates the workers
-def _close_all() -> None:
+def close_all() -> None:
+    """Stop the workers of every reader (a job's end; at exit, what is left)."""
     for reader in list(open_readers):
         reader.close()
 

@@ -360,15 +360,11 @@ def _usr1_as_term() -> Iterator[None]:
 
 
 def _own_session() -> None:
-    """Put this spawned worker in a session of its own, as torchrun's workers are.
-
-    Linux's autogroup scheduler (on by default on desktops and most servers) schedules a
-    session's processes as one group: the ranks shared the launcher's, and with it the
-    terminal's, and trained 10-25% slower than the same code in sessions of their own
-    (benchmarks' fsdp section: a hand-written FSDP2 loop in spawned workers, 1.35-1.54 s
-    against 1.23 s an epoch). A terminal's Ctrl-C then reaches the launcher alone, which
-    sends it on to every rank (torch's agent forwards the signal it got), and a launcher
-    that dies still takes the ranks with it (torch sets their parent-death signal)."""
+    """Put this spawned worker in a session of its own, as torchrun's workers are: Linux's
+    autogroup scheduler schedules a session's processes as one group, and ranks sharing
+    the launcher's (the terminal's) trained 10-25% slower (benchmarks' fsdp section). A
+    terminal's Ctrl-C then reaches the launcher alone, which forwards it to every rank, and
+    a launcher that dies still takes the ranks with it (their parent-death signal)."""
     if hasattr(os, "setsid"):
         with suppress(OSError):  # already a session or group leader: nothing to gain
             os.setsid()
@@ -388,6 +384,7 @@ def _leave(launch: Launch, code: int) -> NoReturn:
 
 
 def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
+    from jobrun.ops.loader import close_all
     from jobrun.runner.job import JobConfig, JobRunner
     from jobrun.runner.rng import seed_everything
 
@@ -413,7 +410,10 @@ def _run(launch: Launch, plan: ir.Plan | None, rank: int, world: int) -> int:
                     resume_world=launch.resume_world, force=launch.force, resuming=launch.resuming,
                     restart=_restart_facts(launch, restart) if restart else None,
                     profile=launch.profile is not None, profile_torch=launch.profile or 0)
-    return JobRunner(cfg).run()
+    try:
+        return JobRunner(cfg).run()
+    finally:  # its DataLoader workers (persistent too) stop with the job: a spawned rank's
+        close_all()  # exit terminated them before atexit, and torch raised their deaths
 
 
 def _restarted(launch: Launch, plan: ir.Plan, rank: int, world: int, restart: int) -> Launch:
