@@ -524,3 +524,25 @@ def test_a_number_taken_and_trained_before_the_check_is_passed_over(here, monkey
     assert r.code == 0, r.err
     assert "run directory runs/counter/2" in r.err
     assert sorted(p.name for p in (here / "runs" / "counter").iterdir()) == ["1", "2"]
+
+
+def test_export_to_safetensors_keeps_a_0d_tensor_0d(tmp_path):
+    """BatchNorm's num_batches_tracked came out of `export -o X.safetensors` with shape [1]:
+    load_state_dict took it only through a compatibility shim of torch's, and
+    torch.equal against the module's state_dict failed."""
+    import torch
+    from safetensors.torch import load_file
+
+    (tmp_path / "plan.yaml").write_text(
+        "job: bn\nmax_epochs: 1\ncheckpoint: {dir: ckpt, include: [model]}\n"
+        "init:\n  - task: setup\n    do:\n"
+        "      - build: {out: model, target: \"torch.nn:BatchNorm1d\", num_features: 3}\n"
+        "epoch:\n  - task: t\n    do: [{const: {out: k, value: 1}}]\n")
+    run = tmp_path / "run"
+    assert jobrun("train", tmp_path / "plan.yaml", "--run-dir", run).code == 0
+    r = jobrun("export", run, "--blob", "model", "-o", tmp_path / "m.safetensors")
+    assert r.code == 0, r.text
+    got = load_file(tmp_path / "m.safetensors")
+    want = torch.nn.BatchNorm1d(3).state_dict()
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    assert got["num_batches_tracked"].shape == torch.Size([])

@@ -267,7 +267,8 @@ def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any
             import numpy as np
             from safetensors.numpy import save as to_bytes
 
-            data = to_bytes({k: np.ascontiguousarray(v) for k, v in tensors.items() if _is_tensor(v)})
+            # np.ascontiguousarray makes a 0-d array 1-d (BatchNorm's num_batches_tracked)
+            data = to_bytes({k: np.require(v, requirements='C') for k, v in tensors.items() if _is_tensor(v)})
             safefs.write_atomic(out, data)
         elif suffix == ".json":
             text = json.dumps({k: _jsonable(v) for k, v in blobs.items()}, indent=2, allow_nan=False) + "\n"
