@@ -107,6 +107,8 @@ def test_data_load_reads_npz_npy_csv_pt_and_safetensors(tmp_path: Path):
 
     np.save(tmp_path / "a.npy", x)
     assert data.data_load(ctx, path=str(tmp_path / "a.npy")).shape == (4, 3)
+    np.save(tmp_path / "s.npy", np.array(2.5))  # a 0-d array stays 0-d (it became [2.5])
+    assert data.data_load(ctx, path="s.npy").shape == ()
     np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(RunError, match="pickled objects are refused"):
         data.data_load(ctx, path="obj.npy")

@@ -265,7 +265,7 @@ def _to_torch(value: Any, float_dtype: str | None, file: Path) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biuf":
             raise RunError(f"data.load: {file.name!r} holds a non-numeric array ({value.dtype})")
-        value = torch.from_numpy(np.ascontiguousarray(value))
+        value = torch.from_numpy(np.require(value, requirements="C"))
     if not isinstance(value, torch.Tensor):
         raise RunError(f"data.load: {file.name!r} holds a {type(value).__name__}, not a tensor")
     if float_dtype is not None and value.is_floating_point():
