@@ -104,14 +104,12 @@ class Options:
                  timeout: float) -> None:
         self.name = name
         _check_int("num_workers", num_workers, minimum=0)
-        if num_workers == 0:
-            for key, value in (("prefetch_factor", prefetch_factor),
-                               ("persistent_workers", persistent_workers or None)):
-                if value is not None:
-                    raise RunError(f"reader: {key} needs num_workers > 0",
-                                   hint=f"set num_workers, or drop {key}")
         if prefetch_factor is not None:
             _check_int("prefetch_factor", prefetch_factor, minimum=1)
+        if num_workers == 0:
+            # Nothing to keep or prefetch without workers (torch refuses both): so that
+            # `vars.workers=0` (debugging in one process) needs no other change.
+            prefetch_factor, persistent_workers = None, False
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise RunError(f"reader: timeout must be a number of seconds >= 0, got {timeout!r}")
         self.num_workers = num_workers
