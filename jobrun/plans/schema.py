@@ -173,7 +173,7 @@ def _top_properties() -> dict[str, dict[str, Any]]:
         },
         "seed": _int("Seeds torch, numpy and random on every node and rank (default 0).", 0, 2**63 - 1),
         "device": {
-            "description": "auto (cuda if available), cpu, cuda or cuda:N (default auto).",
+            "description": "auto (cuda if available, else mps, else cpu), cpu, cuda or cuda:N (default auto).",
             "type": "string",
             "anyOf": [{"pattern": anchored(plan_keys.DEVICE)}, {"pattern": VAR_INSIDE}],
             "default": "auto",
