@@ -1070,3 +1070,25 @@ def _chain_plan(n: int) -> ir.Plan:
 def test_a_hundred_thousand_ops_chain_is_clean() -> None:
     # Its speed is measured in benchmarks/ (plan scale), not here.
     assert analyze(_chain_plan(100_000)) == []
+
+
+def test_an_unread_train_step_loss_is_one_warning_not_two() -> None:
+    """`<loss>_last`, which train.step also writes and the plan never names, was warned of
+    beside the loss itself, with the hint to remove the step that defines it."""
+    text = """
+job: j
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - model.mlp: {out: model, sizes: [2, 2]}
+      - optimizer: {in: model, out: opt}
+      - randn: {out: x, shape: [4, 2]}
+      - const: {out: y, value: [0, 1, 0, 1]}
+epoch:
+  - task: train
+    do:
+      - train.step: {in: [model, opt, x, y], out: loss}
+"""
+    found = [(d.code, d.message) for d in run(text) if d.code == "unused"]
+    assert found == [("unused", "blob 'loss' is defined but never read in private task 'train'")]

@@ -9,9 +9,8 @@
     resolve the reads that found nothing (same-group writers, later epochs), stop conditions
 
 Each op call is checked against its op's signature (:mod:`jobrun.plans.signatures`); the
-walk itself is a data-flow analysis over the workspace model of :mod:`jobrun.plans.flow`:
-blobs read before they are defined (or only maybe defined), races between concurrent
-tasks and parallel branches, outputs, stop conditions and blobs never read.
+walk is a data-flow analysis over :mod:`jobrun.plans.flow`'s workspace model: reads before
+definitions, races of concurrent tasks and branches, outputs, stop conditions, unread blobs.
 """
 
 from __future__ import annotations
@@ -202,8 +201,10 @@ class _Analyzer(Visitor):
             if name in reads or name in outputs:
                 continue
             call = self.ctx.new_call[name]
-            # An op's outputs are positional: naming an unread one is needed to reach a read one.
-            if call is not None and any(o.name in reads for o in call.outs):
+            # Outputs are positional (an unread one is named to reach a read one); train.step's
+            # `<loss>_last` is no name of the plan's (its loss is warned of).
+            if call is not None and (any(o.name in reads for o in call.outs)
+                                     or any(r.name == name for r in also_written(call))):
                 continue
             self._emit(
                 "warning", "unused", pos,
