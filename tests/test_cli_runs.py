@@ -546,3 +546,12 @@ def test_export_to_safetensors_keeps_a_0d_tensor_0d(tmp_path):
     want = torch.nn.BatchNorm1d(3).state_dict()
     assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
     assert got["num_batches_tracked"].shape == torch.Size([])
+
+
+def test_every_bundled_example_is_listed_with_a_whole_sentence():
+    """`jobrun new --list` shows each example's first comment line: gpt's stopped mid-sentence."""
+    from jobrun.scaffold import examples
+
+    about = examples()
+    assert {"mlp", "gpt", "cnn"} <= set(about)
+    assert all(text.endswith(".") for text in about.values()), about
