@@ -555,3 +555,19 @@ def test_every_bundled_example_is_listed_with_a_whole_sentence():
     about = examples()
     assert {"mlp", "gpt", "cnn"} <= set(about)
     assert all(text.endswith(".") for text in about.values()), about
+
+
+@pytest.mark.parametrize("override, said", [
+    ("+init.setup.optimizer.nesterov=false_", "optimizer: nesterov must be true or false, got 'false_'"),
+    ("+init.setup.optimizer.class=Adam", "optimizer: Adam takes no argument 'momentum'"),
+    ("+init.setup.optimizer.momentun=0.5", "optimizer: SGD takes no argument 'momentun'"),
+])
+def test_an_optimizer_key_its_class_would_refuse_or_misread_is_refused_before_the_run(tmp_path, override, said):
+    """A key the class does not take failed in init, after the run directory was made; a
+    flag given as a string was taken as true (`nesterov: "false"` turned Nesterov on)."""
+    plan = Path(__file__).resolve().parent.parent / "plans" / "mlp.yaml"
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run", "max_epochs=1", override)
+    assert r.code == 2 and said in r.err and "Traceback" not in r.err, r.text
+    assert not (tmp_path / "run").exists()
+    if "momentun" in override:
+        assert "did you mean 'momentum'?" in r.err

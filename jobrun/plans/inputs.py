@@ -155,6 +155,36 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
                 cause = e.__cause__
                 if cause is None or isinstance(cause, ModuleNotFoundError):  # not there, or misspelt
                     raise PlanError(e.message, step.pos_of(where), e.hint) from None
+        if step.op == "optimizer":
+            _check_optimizer_args(step)
+
+
+def _check_optimizer_args(step: ir.OpCall) -> None:
+    """The optimizer's own keys against its constructor: one it does not take failed in
+    init (`momentum` left when `class` became Adam), and a flag given as anything but a
+    bool was taken as true (`nesterov: "false"` turned Nesterov on)."""
+    import inspect
+
+    from jobrun.errors import RunError, did_you_mean
+    from jobrun.ops.imports import resolve
+    from jobrun.ops.optim import optimizer_class
+
+    try:
+        cls = resolve(optimizer_class(step.kwargs.get("class"), step.kwargs.get("target")), "optimizer", "class")
+        params = {k: p for k, p in inspect.signature(cls).parameters.items() if k not in ("self", "params")}
+    except (RunError, TypeError, ValueError):
+        return  # refused above, left to the run, or without a signature to check
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key, value in step.args:
+        if key in ("class", "target", "groups"):
+            continue
+        if key not in params:
+            raise PlanError(f"optimizer: {cls.__name__} takes no argument {key!r}", step.pos_of(key),
+                            did_you_mean(key, params) or f"its arguments: {', '.join(params)}")
+        if isinstance(params[key].default, bool) and not isinstance(value, bool):
+            raise PlanError(f"optimizer: {key} must be true or false, got {value!r}", step.pos_of(key),
+                            f"write `{key}: true` or `{key}: false`, unquoted")
 
 
 def _named_code(step: ir.OpCall) -> Iterator[tuple[str, str, str]]:
