@@ -503,6 +503,9 @@ def test_resume_says_that_an_edited_plan_file_is_not_used(trained):
     assert r.code == 0, r.text
     assert f"{plan} changed since the run started" in r.err and "KEY=VALUE" in r.err
     assert "epoch 2/2" in r.out  # the stored plan
+    plan.unlink()  # moved away: it did not change, it is gone
+    r = jobrun("resume", "--run-dir", run, "--epoch", "1")
+    assert r.code == 0 and f"warning: {plan} is gone; resume uses the plan stored in" in r.err, r.text
 
 
 def test_positional_overrides_mean_set(tmp_path):

@@ -241,8 +241,10 @@ def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str],
     """The plan a resume runs: the run's own, with ``sets`` applied (what changed, and
     the tree to store, when there are any)."""
     if run.source_changed():
-        print(f"warning: {run.info().source} changed since the run started; resume uses the "
-              f"plan stored in {run.plan_file} (give changes as KEY=VALUE overrides)", file=sys.stderr)
+        source = run.info().source
+        what = "changed since the run started" if source and Path(source).is_file() else "is gone"
+        print(f"warning: {source or 'the plan file'} {what}; resume uses the plan stored in "
+              f"{run.plan_file} (give changes as KEY=VALUE overrides)", file=sys.stderr)
     if not sets:
         return run.plan(), [], None
     original = run.plan()  # before changed_plan, which makes the changed one the run's
