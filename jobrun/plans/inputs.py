@@ -16,6 +16,7 @@ is not found or a misspelt name is refused at its argument's file:line.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -185,6 +186,9 @@ def _check_optimizer_args(step: ir.OpCall) -> None:
         if isinstance(params[key].default, bool) and not isinstance(value, bool):
             raise PlanError(f"optimizer: {key} must be true or false, got {value!r}", step.pos_of(key),
                             f"write `{key}: true` or `{key}: false`, unquoted")
+        numbers = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):  # an lr of .inf: NaN weights
+            raise PlanError(f"optimizer: {key} must be finite, got {value!r}", step.pos_of(key))
 
 
 def _named_code(step: ir.OpCall) -> Iterator[tuple[str, str, str]]:
