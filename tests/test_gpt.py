@@ -110,8 +110,9 @@ def test_kill_9_mid_run_then_resume_is_bit_exact(tmp_path, one_thread):
     proc = subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(PLAN), "--run-dir", str(killed),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
-    # kill it in the middle of epoch 2: after checkpoint 1, before checkpoint 2
-    while not any(r.get("step", 0) >= 14 for r in metrics(killed) if "values" in r):
+    # kill it in epoch 2 (steps 10-19): after checkpoint 1 (saved before epoch 2 starts),
+    # as early as can be, so that a loaded machine's slow poll still comes before checkpoint 2
+    while not any(r.get("step", 0) >= 11 for r in metrics(killed) if "values" in r):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
