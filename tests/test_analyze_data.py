@@ -50,6 +50,18 @@ def test_a_reader_left_at_one_pass_that_every_epoch_drains_is_warned_at_the_read
            ("`passes: 0`", "make the reader in the epoch group"))
 
 
+def test_a_read_with_more_outputs_than_its_reader_gives_is_an_error_at_the_first_extra() -> None:
+    """It failed at run time ("op returned 3 value(s) for 4 outputs"), after the run
+    directory was made; fewer outputs (no `done`) are fine."""
+    text = drain(reader=", passes: 0").replace("out: [xb, yb, end]}", "out: [xb, yb, end, extra]}")
+    d = only(text, "read-outputs")
+    expect(d, "error", at(text, "read:", "extra"),
+           ("read: reader 'data' gives 2 fields and then `done`", "at most 3 names, got 4"),
+           ("remove 'extra' from `out`",))
+    fewer = drain(reader=", passes: 0").replace("out: [xb, yb, end]}", "out: [xb, yb]}")
+    assert "read-outputs" not in [d.code for d in run(fewer)]
+
+
 def test_a_reader_of_n_passes_is_warned_at_its_passes_when_the_job_may_run_longer() -> None:
     text = drain(epochs=5, reader=", passes: 2")
     d = only(text, "reader-passes")

@@ -55,7 +55,7 @@ def load_problem(path: str, dtype: Any, columns: Any, mmap: Any) -> tuple[str, s
 
 def problems(plan: ir.Plan) -> list[Problem]:
     """Every data problem of ``plan``, in plan order."""
-    return [*_load_problems(plan), *_random_windows(plan), *_drained_readers(plan)]
+    return [*_load_problems(plan), *_random_windows(plan), *_drained_readers(plan), *_read_outputs(plan)]
 
 
 def _random_windows(plan: ir.Plan) -> Iterator[Problem]:
@@ -82,6 +82,31 @@ def _load_problems(plan: ir.Plan) -> Iterator[Problem]:
         if found is not None:
             message, hint, key = found
             yield "error", "data-load", call.pos_of(key), message, hint
+
+
+def _read_outputs(plan: ir.Plan) -> Iterator[Problem]:
+    """A `read` with more outputs than its reader gives (its fields, then `done`), which
+    failed at run time, after the run directory was made. Counted where a reader's fields
+    are its blob inputs (two or more, no `window` or `keys`; a Dataset's are known only
+    once read); a blob made a reader twice with different counts is not checked."""
+    fields: dict[tuple[str, str], int | None] = {}
+    for task in plan.tasks():
+        for call in task_calls(task):
+            if call.op == "reader" and call.outs:
+                plain = (len(call.ins) >= 2 and all(isinstance(i, ir.BlobRef) for i in call.ins)
+                         and call.kwargs.get("window") is None and call.kwargs.get("keys") is None)
+                key, n = (task.node, call.outs[0].name), len(call.ins) if plain else None
+                fields[key] = n if fields.get(key, n) == n else None
+    for task in plan.tasks():
+        for call in task_calls(task):
+            if call.op != "read" or not call.ins or not isinstance(call.ins[0], ir.BlobRef):
+                continue
+            n = fields.get((task.node, call.ins[0].name))
+            if n is not None and len(call.outs) > n + 1:
+                yield ("error", "read-outputs", call.outs[n + 1].pos,
+                       f"read: reader {call.ins[0].name!r} gives {n} fields and then `done`, so `out` "
+                       f"takes at most {n + 1} names, got {len(call.outs)}",
+                       f"remove {', '.join(repr(o.name) for o in call.outs[n + 1:])} from `out`")
 
 
 # -- readers that run out --------------------------------------------------------------
