@@ -351,3 +351,8 @@ def wait_while(path: str, seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def ema_update(ema, model) -> None:
+    """An EMA's step, as a script writes it: ``AveragedModel.update_parameters``."""
+    ema.update_parameters(model)

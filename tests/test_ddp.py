@@ -238,3 +238,46 @@ def test_a_parameter_without_a_gradient_under_ddp_is_one_clear_error(tmp_path):
     assert "parameters of the model got no gradient" in r.err and "Traceback" not in r.err
     one = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "one")  # in this process
     assert one.code == 0, one.text  # one process: the unused head keeps grad None, as in torch
+
+
+EMA = """
+job: ema
+seed: 3
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 32, features: 6, classes: 3, noise: 1.0}
+      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
+      - model.mlp: {out: model, sizes: [6, 16, 3]}
+      - build:
+          in: [model]
+          out: ema
+          target: torch.optim.swa_utils.AveragedModel
+          multi_avg_fn: {target: torch.optim.swa_utils.get_ema_multi_avg_fn, args: [0.9]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: 4
+        do:
+          - read: {in: data, out: [xb, yb]}
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+          - call: {fn: "jobrun_test_helpers:ema_update", in: [ema, model], mutates: [ema]}
+"""
+
+
+def test_an_ema_of_a_replicated_model_is_built_as_with_one_process(tmp_path):
+    """`AveragedModel(model)` deep-copies the model: torch refuses to copy a module DDP
+    holds ("DDP does not support deepcopy"), so the standard EMA recipe failed in init
+    with replicas. The copy is the model as built, without DDP: the same EMA as 1 replica."""
+    (tmp_path / "plan.yaml").write_text(EMA)
+    for n in ("1", "2"):
+        r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / f"r{n}", "--replicas", n)
+        assert r.code == 0 and "Traceback" not in r.err, r.text
+    one, two = (ckpt_values(tmp_path / f"r{n}", 2) for n in ("1", "2"))
+    ema, model = one["ema"]["state"], one["model"]["state"]
+    assert ema.keys() == two["ema"]["state"].keys() >= {"module.0.weight", "n_averaged"}
+    assert all(close(ema[k], two["ema"]["state"][k], 1e-5) for k in ema)
+    assert ema["module.0.weight"] != model["0.weight"]  # an average of the steps, not the model

@@ -78,11 +78,34 @@ def replicate_module(ctx: OpContext, module: nn.Module) -> nn.Module:
     # broadcasts them once more after its optimizer step, so that evaluate (no forward
     # sync without gradients) and checkpoints see rank 0's.
     replicate(module, ignored_modules=ignored, init_sync=False, **kwargs)
+    type(module).__deepcopy__ = _plain_copy  # replicate's refuses: an EMA's AveragedModel(model)
     carrier = Carrier(ctx.world_size)
     module.register_comm_hook(carrier, Carrier.hook)
     replicate.state(module).lazy_init()  # now, on every rank, not in some first forward
     module._jobrun_carrier = carrier
     return module
+
+
+def _plain_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` of a module :func:`replicate_module` made data parallel: a copy of
+    the module as it was built (its class, parameters and buffers), without DDP. torch
+    refuses to copy the replicated module; user code copies it as it did with one process
+    (an EMA: ``AveragedModel(model)``, ``copy.deepcopy(model)``), and the copy, updated
+    alike on every rank, stays alike and all-reduces nothing."""
+    import copy
+
+    built = next(c for c in type(module).__mro__[1:] if c.__name__ != "DDP" and issubclass(c, nn.Module))
+    plain = built.__new__(built)
+    state = {k: v for k, v in module.__dict__.items()
+             if not k.startswith("__composable_api_state_key") and k != "_jobrun_carrier"}
+    for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # DDP's, bound to its state
+        state[hooks] = type(state[hooks])((k, h) for k, h in state[hooks].items()
+                                          if type(getattr(h, "__self__", None)).__module__ != _REPLICATE)
+    plain.__dict__.update(state)
+    return copy.deepcopy(plain, memo)
+
+
+_REPLICATE = "torch.distributed._composable.replicate"
 
 
 def carrier_of(model: Any) -> Carrier | None:
