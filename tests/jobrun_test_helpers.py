@@ -59,13 +59,15 @@ def die_on_rank(epoch: int, rank: int = 1, at: int = 2) -> None:
 
 
 def die_later(epoch: int, rank: int = 1, at: int = 2, delay: float = 0.3) -> None:
-    """As die_on_rank, `delay` seconds later, from a timer thread: the ranks go on with
-    their steps meanwhile, and this one dies in the middle of one (its collectives too)."""
+    """As die_on_rank, `delay` seconds later: the other ranks go on to their next step's
+    collective and wait in it for this one, which dies meanwhile. (A timer thread that
+    killed it while it went on let a fast run finish first; killed as it waited for its
+    launcher's word to exit, it hung torch's agent in multiprocessing's Condition.notify.)"""
     import signal
-    import threading
 
     if int(os.environ.get("RANK", 0)) == rank and epoch == at:
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fail_once(path: str, message: str = "bad luck") -> None:

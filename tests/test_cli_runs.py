@@ -264,7 +264,9 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_trai
     (here / "later.npy").write_bytes(b"not yet")  # init fails on it: before any checkpoint
     failed = jobrun("train", "plan.yaml", "max_epochs=3", "--run-dir", "runs/early")
     assert failed.code == 1 and "cannot read 'later.npy'" in failed.err
-    r = jobrun("resume", "runs/early")
+    r = jobrun("resume", "runs/early")  # nothing saved: it starts again, and meets the file again
+    assert r.code == 1 and "it starts again from init" in r.err and "cannot read 'later.npy'" in r.err, r.text
+    r = jobrun("resume", "runs/early", "max_epochs=4")  # with overrides it does not: it says how
     assert r.code == 1 and "no complete checkpoint" in r.err
     command = re.search(r"start it again with `([^`]+)`", r.err)
     assert command, r.err
