@@ -19,7 +19,7 @@ signals.defer()  # before any heavy import: see jobrun/signals.py
 import click  # noqa: E402
 
 from jobrun import __version__  # noqa: E402
-from jobrun.errors import Interrupted, JobrunError  # noqa: E402
+from jobrun.errors import SECONDS_SETTINGS, Interrupted, JobrunError, env_seconds  # noqa: E402
 
 
 class _Group(click.Group):
@@ -51,6 +51,8 @@ def main(ctx: click.Context) -> None:
     jobrun print plans/mlp.yaml      the plan as readable pseudo-code
     jobrun analyze plans/mlp.yaml    check the plan before running it
     """
+    for name in SECONDS_SETTINGS:  # a bad one is refused now, before anything is written
+        env_seconds(name)
     if ctx.invoked_subcommand in ("train", "resume"):
         # They check the plan, the overrides and the run directory before importing
         # torch; until they write, a signal ends them at once (jobrun/signals.py).

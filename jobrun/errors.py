@@ -146,3 +146,27 @@ def said(e: BaseException) -> str:
 def cut(text: str) -> str:
     """``text`` cut to MAX_SAID characters, saying how many were left out."""
     return text if len(text) <= MAX_SAID else f"{text[:MAX_SAID]}... ({len(text) - MAX_SAID} more characters)"
+
+
+SECONDS_SETTINGS = {"JOBRUN_PROGRESS_SECONDS": 30.0, "JOBRUN_DIST_TIMEOUT": 300.0}  # name: default
+
+
+def env_seconds(name: str) -> float:
+    """A number of seconds > 0 from the environment variable ``name`` (its default of
+    SECONDS_SETTINGS when unset); a UsageError for anything else (`abc` was a traceback,
+    `nan` turned the progress lines off). The CLI reads them all as it starts."""
+    import math
+    import os
+
+    default = SECONDS_SETTINGS[name]
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{name}={text!r}: a number of seconds > 0 expected",
+                         hint=f"set it to e.g. {default:g}, or unset it (default {default:g} s)")
+    return value

@@ -574,3 +574,17 @@ def test_an_optimizer_key_its_class_would_refuse_or_misread_is_refused_before_th
     assert not (tmp_path / "run").exists()
     if "momentun" in override:
         assert "did you mean 'momentum'?" in r.err
+
+
+@pytest.mark.parametrize("name, value", [("JOBRUN_PROGRESS_SECONDS", "abc"), ("JOBRUN_PROGRESS_SECONDS", "nan"),
+                                         ("JOBRUN_DIST_TIMEOUT", "-1")])
+def test_a_bad_seconds_setting_in_the_environment_is_one_message_before_anything_is_written(
+        here, monkeypatch, name, value):
+    """`abc` was a traceback at import (and a dead run directory), `nan` turned the
+    progress lines off without a word."""
+    monkeypatch.setenv(name, value)
+    for args in (["train", "plan.yaml", "--run-dir", "runs/env"], ["ckpt", "list", "runs/env"]):
+        r = jobrun(*args)
+        assert r.code == 2 and f"error: {name}={value!r}: a number of seconds > 0 expected" in r.err, r.text
+        assert "Traceback" not in r.text
+    assert not (here / "runs" / "env").exists()

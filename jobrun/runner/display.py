@@ -31,7 +31,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-HEARTBEAT_S = float(os.environ.get("JOBRUN_PROGRESS_SECONDS", "30"))
+from jobrun.errors import env_seconds
+
 FOREVER = range(sys.maxsize)  # what a loop without a count iterates over
 
 
@@ -59,10 +60,10 @@ def _stdout_closed() -> None:
 
 class Display:
     def __init__(self, enabled: bool = True, tty: bool | None = None, log: Path | None = None,
-                 heartbeat: float = HEARTBEAT_S):
+                 heartbeat: float | None = None):
         self.enabled = enabled
         self.tty = sys.stdout.isatty() if tty is None else tty
-        self.heartbeat = heartbeat
+        self.heartbeat = env_seconds("JOBRUN_PROGRESS_SECONDS") if heartbeat is None else heartbeat
         # Written by the executor's loops (task, iteration, count), read by the ticker.
         self.progress: dict[str, Any] = {}
         self.quiet: frozenset[str] = frozenset()  # outputs shown only when true (stop flags)

@@ -23,10 +23,11 @@ from datetime import timedelta
 from typing import Any
 
 from jobrun import signals
+from jobrun.errors import env_seconds
 
 
 def timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("JOBRUN_DIST_TIMEOUT", "300")))
+    return timedelta(seconds=env_seconds("JOBRUN_DIST_TIMEOUT"))
 
 
 def start(device: str, store: Any = None) -> None:
