@@ -363,6 +363,11 @@ def test_with_replicas_run_json_keeps_the_failed_ranks_own_message(tmp_path):
     assert info["status"] == "failed"
     assert info["error"].startswith(f"[rank 1] {tmp_path / 'plan.yaml'}:21:9: error: op `call`")
     assert info["error"].endswith("failed: ValueError: rank 1 data is bad (in user_rank1.boom)")
+    # console.log holds what the console said: the rank's message and the launcher's (the
+    # hint sends the user there; they were missing)
+    log = (tmp_path / "run" / "console.log").read_text()
+    assert "[rank 1] " in log and "failed: ValueError: rank 1 data is bad (in user_rank1.boom)" in log
+    assert "error: replica rank 1 failed (exit code 1)" in log
 
 
 def test_a_failure_in_a_dataloader_worker_names_its_type_once():

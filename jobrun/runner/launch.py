@@ -80,12 +80,12 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         if overwrite:
             run.clear(keep=src)
         run.start(yaml.safe_dump(stored, sort_keys=False), new_run_info(plan, src, sets, launch))
-        _to_console_log(run, said)  # what was said before console.log was there
+        to_console_log(run, said)  # what was said before console.log was there
         return start(launch, False, plan)
 
 
-def _to_console_log(run: RunDir, lines: list[str]) -> None:
-    """Begin the run's console.log with ``lines`` (a full disk: the run goes on without)."""
+def to_console_log(run: RunDir, lines: list[str]) -> None:
+    """Add ``lines`` to the run's console.log (a full disk: the run goes on without)."""
     from jobrun import safefs
 
     if lines:

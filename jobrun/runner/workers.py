@@ -127,6 +127,9 @@ def _elastic(launch: Launch) -> int:
             )
             # run.json keeps what the rank itself said (its error file: see _error_file).
             said = failure.message.get("message") if isinstance(failure.message, dict) else None
+            from jobrun.runner.launch import to_console_log  # the console said both: the log too
+            to_console_log(RunDir(launch.run_dir), [*([said] if rank and isinstance(said, str) and said else []),
+                                                    error.format_message()])
             RunDir(launch.run_dir).record_end(
                 "failed", RunError(said.split("\n")[0]) if isinstance(said, str) and said else error,
                 keep_ended=True)
@@ -326,11 +329,9 @@ def _error_file(text: str) -> None:
 
 @contextmanager
 def _handlers_kept() -> Iterator[None]:
-    """Put back the signal handlers torch's agent replaces (its process context raises
-    SignalException on SIGTERM, SIGINT, SIGHUP, SIGQUIT and never restores them): after
-    the launch, a signal in this process is jobrun's again. A process that runs more
-    than one command (the tests, a caller of the CLI's main) got torch's exception from
-    a later Ctrl-C."""
+    """Put back the signal handlers torch's agent replaces and never restores (SIGTERM,
+    SIGINT, SIGHUP, SIGQUIT): a process running more than one command got torch's
+    SignalException from a later Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -471,8 +472,7 @@ def _interruptibly(fn: Any) -> Any:
 
 
 def _await_stop(launch: Launch) -> None:
-    """Wait (a while) for the launcher to stop this rank, which ends it quietly (at once
-    when the launcher's signal came already)."""
+    """Wait (a while) for the launcher to stop this rank, which ends it quietly."""
     _leave_on_signal(launch)
     time.sleep(PEER_LOST_WAIT_S)
 
