@@ -175,7 +175,9 @@ def test_include_and_exclude_override_the_choice():
     assert _held(INIT + epoch, "{include: [c, b], exclude: a}") == ("b", "c")
 
 
-def test_unknown_names_in_include_or_mutates_are_warned():
+def test_an_unknown_name_in_include_is_warned_and_in_mutates_refused():
+    """A typo in `mutates` (an EMA's `[eam]`) left what the call changes out of every
+    checkpoint, and a resume silently gave another EMA: an error, not a warning."""
     plan = compile_text("""
 job: t
 max_epochs: 1
@@ -190,7 +192,8 @@ epoch:
     found = [(d.severity, d.code, d.message, d.hint) for d in analyze(plan)]
     assert ("warning", "checkpoint-blob", "checkpoint.include names blob 'modle', which no "
             "global workspace holds", "did you mean 'model'?") in found
-    assert any(d[1] == "checkpoint-blob" and "'mdl', which is not one of its inputs" in d[2] for d in found)
+    assert ("error", "checkpoint-blob", "`call` says it changes 'mdl', which is not one of its inputs",
+            "did you mean 'model'?") in found
 
 
 def test_print_and_analyze_json_show_the_checkpointed_blobs():

@@ -45,12 +45,14 @@ def checkpointed(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> dict
     return out
 
 
-def problems(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[tuple[Pos, str, str]]:
-    """(pos, message, hint) of each warning: a name of checkpoint.include/exclude that no
-    node's global workspace holds (a typo, or a private blob, gone before any save), a
-    name in a call's `mutates` that is not one of its inputs."""
+def problems(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[tuple[str, Pos, str, str]]:
+    """(severity, pos, message, hint) of each problem: a name in a call's `mutates` that is
+    not one of its inputs (an error: a typo left what the call changes out of every
+    checkpoint, and a resume silently gave another result), a name of
+    checkpoint.include/exclude that no node's global workspace holds (a warning: a typo,
+    or a private blob, gone before any save)."""
     walk = _walk(plan, ops)
-    found = list(walk.bad_mutates)
+    found = [("error", *bad) for bad in walk.bad_mutates]
     if plan.checkpoint is None:
         return found
     known: dict[str, None] = {}
@@ -60,7 +62,7 @@ def problems(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[tup
         for ref in getattr(plan.checkpoint, key):
             if ref.name not in known:
                 found.append((
-                    ref.pos,
+                    "warning", ref.pos,
                     f"checkpoint.{key} names blob {ref.name!r}, which no global workspace holds",
                     did_you_mean(ref.name, known) or "checkpoints hold the blobs of global "
                     "workspaces; a private task's blobs are gone before any save",
@@ -156,7 +158,7 @@ class _Walk(Visitor):
                 self.bad_mutates.append((
                     call.pos_of("mutates"),
                     f"`call` says it changes {name!r}, which is not one of its inputs",
-                    f"`mutates` lists blob names of its `in`: {inputs}",
+                    did_you_mean(name, inputs) or f"`mutates` lists blob names of its `in`: {inputs}",
                 ))
         return listed
 
