@@ -166,7 +166,8 @@ def _select(blobs: dict[str, Any], wanted: tuple[str, ...], where: str) -> dict[
     missing = [b for b in wanted if b not in blobs]
     if missing:
         raise UsageError(f"{where} has no blob {missing[0]!r}",
-                         hint=f"blobs: {', '.join(sorted(blobs)) or 'none'}")
+                         hint=f"blobs: {', '.join(sorted(blobs)) or 'none'} (checkpoints hold what steps after "
+                              "init change; add one init made and nothing changes to `checkpoint.include`)")
     return {b: blobs[b] for b in wanted}
 
 
