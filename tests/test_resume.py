@@ -143,6 +143,24 @@ def test_kill_9_during_saves(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_with_replicas_a_closed_output_stops_the_run_as_sigpipe_would(tmp_path):
+    """`jobrun train --replicas 2 | head -1` exited 1: "replica rank 0 failed (exit code
+    141): To enable traceback see ...", for a run stopped as one process stops."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run),
+                             "--replicas", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("epoch 1/6")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=HANG_S) == 128 + signal.SIGPIPE, err
+    assert "stopped by SIGPIPE" in err and "failed" not in err and "Traceback" not in err, err
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    assert jobrun("resume", "--run-dir", run).code == 0
+
+
+@pytest.mark.slow
 def test_a_closed_output_stops_the_run_as_sigpipe_would_and_it_resumes(reference, tmp_path):
     # `jobrun train plan.yaml | head -1`: the next epoch line met a closed pipe, and the
     # run was recorded failed ("BrokenPipeError"), with nothing said on stderr.

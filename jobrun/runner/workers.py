@@ -110,7 +110,7 @@ def _elastic(launch: Launch) -> int:
         except ChildFailedError as e:
             rank, failure = _culprit(e.failures)
             code = failure.exitcode
-            if code in (130, 143):
+            if code in (130, 141, 143):  # stopped: SIGINT, a closed output (SIGPIPE), SIGTERM
                 return code
             if code < 0:
                 detail = f"killed by signal {-code}"
