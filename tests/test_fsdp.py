@@ -412,3 +412,13 @@ def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
     for key in ("True-False", "True-True"):
         assert all(close(a, b, 1e-6) for a, b in zip(got[0][key]["losses"], one))
     assert one[2] < one[0]  # it trained
+
+
+def test_a_misspelt_fsdp_layers_class_is_refused_at_its_line_before_the_run(tmp_path):
+    """It passed analyze and the import check, made a run directory, started both ranks,
+    and each said it at the `build` line, with a `jobrun resume` that could not help."""
+    (tmp_path / "plan.yaml").write_text(PLAN.replace("parallel: fsdp\n", "parallel: fsdp\nfsdp_layers: [torch.nn.Linearr]\n"))
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2")
+    assert r.code == 2 and "plan.yaml:6:14: error: fsdp_layers: class 'torch.nn.Linearr' cannot be imported" in r.err, r.text
+    assert "did you mean 'Linear'?" in r.err and "resume" not in r.err
+    assert not (tmp_path / "run").exists()

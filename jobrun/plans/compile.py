@@ -160,6 +160,7 @@ class _Compiler(StepCompiler):
             exit=groups["exit"], source=self.source, pos=t.pos, early_stop=early,
             max_restarts=max_restarts, parallel=parallel, fsdp_layers=tuple(fsdp_layers or ()),
             loggers=loggers, loggers_pos=t.at("loggers") if loggers else None,
+            fsdp_layers_pos=t.at("fsdp_layers") if fsdp_layers else None,
             max_steps=max_steps,
         )
 

@@ -158,6 +158,12 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
                     raise PlanError(e.message, step.pos_of(where), e.hint) from None
         if step.op == "optimizer":
             _check_optimizer_args(step)
+    for path in plan.fsdp_layers if plan.parallel == "fsdp" else ():  # a typo failed on every rank
+        try:
+            resolve(path, "fsdp_layers", "class")
+        except RunError as e:
+            if e.__cause__ is None or isinstance(e.__cause__, ModuleNotFoundError):
+                raise PlanError(e.message, plan.fsdp_layers_pos or plan.pos, e.hint) from None
 
 
 def _check_optimizer_args(step: ir.OpCall) -> None:

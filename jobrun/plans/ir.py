@@ -213,6 +213,7 @@ class Plan:
     fsdp_layers: tuple[str, ...] = ()  # module classes sharded as units (dotted paths)
     loggers: tuple[str, ...] = ()  # experiment trackers the logged values also go to
     loggers_pos: Pos | None = field(default=None, compare=False)  # where `loggers:` is
+    fsdp_layers_pos: Pos | None = field(default=None, compare=False)  # where `fsdp_layers:` is
     max_steps: int | None = None  # stop once this many optimizer steps were taken (the global step)
 
     @property
