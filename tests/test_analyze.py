@@ -648,7 +648,7 @@ def test_two_tasks_of_a_group_create_one_global_blob() -> None:
         d,
         "error",
         at(text, "{out: w, value: 2}", "w"),
-        ("'w' is created in node 'local''s global workspace by tasks 'a' and 'b' of group `init`",),
+        ("'w' is created in the global workspace of node 'local' by tasks 'a' and 'b' of group `init`",),
         ("let one task own 'w'",),
     )
 

@@ -63,3 +63,41 @@ def test_each_instances_own_model_is_fine_but_a_shared_optimizer_is_not(plan_fil
     found = _found(jobrun("analyze", plan_file(PLAN.replace("STEPS", OWN)), "--format", "json"))
     assert [(d["line"], d["message"].split(" with ")[0]) for d in found] == [
         (18, "the 2 instances of task 'train' all change 'opt'")]
+
+
+def test_a_name_an_instance_creates_stays_in_the_instance(tmp_path):
+    """Each instance has a workspace of its own: what it creates is gone when it ends
+    (updates of existing global blobs stay). analyze said ok, and train failed after
+    making the run directory ("blob 'w' is not defined", "ended without defining its
+    output")."""
+    made_in_init = """\
+job: inst
+max_epochs: 1
+init:
+  - task: setup
+    instances: 2
+    workspace: global
+    do:
+      - const: {out: w, value: 1}
+epoch:
+  - task: t
+    do:
+      - add: {in: [w, 1], out: v}
+      - log: {in: [v]}
+"""
+    (tmp_path / "a.yaml").write_text(made_in_init)
+    r = jobrun("analyze", tmp_path / "a.yaml")
+    assert r.code == 1 and "a.yaml:12:20: error: blob 'w' is read before it is defined" in r.out, r.out
+    assert "in task 'setup', whose 2 instances each have a workspace of their own" in r.out
+    output = made_in_init.replace("  - task: t\n    do:\n      - add: {in: [w, 1], out: v}\n      - log: {in: [v]}\n",
+                                  "  - task: t\n    instances: 2\n    do:\n      - const: {out: made, value: 2}\n"
+                                  "    outputs: [made]\n")
+    (tmp_path / "b.yaml").write_text(output)
+    r = jobrun("analyze", tmp_path / "b.yaml")
+    assert r.code == 1 and "error: output 'made' of task 't' is never defined in the task" in r.out, r.out
+    updated = made_in_init.replace("    instances: 2\n    workspace: global\n    do:\n      - const: {out: w, value: 1}\n",
+                                   "    do:\n      - const: {out: w, value: 1}\n  - task: more\n    instances: 2\n"
+                                   "    workspace: global\n    do:\n      - add: {in: [w, 1], out: w}\n")
+    (tmp_path / "c.yaml").write_text(updated)
+    r = jobrun("analyze", tmp_path / "c.yaml")
+    assert "'w' is read before it is defined" not in r.out, r.out  # an update stays

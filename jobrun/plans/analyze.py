@@ -145,9 +145,12 @@ class _Analyzer(Visitor):
         self.ctx = TaskCtx(task, task.workspace == "private")
         self.writes = [{}]
         for block in (task.init, task.do, task.exit):
-            if block is task.do and task.instances > 1:
-                self.ctx.shared = set(self.flow.state)
+            instanced = block is task.do and task.instances > 1
+            if instanced:
+                self.ctx.shared, mark = set(self.flow.state), self.flow.mark()
             self._frame_block(block)
+            if instanced:  # each instance's own workspace: the names it creates die with it
+                self._apply({n: c for n, c in self.flow.leave(mark).items() if not c[2]})
             self.ctx.shared = None
         self._check_outputs(task)
         writes = self.writes.pop()
@@ -182,7 +185,7 @@ class _Analyzer(Visitor):
                 self._emit(
                     "error", "undefined-output", out.pos,
                     f"output {out.name!r} of task {task.name!r} is never defined in the task "
-                    f"(nor in node {task.node!r}'s global workspace)",
+                    f"(nor in the global workspace of node {task.node!r})",
                     hint
                     or f"define {out.name!r} with an op's `out` in the task, or remove it from `outputs`",
                 )
@@ -446,7 +449,7 @@ class _Analyzer(Visitor):
         )
         self._emit(
             severity, "race", second[1],
-            f"blob {name!r} is {verb} in node {node!r}'s global workspace by tasks "
+            f"blob {name!r} is {verb} in the global workspace of node {node!r} by tasks "
             f"{first[0].name!r} and {second[0].name!r} of group `{group.name}`, which run concurrently",
             f"let one task own {name!r}, or create it in an earlier group and hand results over "
             "through `outputs`",
@@ -517,31 +520,8 @@ class _Analyzer(Visitor):
         if self.first_defs is None:
             self.first_defs = Definitions()
             self.first_defs.visit(self.plan)
-        name, task = read.name, read.task
-        here = self.first_defs.found.get(task.node, {})
-        first = here.get(name)
-        # `add: {in: [n, 1], out: n}` with no n before: its own output explains nothing.
-        in_place = first is not None and read.call is not None and first[0] in {
-            o.pos for o in read.call.outs if o.name == name
-        }
-        if first is not None and not in_place:
-            pos, by, in_report = first
-            if in_report:
-                return (f"{name!r} is defined at line {pos.line} inside a `report`, whose blobs "
-                        f"appear only when the report's enclosing block ends: read it after that")
-            if by is not task and by.workspace == "private":
-                return (f"{name!r} is defined at line {pos.line} in private task {by.name!r}, whose "
-                        f"new blobs are dropped when it ends: make it `workspace: global`, "
-                        f"or define {name!r} in `init`")
-            return (f"{name!r} is first defined at line {pos.line}, which does not run before "
-                    f"this read: define it earlier")
-        for node, names in sorted(self.first_defs.found.items()):
-            if name in names and node != task.node:
-                return (f"{name!r} is defined on node {node!r} (line {names[name][0].line}); each "
-                        f"node has its own workspace: define it on node {task.node!r} too")
-        if in_place:
-            return f"this step updates {name!r} in place, but nothing creates it first: add e.g. a `const` in `init`"
-        return self._suggest(name, here) or f"define {name!r} first, e.g. with an op's `out` in `init`"
+        return self.first_defs.hint(read) or self._suggest(read.name, self.first_defs.found.get(
+            read.task.node, {})) or f"define {read.name!r} first, e.g. with an op's `out` in `init`"
 
     def _suggest(self, name: str, names: Mapping[str, Any]) -> str | None:
         if self.suggestions >= _MAX_SUGGESTIONS:

@@ -175,3 +175,34 @@ class Definitions(Visitor):
         assert self.task is not None
         names = self.found.setdefault(self.task.node, {})
         names.setdefault(ref.name, (ref.pos, self.task, self.in_report))
+
+    def hint(self, read: Read) -> str | None:
+        """Why the blob ``read`` found nothing is defined there, when this walk can tell."""
+        name, task = read.name, read.task
+        first = self.found.get(task.node, {}).get(name)
+        # `add: {in: [n, 1], out: n}` with no n before: its own output explains nothing.
+        in_place = first is not None and read.call is not None and first[0] in {
+            o.pos for o in read.call.outs if o.name == name
+        }
+        if first is not None and not in_place:
+            pos, by, in_report = first
+            if in_report:
+                return (f"{name!r} is defined at line {pos.line} inside a `report`, whose blobs "
+                        f"appear only when the report's enclosing block ends: read it after that")
+            if by is not task and by.workspace == "private":
+                return (f"{name!r} is defined at line {pos.line} in private task {by.name!r}, whose "
+                        f"new blobs are dropped when it ends: make it `workspace: global`, "
+                        f"or define {name!r} in `init`")
+            if by.instances > 1:
+                return (f"{name!r} is defined at line {pos.line} in task {by.name!r}, whose "
+                        f"{by.instances} instances each have a workspace of their own, dropped when "
+                        f"they end: define {name!r} before them (an instance may update it)")
+            return (f"{name!r} is first defined at line {pos.line}, which does not run before "
+                    f"this read: define it earlier")
+        for node, names in sorted(self.found.items()):
+            if name in names and node != task.node:
+                return (f"{name!r} is defined on node {node!r} (line {names[name][0].line}); each "
+                        f"node has its own workspace: define it on node {task.node!r} too")
+        if in_place:
+            return f"this step updates {name!r} in place, but nothing creates it first: add e.g. a `const` in `init`"
+        return None
