@@ -194,10 +194,11 @@ def test_resume_prints_the_warnings_its_overrides_bring_and_only_those(tmp_path,
     # One epoch of a one-pass reader is fine; resumed to 3 epochs, epochs 2 and 3 would
     # read nothing. The plan's own warning (a blob never read) was shown by train already.
     plan = tmp_path / "plan.yaml"
-    plan.write_text(mlp_plan("more", "max_epochs: 1\ncheckpoint: {}", init=[LOSS]).replace("passes: 0", "passes: 1"))
+    text = mlp_plan("more", "max_epochs: 1\ncheckpoint: {}", init=[LOSS]).replace("passes: 0", "passes: 1")
+    plan.write_text(text.rstrip("\n") + "\n      - const: {out: spare, value: 1}\n")  # never read
     run = tmp_path / "run"
     r = jobrun("train", plan, "--run-dir", run)
-    assert r.code == 0 and r.err.count("warning:") == 1 and "defined but never read" in r.err
+    assert r.code == 0 and r.err.count("warning:") == 1 and "'spare' is defined but never read" in r.err, r.err
     r = jobrun("resume", run, "max_epochs=3")
     assert r.code == 0, r.err
     warnings = [line for line in r.err.splitlines() if line.startswith("warning:")]
