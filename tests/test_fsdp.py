@@ -422,3 +422,25 @@ def test_a_misspelt_fsdp_layers_class_is_refused_at_its_line_before_the_run(tmp_
     assert r.code == 2 and "plan.yaml:6:14: error: fsdp_layers: class 'torch.nn.Linearr' cannot be imported" in r.err, r.text
     assert "did you mean 'Linear'?" in r.err and "resume" not in r.err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sharded_checkpoint_resumed_without_fsdp_says_how_to_resume_it():
+    """`resume parallel=ddp` of an fsdp run: the store said "resume an fsdp run with 2
+    replicas", and the restore replaced it with "the checkpoint is damaged ... or an
+    override changed what init builds", neither of which was true."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from jobrun.errors import CheckpointError
+    from jobrun.runner import restore
+    from jobrun.store.codec import SavedState
+
+    live = torch.nn.Linear(4, 2)
+    shard = SavedShard(torch.zeros(1, 4), (2, 4), (4, 1), ("S0",), 2)
+    saved = SavedState("torch.nn.modules.linear.Linear", {"weight": shard, "bias": torch.zeros(2)})
+    node = SimpleNamespace(name="local", globals={"model": live})
+    with pytest.raises(CheckpointError) as e:
+        restore._blob(node, "model", saved, 3)
+    assert "sharded over 2 ranks" in e.value.message
+    assert e.value.hint.startswith("resume an fsdp run with 2 replicas"), e.value.hint
