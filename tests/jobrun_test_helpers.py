@@ -358,3 +358,4 @@ def wait_while(path: str, seconds: float = 120) -> None:
 def ema_update(ema, model) -> None:
     """An EMA's step, as a script writes it: ``AveragedModel.update_parameters``."""
     ema.update_parameters(model)
+

@@ -281,3 +281,63 @@ def test_an_ema_of_a_replicated_model_is_built_as_with_one_process(tmp_path):
     assert ema.keys() == two["ema"]["state"].keys() >= {"module.0.weight", "n_averaged"}
     assert all(close(ema[k], two["ema"]["state"][k], 1e-5) for k in ema)
     assert ema["module.0.weight"] != model["0.weight"]  # an average of the steps, not the model
+
+
+NO_EMPTY = '''
+import torch
+
+class NoEmpty(torch.nn.Module):
+    """Cannot run a batch of no records, as a Hugging Face model's reshape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x.view(x.shape[0], -1, 6).mean(1))
+'''
+
+SHORT_LAST = """
+job: short
+seed: 3
+max_epochs: 1
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: N, features: 6, classes: 3, noise: 1.0}
+      - reader: {in: [x, y], out: data, batch_size: 5}
+      - build: {out: model, target: "noempty:NoEmpty"}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss, accumulate: 2}
+"""
+
+
+def test_a_rank_with_fewer_records_than_micro_batches_syncs_in_its_last_one_with_records(tmp_path):
+    """12 records in batches of 5: the last (2) gives each of 2 ranks 1 record, so its
+    second micro-batch is empty. DDP's sync ran a forward of that empty batch, which a
+    Hugging Face model cannot run: the job died at the end of the first pass."""
+    (tmp_path / "noempty.py").write_text(NO_EMPTY)
+    (tmp_path / "plan.yaml").write_text(SHORT_LAST.replace("n: N", "n: 12"))
+    for n in ("1", "2"):
+        r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / f"r{n}", "--replicas", n)
+        assert r.code == 0, r.text
+    one, two = (ckpt_values(tmp_path / f"r{n}", 1)["model"]["state"] for n in ("1", "2"))
+    assert all(close(one[k], two[k], 1e-5) for k in one)
+
+
+def test_a_rank_with_no_records_and_a_model_that_cannot_run_none_is_told_what_to_do(tmp_path):
+    """11 records in batches of 5: the last (1) leaves rank 1 nothing, and its forward for
+    DDP's collectives meets the model's reshape: one message naming why, and drop_last."""
+    (tmp_path / "noempty.py").write_text(NO_EMPTY)
+    (tmp_path / "plan.yaml").write_text(SHORT_LAST.replace("n: N", "n: 11"))
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2")
+    assert r.code == 1 and "replica rank 1 has no records of this global batch" in r.err, r.text
+    assert "`drop_last: true`" in r.err and "Traceback" not in r.err

@@ -175,11 +175,13 @@ def _backward(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any, loss_fn: Any
     opt.zero_grad(set_to_none=True)
     batches = ((x, y, local),) if accumulate == 1 or not shape else _micro_batches(x, y, accumulate)
     last = len(batches) - 1
+    if ddp and local:  # the rank's last micro-batch with records: a rank of fewer records than
+        last = max(i for i, b in enumerate(batches) if b[2])  # micro-batches runs no empty one
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
     totals = None  # replicas: what the last backward carries (the ranks' losses, records)
     for i, (xb, yb, n) in enumerate(batches):
-        if ddp and last:  # DDP all-reduces in the last backward only
-            model.set_requires_gradient_sync(i == last)
+        if ddp and len(batches) > 1 and i <= last:  # DDP all-reduces in the last backward only
+            model.set_requires_gradient_sync(i == last)  # (and is left syncing, for a `call`'s)
         if n:
             if dtype is None:
                 part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
@@ -195,7 +197,7 @@ def _backward(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any, loss_fn: Any
             value = part if value is None else value.detach() + part.detach()
         elif sharded or (ddp and i == last):
             # every rank's forward and backward take part in FSDP's and DDP's collectives
-            part = _idle(model, xb, yb, loss_fn)
+            part = _idle(ctx, model, xb, yb, loss_fn)
         else:
             continue  # an empty slice of a short global batch contributes nothing
         if replicas and i == last:  # after the forward: every rank's collectives in one order
@@ -242,13 +244,22 @@ def _backward(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any, loss_fn: Any
     return value, mean, scaler, params
 
 
-def _idle(model: Any, x: Any, y: Any, loss_fn: Any) -> torch.Tensor:
+def _idle(ctx: OpContext, model: Any, x: Any, y: Any, loss_fn: Any) -> torch.Tensor:
     """A zero through every parameter, for a rank's empty slice of a global batch: the
     sum of the predictions (with `loss: model`, of the logits; the loss of no records is
-    NaN) times 0."""
-    if loss_fn is not model_loss:
-        return model(x).sum() * 0.0
-    logits, part = forward(model_loss, model, x, y)
+    NaN) times 0. A model that cannot run an empty batch (a Hugging Face model's reshape)
+    is told how to avoid one."""
+    try:
+        if loss_fn is not model_loss:
+            return model(x).sum() * 0.0
+        logits, part = forward(model_loss, model, x, y)
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise RunError(
+            f"train.step: replica rank {ctx.rank} has no records of this global batch (the last of "
+            f"a pass, smaller than the {ctx.world_size} replicas), and the model cannot run the empty "
+            f"batch its collectives need: {type(e).__name__}: {e}",
+            hint="give the reader `drop_last: true`, or a batch_size whose last batch leaves every "
+                 "replica a record") from e
     return (part if logits is None else logits).sum() * 0.0
 
 
