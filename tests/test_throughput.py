@@ -115,7 +115,15 @@ class FixedRows(torch.utils.data.Dataset):
         return torch.full((7,), i, dtype=torch.long)
 
 
-@pytest.mark.parametrize("make", ["tensor", "windows", "dataset", "ones"])
+class DictRows(FixedRows):
+    """The same rows as dicts (a Hugging Face dataset's): a dict batch, whose tensors are
+    tagged with the global batch's records, not the dict (counted 1/N of them)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": super().__getitem__(i), "labels": torch.tensor(i % 2)}
+
+
+@pytest.mark.parametrize("make", ["tensor", "windows", "dataset", "dicts", "ones"])
 def test_each_rank_counts_the_global_batches_its_parts_belong_to(make):
     """With replicas each rank reads its part of every global batch, the parts unequal
     when the batch does not divide (5 records on 2 ranks: 3 and 2). Every rank's tally
@@ -133,10 +141,11 @@ def test_each_rank_counts_the_global_batches_its_parts_belong_to(make):
             "tensor": ((ids, torch.zeros(10)), {"batch_size": 5, "shuffle": True}),
             "windows": ((torch.arange(71),), {"window": 7, "batch_size": 5}),
             "dataset": ((FixedRows(),), {"batch_size": 5}),
+            "dicts": ((DictRows(),), {"batch_size": 5}),
             "ones": ((ids, torch.zeros(10)), {"batch_size": 1}),
         }[make]  # fmt: skip
         reader = reader_op(ctx, *args, **kw)
-        names = ("x", "done") if make == "dataset" else ("x", "y", "done")
+        names = ("x", "done") if make in ("dataset", "dicts") else ("x", "y", "done")
         sizes = []
         while not (batch := read_op(ctx, reader, names))[-1]:
             sizes.append(counts(tuple(batch[:-1]))[0] if make != "ones" else 1)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -244,7 +244,10 @@ class Reader:
         :func:`mark_records`), its tokens scaled alike: exact for records of one length,
         an estimate from this rank's part for others."""
         n, tokens = counts(self._as_handed(fields)) if self.batch_size > 1 else (1, 0)
-        total = global_records(fields[0]) if fields else None
+        first = fields[0] if fields else None
+        if isinstance(first, Mapping):  # a dict batch: its tensors are tagged, not the dict
+            first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
+        total = global_records(first)
         if total is not None and n:
             tokens = tokens * total // n
             n = total
