@@ -96,6 +96,12 @@ def test_target_and_the_default_still_work():
         ({"class": "AdamW", "groups": [{"ndim_below": "2"}]}, "ndim_below is a number", ""),
         ({"class": "AdamW", "groups": [{"names": "*.bias"}]}, "names is a list of patterns", "shell"),
         ({"class": "AdamW", "groups": {"ndim_below": 2}}, "a list of rules", "ndim_below: 2"),
+        # Hugging Face's no_decay list as patterns: they match whole names, so nothing (the
+        # rule was dropped without a word, and weight decay went on every parameter)
+        ({"class": "AdamW", "groups": [{"names": ["bias"], "weight_decay": 0.0}]},
+         "groups[0]: names pattern 'bias' matches no parameter", "names like it: ln.bias, fc.bias"),
+        ({"class": "AdamW", "groups": [{"names": ["*.bias", "*LN.weight"], "weight_decay": 0.0}]},
+         "names pattern '*LN.weight' matches no parameter", "case and all"),
     ],
 )
 def test_bad_optimizer_arguments_are_one_clear_error(kwargs, message, hint):

@@ -48,6 +48,15 @@ def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[
         raise RunError("optimizer: `groups` is a list of rules",
                        hint="groups: [{ndim_below: 2, weight_decay: 0.0}]")
     rules = [_rule(i, g, options) for i, g in enumerate(groups)]
+    named = [n for n, _ in model.named_parameters()]
+    for i, g in enumerate(groups):  # a pattern matching nothing put its options nowhere, silently
+        for pattern in g.get("names") or ():
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in named):
+                close = [n for n in named if pattern.strip("*").lower() in n.lower()][:3]
+                raise RunError(f"optimizer: groups[{i}]: names pattern {pattern!r} matches no parameter of the model",
+                               hint="a pattern matches whole names, case and all (`*.bias`, `*LayerNorm.weight`)"
+                                    + (f"; names like it: {', '.join(close)}" if close else
+                                       f"; the model's: {', '.join(named[:4])}{', ...' if len(named) > 4 else ''}"))
     chosen: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
     for name, p in model.named_parameters():  # shared parameters once, in parameters() order
         k = next((i + 1 for i, (select, _) in enumerate(rules) if select(name, p)), 0)
