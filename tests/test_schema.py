@@ -26,7 +26,7 @@ GOOD = """
 job: good
 seed: "${seed}"
 replicas: auto
-vars: {seed: 1, steps: 3, bs: 4, name: w}
+vars: {seed: 1, steps: 3, bs: 4, name: w, one: 1}
 max_epochs: 2
 stop_when: done
 early_stop: {monitor: m, mode: max, patience: 2, min_delta: 1e-3}
@@ -42,7 +42,7 @@ init:
           out: x2
 epoch:
   - task: train
-    instances: "${bs}"
+    instances: "${one}"  # more: each instance's outputs would stay in it (analyze's error)
     init: null
     do:
       - loop: "${steps}"
