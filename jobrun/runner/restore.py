@@ -88,11 +88,12 @@ def _blob(node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
             raise CheckpointError(
                 f"checkpoint epoch {epoch}, blob {blob!r} on node {node.name!r}: its saved state does "
                 f"not load: {e.message if isinstance(e, JobrunError) else e}",
-                # the store's own hint knows more (a sharded model resumed without fsdp)
-                hint=e.hint if isinstance(e, JobrunError) and e.hint else "when the plan or an override (`resume vars.block=64`) changed what init builds, "
-                     "the run must start anew (`jobrun train PLAN --run-dir NEW`); otherwise the "
-                     f"checkpoint is damaged: resume from an earlier epoch (`jobrun resume --epoch "
-                     f"{epoch - 1}`; `jobrun ckpt list` shows them)") from None
+                # a sharded model resumed without fsdp: the store's hint says how
+                hint=e.hint if isinstance(e, shards.ShardMismatch) else
+                "when the plan or an override (`resume vars.block=64`) changed what init builds, "
+                "the run must start anew (`jobrun train PLAN --run-dir NEW`); otherwise the "
+                f"checkpoint is damaged: resume from an earlier epoch (`jobrun resume --epoch "
+                f"{epoch - 1}`; `jobrun ckpt list` shows them)") from None
         return
     node.globals[blob] = _to_device(saved, node.ctx.device)
 

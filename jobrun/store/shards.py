@@ -82,6 +82,10 @@ def saved(local: Any, f: Any) -> SavedShard:
     return SavedShard(local, shape, stride, placements, f["mesh"])
 
 
+class ShardMismatch(CheckpointError):
+    """A sharded checkpoint resumed by a run that shards otherwise: its hint says how."""
+
+
 def _damaged(what: str) -> NoReturn:
     raise CheckpointError(what, hint="the checkpoint is damaged; resume from another epoch")
 
@@ -97,7 +101,7 @@ def relive(state: Any, live: Any) -> Any:
                 mesh = _mesh_of(live)
             if mesh is None or mesh.size() != v.mesh:
                 have = "no sharded parameters" if mesh is None else f"{mesh.size()} ranks"
-                raise CheckpointError(
+                raise ShardMismatch(
                     f"the checkpoint holds a model sharded over {v.mesh} ranks; this run has {have}",
                     hint=f"resume an fsdp run with {v.mesh} replicas (--replicas {v.mesh}); "
                          "jobrun export writes the whole model from a sharded checkpoint",
