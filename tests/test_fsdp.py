@@ -444,3 +444,18 @@ def test_a_sharded_checkpoint_resumed_without_fsdp_says_how_to_resume_it():
         restore._blob(node, "model", saved, 3)
     assert "sharded over 2 ranks" in e.value.message
     assert e.value.hint.startswith("resume an fsdp run with 2 replicas"), e.value.hint
+
+
+def test_fsdp_layers_without_parallel_fsdp_is_warned_at_the_key():
+    """It was ignored without a word: the user meant the model to be sharded."""
+    from jobrun.plans.analyze import analyze
+    from jobrun.plans.compile import compile_text
+
+    text = PLAN.replace("parallel: fsdp\n", "fsdp_layers: [torch.nn.Linear]\n")
+    found = [(d.code, d.pos.line, d.message) for d in analyze(compile_text(text, "plan.yaml"))
+             if d.code == "fsdp-layers"]
+    line = text.splitlines().index("fsdp_layers: [torch.nn.Linear]") + 1
+    assert found == [("fsdp-layers", line, "fsdp_layers does nothing without `parallel: fsdp`: no model is sharded")]
+    assert not [d for d in analyze(compile_text(PLAN.replace("parallel: fsdp\n", "parallel: fsdp\nfsdp_layers: "
+                                                             "[torch.nn.Linear]\n"), "plan.yaml"))
+                if d.code == "fsdp-layers"]

@@ -60,8 +60,8 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
     for f in analyzer.kinds.findings(plan):
         analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
     _check_checkpointed(plan, ops, analyzer.diags)
-    for pos, message, hint in precision.problems(plan):
-        analyzer.diags.append(Diagnostic("warning", pos, message, "fsdp-amp", hint))
+    for code, pos, message, hint in precision.problems(plan):
+        analyzer.diags.append(Diagnostic("warning", pos, message, code, hint))
     # Severity, code and message break ties so that the order never depends on the walk.
     return sorted(
         analyzer.diags,

@@ -41,17 +41,20 @@ def fsdp_amp(plan: ir.Plan) -> str | None:
     return amps.pop() if len(amps) == 1 else None
 
 
-def problems(plan: ir.Plan) -> list[tuple[Pos, str, str]]:
-    """(pos, message, hint): under fsdp, `train.step` calls that disagree on `amp`."""
+def problems(plan: ir.Plan) -> list[tuple[str, Pos, str, str]]:
+    """(code, pos, message, hint) of each warning: under fsdp, `train.step` calls that
+    disagree on `amp`; without it, `fsdp_layers`, which then does nothing."""
     if plan.parallel != "fsdp":
-        return []
+        return [("fsdp-layers", plan.fsdp_layers_pos or plan.pos,
+                 "fsdp_layers does nothing without `parallel: fsdp`: no model is sharded",
+                 "add `parallel: fsdp`, or remove fsdp_layers")] if plan.fsdp_layers else []
     steps = train_amps(plan)
     if len({amp for amp, _ in steps}) < 2:
         return []
     first_amp, first = steps[0]
     other_amp, other = next((amp, pos) for amp, pos in steps if amp != first_amp)
     return [(
-        other,
+        "fsdp-amp", other,
         f"under parallel: fsdp this train.step has amp {other_amp or 'null'}, the one at line "
         f"{first.line} has {first_amp or 'null'}: parameters are gathered in float32",
         "give every train.step the same amp to gather parameters in bf16/fp16 "
