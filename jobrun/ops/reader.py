@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from jobrun.errors import RunError
-from jobrun.ops.batches import counts
+from jobrun.ops.batches import counter, counts
 from jobrun.ops.context import OpContext
 from jobrun.ops.split import global_records, mark_records, rank_bounds
 from jobrun.ops.transfer import ToDevice
@@ -245,9 +245,8 @@ class Reader:
         an estimate from this rank's part for others."""
         n, tokens = counts(self._as_handed(fields)) if self.batch_size > 1 else (1, 0)
         first = fields[0] if fields else None
-        if isinstance(first, Mapping):  # a dict batch: its tensors are tagged, not the dict
-            first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
-        total = global_records(first)
+        # a dict batch: its tensors are tagged, not the dict; the one that counts its records
+        total = global_records(counter(first) if isinstance(first, Mapping) else first)
         if total is not None and n:
             tokens = tokens * total // n
             n = total
