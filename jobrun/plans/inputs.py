@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jobrun.errors import PlanError
+from jobrun.errors import PlanError, Pos, RunError
 from jobrun.plans import ir
 from jobrun.plans.visit import task_calls
 
@@ -140,7 +140,6 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
     module that raises while it is imported is left to the run, which shows the user's
     traceback under the op. Imports the user's modules, and so torch: `train` and
     `resume` only, after their torch-free checks."""
-    from jobrun.errors import RunError
     from jobrun.ops.imports import resolve
     from jobrun.ops.optim import optimizer_class
 
@@ -153,17 +152,22 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
                     path = optimizer_class(step.kwargs.get("class"), step.kwargs.get("target"))
                 resolve(path, step.op, key)
             except RunError as e:
-                cause = e.__cause__
-                if cause is None or isinstance(cause, ModuleNotFoundError):  # not there, or misspelt
-                    raise PlanError(e.message, step.pos_of(where), e.hint) from None
+                _refuse_if_missing(e, step.pos_of(where))
         if step.op == "optimizer":
             _check_optimizer_args(step)
     for path in plan.fsdp_layers if plan.parallel == "fsdp" else ():  # a typo failed on every rank
         try:
             resolve(path, "fsdp_layers", "class")
         except RunError as e:
-            if e.__cause__ is None or isinstance(e.__cause__, ModuleNotFoundError):
-                raise PlanError(e.message, plan.fsdp_layers_pos or plan.pos, e.hint) from None
+            _refuse_if_missing(e, plan.fsdp_layers_pos or plan.pos)
+
+
+def _refuse_if_missing(e: RunError, pos: Pos) -> None:
+    """Refuse at ``pos`` code that is not there or misspelt (``e``: resolve's RunError);
+    a module that raised while it was imported is left to the run, which shows its
+    traceback under the op."""
+    if e.__cause__ is None or isinstance(e.__cause__, ModuleNotFoundError):
+        raise PlanError(e.message, pos, e.hint) from None
 
 
 def _check_optimizer_args(step: ir.OpCall) -> None:
@@ -172,7 +176,7 @@ def _check_optimizer_args(step: ir.OpCall) -> None:
     bool was taken as true (`nesterov: "false"` turned Nesterov on)."""
     import inspect
 
-    from jobrun.errors import RunError, did_you_mean
+    from jobrun.errors import did_you_mean
     from jobrun.ops.imports import resolve
     from jobrun.ops.optim import optimizer_class
 
