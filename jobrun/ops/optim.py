@@ -48,7 +48,8 @@ def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[
         raise RunError("optimizer: `groups` is a list of rules",
                        hint="groups: [{ndim_below: 2, weight_decay: 0.0}]")
     rules = [_rule(i, g, options) for i, g in enumerate(groups)]
-    named = [n for n, _ in model.named_parameters()]
+    params = list(model.named_parameters())  # shared parameters once, in parameters() order
+    named = [n for n, _ in params]
     for i, g in enumerate(groups):  # a pattern matching nothing put its options nowhere, silently
         for pattern in g.get("names") or ():
             if not any(fnmatch.fnmatchcase(n, pattern) for n in named):
@@ -58,7 +59,7 @@ def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[
                                     + (f"; names like it: {', '.join(close)}" if close else
                                        f"; the model's: {', '.join(named[:4])}{', ...' if len(named) > 4 else ''}"))
     chosen: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
-    for name, p in model.named_parameters():  # shared parameters once, in parameters() order
+    for name, p in params:
         k = next((i + 1 for i, (select, _) in enumerate(rules) if select(name, p)), 0)
         chosen[k].append(p)
     out = [{"params": chosen[0]}] if chosen[0] else []
