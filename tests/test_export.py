@@ -121,3 +121,39 @@ epoch:
 
     again = load_file(tmp_path / "run" / "again.safetensors")
     assert torch.equal(again["model.4.bias"], load_file(out)["4.bias"])
+
+
+def test_a_tuple_of_tensors_shows_and_exports_tensor_by_tensor(tmp_path: Path) -> None:
+    """A blob that is a tuple of tensors (an LSTM's hidden state carried across epochs) is
+    saved as blob.0, blob.1: `ckpt show` gives each one's dtype and shape, not its values,
+    and `export` writes them, to .safetensors as to .pt."""
+    plan = tmp_path / "pair.yaml"
+    plan.write_text("""\
+job: pair
+max_epochs: 1
+checkpoint: {}
+init:
+  - task: setup
+    do:
+      - fill: {out: w, shape: [4, 3], value: 0.5}
+      - call: {fn: "torch.chunk", in: [w, 2], out: pair}
+epoch:
+  - task: t
+    do: [{call: {fn: "torch.chunk", in: [w, 2], out: pair}}]
+""")
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("ckpt", "show", run, "--blob", "pair")
+    assert r.code == 0, r.text
+    assert r.out.splitlines()[2:] == ["  pair.0 = tensor float32 [2, 3]", "  pair.1 = tensor float32 [2, 3]"]
+    shown = json.loads(jobrun("ckpt", "show", run, "--blob", "pair", "--json").out)
+    assert shown["tensors"]["local"]["pair.1"] == {"dtype": "float32", "shape": [2, 3]}
+    assert shown["nodes"]["local"]["pair"] == [[[0.5] * 3] * 2] * 2  # values in full, as before
+    from safetensors.torch import load_file
+
+    for out, load in [(tmp_path / "pair.safetensors", load_file),
+                      (tmp_path / "pair.pt", lambda p: torch.load(p, weights_only=True))]:
+        r = jobrun("export", run, "--blob", "pair", "-o", out)
+        assert r.code == 0, r.text
+        state = load(out)
+        assert sorted(state) == ["pair.0", "pair.1"] and torch.equal(state["pair.1"], torch.full((2, 3), 0.5))

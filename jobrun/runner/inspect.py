@@ -204,6 +204,9 @@ def _describe(name: str, value: Any, values: bool, indent: str) -> list[str]:
             return [head + f": {_value_text(value.state, values)}"]
         return [head] + [line for key, sub in _flatten({"": value.state}).items()
                          for line in _describe(key.removeprefix("."), sub, values, indent + "    ")]
+    if isinstance(value, list | tuple | dict) and _holds_tensor(value):
+        # a tuple of tensors (an LSTM's hidden state): each tensor by the key it is saved under
+        return [line for key, sub in _flatten({name: value}).items() for line in _describe(key, sub, values, indent)]
     return [f"{indent}{name} = {_value_text(value, values)}"]
 
 
@@ -300,8 +303,17 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_tensor(v) for v in value)
+    return _is_tensor(value)
+
+
 def _flatten(blobs: dict[str, Any]) -> dict[str, Any]:
-    """Module/optimizer states come back as SavedState; their values as blob.key."""
+    """Module/optimizer states come back as SavedState; their values as blob.key, and the
+    items of a list or tuple that holds tensors as blob.0, blob.1 (the checkpoint's keys)."""
     out: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -310,6 +322,9 @@ def _flatten(blobs: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}.{k}", v)
+        elif isinstance(value, list | tuple) and _holds_tensor(value):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
         else:
             out[prefix] = value
 
