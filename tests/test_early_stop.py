@@ -150,6 +150,38 @@ def test_a_monitored_value_that_is_no_number_is_one_clear_error(plan_file, tmp_p
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
+# Validation every other epoch (Lightning's check_val_every_n_epoch=2): null on odd epochs,
+# (e - 6)^2 on even ones: 16, 4, 0, 4, 16 at epochs 2, 4, 6, 8, 10 (best at epoch 6).
+EVERY_OTHER = PLAN.replace("      - const: {out: e, value: 0}\n", "      - const: {out: e, value: 0}\n"
+                           "      - const: {out: measure, value: true}\n").replace(
+    """      - sub: {in: [e, 3], out: d}
+      - mul: {in: [d, d], out: val_loss}
+""", """      - not: {in: measure, out: measure}
+      - if: measure
+        then:
+          - sub: {in: [e, 6], out: d}
+          - mul: {in: [d, d], out: val_loss}
+        else:
+          - const: {out: val_loss, value: null}
+""")
+
+
+def test_a_null_value_is_an_epoch_that_did_not_measure_it(plan_file, tmp_path: Path) -> None:
+    """early_stop counts, and checkpoint.best ranks, only the epochs that measured the
+    value, as Lightning's callbacks see only the epochs that validated."""
+    assert stops_after([None, 4, None, 1, None, 3, None], patience=2) is None
+    assert stops_after([None, 4, None, 1, None, 3, None, 2], patience=2) == 8
+    run = tmp_path / "run"
+    r = jobrun("train", plan_file(EVERY_OTHER), "--run-dir", run)
+    assert r.code == 0, r.text
+    assert epochs_run(run) == list(range(1, 11))
+    assert "stopping early after epoch 10: no better val_loss than 0 (epoch 6) for 2 epochs" in r.out
+    kept = {info.epoch: info.nodes["local"].meta["best"]["value"] for info in list_checkpoints(run / "ckpt")}
+    assert kept == {6: 0, 10: 16}
+    r = jobrun("ckpt", "show", str(run), "--epoch", "best")
+    assert r.code == 0 and "epoch 6" in r.out, r.text
+
+
 # -- the plan side -------------------------------------------------------------------------
 
 

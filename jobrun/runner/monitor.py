@@ -30,18 +30,24 @@ EARLY_STOP_META = "early_stop"  # the state after the epoch
 BEST_META = "best"  # {"monitor", "mode", "value"}: the epoch's own value
 
 
-def monitored(monitor: ir.Monitor, outputs: dict[str, dict[str, Any]], epoch: int, what: str) -> float:
-    """The monitored output's value after `epoch`, as a float (NaN stays NaN)."""
+def monitored(monitor: ir.Monitor, outputs: dict[str, dict[str, Any]], epoch: int,
+              what: str) -> float | None:
+    """The monitored output's value after `epoch`, as a float (NaN stays NaN); None when
+    the output is null: not measured this epoch (a validation every other epoch, as
+    Lightning's `check_val_every_n_epoch`), which neither counts nor ranks."""
     name = monitor.name.name
     for task_outputs in outputs.values():
         if name in task_outputs:
             value = task_outputs[name]
+            if value is None:
+                return None
             number = _as_float(value)
             if number is None:
                 raise RunError(
                     f"{what} monitors {name!r}, which holds {_kind(value)} after epoch {epoch}, not a number",
                     monitor.name.pos,
-                    "monitor an output that is a number (or a one-element tensor) every epoch",
+                    "monitor an output that is a number (or a one-element tensor), or null in an "
+                    "epoch that does not measure it",
                 )
             return number
     raise RunError(  # analyze checks the name: only a task that skipped its outputs gets here
@@ -92,8 +98,10 @@ class EarlyStopping:
     bad_value: float | None = None  # a value that was not finite: the job stops at once
     bad_epoch: int | None = None
 
-    def update(self, value: float, epoch: int) -> None:
-        """Account for the value of `epoch` (once per epoch)."""
+    def update(self, value: float | None, epoch: int) -> None:
+        """Account for the value of `epoch` (once per epoch; None: not measured, not counted)."""
+        if value is None:
+            return
         if not math.isfinite(value):
             self.bad_value, self.bad_epoch = value, epoch
         elif self.spec.monitor.better(value, self.best, self.spec.min_delta):
@@ -198,10 +206,11 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def best_meta(best: ir.Best, outputs: dict[str, dict[str, Any]], epoch: int) -> dict[str, Any]:
-    """The meta entry of a saved epoch: its monitored value (None when not finite)."""
+    """The meta entry of a saved epoch: its monitored value (None when not finite, or not
+    measured this epoch)."""
     value = monitored(best.monitor, outputs, epoch, "checkpoint.best")
     return {"monitor": best.monitor.name.name, "mode": best.monitor.mode,
-            "value": value if math.isfinite(value) else None}
+            "value": value if value is not None and math.isfinite(value) else None}
 
 
 def ranked_epochs(infos: list[Any], nodes: list[str], monitor: ir.Monitor,
