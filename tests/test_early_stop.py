@@ -175,7 +175,8 @@ def test_a_null_value_is_an_epoch_that_did_not_measure_it(plan_file, tmp_path: P
     r = jobrun("train", plan_file(EVERY_OTHER), "--run-dir", run)
     assert r.code == 0, r.text
     assert epochs_run(run) == list(range(1, 11))
-    assert "stopping early after epoch 10: no better val_loss than 0 (epoch 6) for 2 epochs" in r.out
+    assert ("stopping early after epoch 10: no better val_loss than 0 (epoch 6) in the 2 epochs that "
+            "measured it (of 4 since)") in r.out
     kept = {info.epoch: info.nodes["local"].meta["best"]["value"] for info in list_checkpoints(run / "ckpt")}
     assert kept == {6: 0, 10: 16}
     r = jobrun("ckpt", "show", str(run), "--epoch", "best")

@@ -290,7 +290,7 @@ class JobRunner(Checkpoints):
 
     def _restore_watch(self, meta: dict[str, Any]) -> bool:
         """Early stopping counts on from the checkpoint; whether it says stop already."""
-        reason, note = self.watch.restore(meta)
+        reason, note = self.watch.restore(meta, self.epoch)
         if note:
             self.display.warn(note)
         if reason is not None:

@@ -109,9 +109,10 @@ class EarlyStopping:
         else:
             self.wait += 1
 
-    def reason(self) -> str | None:
-        """Why the job stops now, or None. Lightning checks `wait >= patience` only after
-        an epoch without improvement (so patience 0 and 1 both stop at the first)."""
+    def reason(self, epoch: int | None = None) -> str | None:
+        """Why the job stops now (after `epoch`), or None. Lightning checks `wait >=
+        patience` only after an epoch without improvement (so patience 0 and 1 both stop
+        at the first). Epochs that did not measure the value are named apart."""
         name = self.spec.monitor.name.name
         if self.bad_value is not None:
             best = f" (the best was {_show(self.best)} at epoch {self.best_epoch})" if self.best is not None else ""
@@ -120,7 +121,11 @@ class EarlyStopping:
             best = f"{_show(self.best or 0.0)} (epoch {self.best_epoch})"
             better = (f"no better {name} than {best}" if not self.spec.min_delta else
                       f"no {name} better than {best} by more than {_show(self.spec.min_delta)}")
-            return f"{better} for {self.wait} epoch{'s' * (self.wait != 1)}"
+            since = epoch - self.best_epoch if epoch is not None and self.best_epoch is not None else 0
+            counted = f"{self.wait} epoch{'s' * (self.wait != 1)}"
+            if since > self.wait:  # epochs with a null value between them
+                return f"{better} in the {counted} that measured it (of {since} since)"
+            return f"{better} for {counted}"
         return None
 
     def state(self) -> dict[str, Any]:
@@ -170,7 +175,7 @@ class Watch:
         if self.early is None:
             return None
         self.early.update(monitored(self.early.spec.monitor, outputs, epoch, "early_stop"), epoch)
-        return self.early.reason()
+        return self.early.reason(epoch)
 
     def meta(self, outputs: dict[str, dict[str, Any]] | None, epoch: int) -> dict[str, Any]:
         """What the checkpoint of `epoch` keeps in its meta."""
@@ -181,13 +186,13 @@ class Watch:
             meta[BEST_META] = best_meta(self.best, outputs, epoch)
         return meta
 
-    def restore(self, meta: dict[str, Any]) -> tuple[str | None, str | None]:
-        """Take the state of a resumed checkpoint: (why the job stops already, a note
-        when the saved state cannot be used)."""
+    def restore(self, meta: dict[str, Any], epoch: int) -> tuple[str | None, str | None]:
+        """Take the state of the resumed checkpoint of `epoch`: (why the job stops
+        already, a note when the saved state cannot be used)."""
         if self.early is None:
             return None, None
         self.early, note = EarlyStopping.restored(self.early.spec, meta.get(EARLY_STOP_META))
-        return self.early.reason(), note
+        return self.early.reason(epoch), note
 
     def protected(self, ckpt_dir: Path, nodes: list[str], complete: Collection[int] = ()) -> list[int]:
         """The `keep` best epochs in `ckpt_dir` by checkpoint.best, which pruning must keep
