@@ -1,5 +1,5 @@
 """`call` passes the run's context to functions that name it: rank, world_size, device,
-generator (the node's), step (the global step)."""
+generator (the node's), step (the global step), epoch."""
 
 from __future__ import annotations
 
@@ -96,3 +96,34 @@ def test_node_seed_gives_a_hand_loop_the_nodes_generator():
         ours = torch.randint(1000, (8,), generator=ctx.generator)
         hand = torch.randint(1000, (8,), generator=torch.Generator().manual_seed(jobrun.node_seed(seed, node)))
         assert torch.equal(ours, hand)
+
+
+def test_a_call_sees_the_epoch_running(tmp_path):
+    """`epoch`: 0 in init, the epoch in the epoch group (after a resume too), the last
+    one in exit: a KL weight warmed up over epochs needs no counter blob of its own."""
+    import json
+
+    from runner_util import jobrun
+
+    (tmp_path / "warm.py").write_text("def beta(*, epoch):\n    return min(1.0, epoch / 4)\n")
+    (tmp_path / "plan.yaml").write_text(
+        "job: warm\nmax_epochs: 3\ncheckpoint: {keep: 5}\n"
+        "init:\n  - task: setup\n    do:\n      - call: {fn: 'warm:beta', out: b0}\n"
+        "epoch:\n  - task: train\n    do:\n      - call: {fn: 'warm:beta', out: b}\n"
+        "    outputs: [b]\n"
+        "exit:\n  - task: last\n    do:\n      - call: {fn: 'warm:beta', out: b1}\n"
+        "      - log: {in: [b0, b1]}\n"
+    )
+    run = tmp_path / "run"
+
+    def seen() -> tuple[list[float], list[dict]]:
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        per_epoch = [r["outputs"]["train"]["b"] for r in records if r.get("event") == "epoch"]
+        return per_epoch, [r["values"] for r in records if r.get("task") == "last"]
+
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert seen() == ([0.25, 0.5, 0.75], [{"b0": 0.0, "b1": 0.75}])
+    r = jobrun("resume", run, "--epoch", "1")
+    assert r.code == 0, r.text
+    assert seen()[0] == [0.25, 0.5, 0.75]  # epochs 2 and 3 again, as numbered before

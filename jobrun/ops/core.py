@@ -310,7 +310,7 @@ def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 
 # What `call` passes to a function whose signature names them (and the plan does not).
-CONTEXT_ARGS = ("rank", "world_size", "device", "generator", "step")
+CONTEXT_ARGS = ("rank", "world_size", "device", "generator", "step", "epoch")
 
 
 def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
@@ -318,8 +318,8 @@ def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
          **kwargs: Any) -> Any:
     """`call`: fn(*inputs, **other keys, **context it asks for). `mutates` and `pure` are
     for checkpoints, not for `fn`. A parameter of `fn` without a default named rank,
-    world_size, device, generator (the node's seeded torch.Generator) or step (the global
-    step), not filled by the inputs nor by the plan, receives the run's value. When `fn`
+    world_size, device, generator (the node's seeded torch.Generator), step (the global
+    step) or epoch (the epoch running: 0 in init, the last one in download and exit), not filled by the inputs nor by the plan, receives the run's value. When `fn`
     raises and an input is null, the error names that input first: torch's message about
     a NoneType says nothing of the `read` that reached its end."""
     from jobrun.ops.imports import resolve

@@ -121,7 +121,7 @@ CORE_SPECS: tuple[OpSpec, ...] = (
     ),
     OpSpec(
         "call", "Call user code `pkg.mod:func` with the inputs as positional arguments; parameters "
-        "without a default named rank, world_size, device, generator or step get the run's values.",
+        "without a default named rank, world_size, device, generator, step or epoch get the run's values.",
         _C + "call", inputs=("args",), outputs=("results",), min_inputs=0, max_inputs=None,
         min_outputs=0, max_outputs=None,
         args=(
