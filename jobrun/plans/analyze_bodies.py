@@ -1,0 +1,65 @@
+"""Static checks of the shape of a plan's bodies, for `analyze` (and so for `train`).
+
+- warnings: a `do:` with no steps (`do: []`, or `do:` left empty) in a loop, a parallel
+  branch or a report, and a task with no steps at all: the plan compiles, but the body
+  does nothing, which is most often a slip (steps deleted, or left out by an indentation).
+- errors: a `loop: null` with no `stop_if` in its body (outside the loops nested in it and
+  its reports) in a plan without `max_steps` (which ends the loops that take optimizer
+  steps): only a stop_if ends such a loop, so it never ends and the run hangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jobrun.errors import Pos
+from jobrun.plans import ir
+from jobrun.plans.visit import children
+
+Problem = tuple[str, str, Pos, str, str | None]  # severity, code, pos, message, hint
+
+_EMPTY_HINT = "list its steps under `do:` (indented, each starting with `- `), or remove it"
+
+
+def problems(plan: ir.Plan) -> Iterator[Problem]:
+    """Empty bodies and loops that never end, in every task of the plan."""
+    for group in plan.groups:
+        for task in group.tasks:
+            if not (task.init or task.do or task.exit):
+                yield ("warning", "empty-body", task.pos,
+                       f"task {task.name!r} of group `{group.name}` has no steps: it does nothing",
+                       _EMPTY_HINT)
+            for block in children(task):
+                yield from _block(block, plan.max_steps is None)
+
+
+def _block(steps: tuple[ir.Step, ...], endless: bool) -> Iterator[Problem]:
+    """`endless`: whether a `loop: null` without a stop_if never ends."""
+    for step in steps:
+        if isinstance(step, ir.Loop) and step.count is None and endless and not _stops(step.body):
+            yield ("error", "endless-loop", step.pos,
+                   "this `loop: null` never ends: no `stop_if` in its body leaves it",
+                   "add `- stop_if: BLOB` to the loop's `do` (e.g. a read's `done`), or give "
+                   "the loop a count: `loop: 10`")
+        elif isinstance(step, ir.Loop | ir.Report) and not step.body:
+            what = "loop" if isinstance(step, ir.Loop) else "report"
+            yield ("warning", "empty-body", step.pos, f"this {what} has no steps in its `do`", _EMPTY_HINT)
+        elif isinstance(step, ir.Parallel):
+            for i, branch in enumerate(step.branches):
+                if not branch.body:
+                    label = repr(branch.name) if branch.name else f"#{i + 1}"
+                    yield ("warning", "empty-body", branch.pos,
+                           f"branch {label} of this `parallel` has no steps in its `do`", _EMPTY_HINT)
+        for block in children(step):
+            yield from _block(block, endless)
+
+
+def _stops(steps: tuple[ir.Step, ...]) -> bool:
+    """Whether a stop_if in `steps` can leave the loop they are the body of (a stop_if in
+    a nested loop leaves that loop; one in a report ends the report's body)."""
+    for step in steps:
+        if isinstance(step, ir.StopIf):
+            return True
+        if isinstance(step, ir.If | ir.Parallel) and any(_stops(b) for b in children(step)):
+            return True
+    return False
