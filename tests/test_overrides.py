@@ -279,6 +279,8 @@ def test_step_ids_are_checked_by_the_compiler() -> None:
         ("=3", Pos("--set =3"), "not KEY=VALUE"),
         ("+=3", Pos("--set +=3"), "not KEY=VALUE"),
         ("a..b=1", Pos("--set a..b=1"), "empty part"),
+        ("+++vars.x=1", Pos("--set +++vars.x=1"), "key '+++vars.x' starts with '+++': only + or ++ may"),
+        ("+ +vars.x=1", Pos("--set + +vars.x=1"), "key '+ +vars.x' starts with '+ +': only + or ++ may"),
         ("epoch.1.task=x", P(7, 3), "'epoch.1' does not exist"),
         ("epoch.-1.task=x", P(7, 3), "no task '-1'"),
         ("epoch.²=x", P(7, 3), "'epoch.²' does not exist"),

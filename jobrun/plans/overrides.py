@@ -95,11 +95,17 @@ class _Override:
         key, eq, self.raw = item.partition("=")
         key = key.strip()
         # Hydra's prefixes: +KEY adds a new key, ++KEY adds or changes one.
-        self.force = key.startswith("++")
-        self.plus = key.startswith("+") and not self.force
-        key = key.lstrip("+").strip() if key.startswith("+") else key
+        written, plusses = key, len(key) - len(key.lstrip("+"))
+        self.force, self.plus = plusses == 2, plusses == 1
+        key = key[plusses:].strip()
         if not eq or not key:
             raise PlanError(f"--set {item!r} is not KEY=VALUE", self.where, "write e.g. --set max_epochs=3")
+        if plusses > 2 or key.startswith("+"):
+            bare = written.lstrip("+ ")
+            raise PlanError(
+                f"--set key {written!r} starts with {written[:len(written) - len(bare)]!r}: only + or ++ may",
+                self.where, f"+KEY adds a new key, ++KEY adds or changes one: e.g. ++{bare}=...",
+            )
         try:
             self.value = parse_value(self.raw, str(self.where))
         except PlanError as e:
