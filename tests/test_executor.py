@@ -330,6 +330,8 @@ epoch:
         step = "      - loop: missing"
     e, line = _failure(text, step)
     assert not isinstance(e, OpFailed) and message in str(e) and e.pos.line == line
+    if count != "missing":  # the hint says what to give the blob
+        assert e.hint is not None and "give blob 'c' a whole number >= 0" in e.hint
 
 
 def _failure(text: str, step: str) -> tuple[BaseException, int]:

@@ -182,6 +182,28 @@ def test_no_finding_where_the_kinds_are_not_a_number_and_a_string(step: str) -> 
     assert [d for d in diagnose(step) if d.code == "compare-types"] == []
 
 
+LOOP = "job: j\nmax_epochs: 1\nepoch:\n  - task: t\n    do:\n      DEFS\n      - loop: n\n        do: [{log: {in: [n]}}]\n"
+
+
+@pytest.mark.parametrize("value", ["-2", "2.5", "'3'", "true"])
+def test_a_const_that_is_no_loop_count_is_an_error_at_the_count(value: str) -> None:
+    (d,) = analyze(compile_text(LOOP.replace("DEFS", f"- const: {{out: n, value: {value}}}"), FILE))
+    assert (d.severity, d.code, d.pos.line, d.pos.col) == ("error", "loop-count", 7, 15), d.format()
+    assert "loop count `n` (" in d.message and "line 6) is not a whole number >= 0" in d.message
+    assert d.hint == "give the `const` at line 6 a whole number >= 0, e.g. value: 3"
+
+
+@pytest.mark.parametrize(("defs", "severities"), [
+    ("- const: {out: n, value: 3}", []),
+    ("- const: {out: n, value: [3]}", []),  # a one-element tensor will do
+    ("- const: {out: n, value: -2}\n      - add: {in: [n, 5], out: n}", []),  # the add's value is not known
+    ("- const: {out: n, value: -2}\n      - const: {out: n, value: 2}", ["warning"]),  # one of two
+])
+def test_loop_counts_judged_only_where_every_definition_is_known(defs: str, severities: list) -> None:
+    diags = analyze(compile_text(LOOP.replace("DEFS", defs), FILE))
+    assert [d.severity for d in diags if d.code == "loop-count"] == severities
+
+
 def test_analyze_cli_reports_the_comparison_with_its_place(plan_file) -> None:
     path = plan_file(COMPARE.replace("STEP", "lt: {in: [loss, target], out: out}"))
     r = jobrun("analyze", path)

@@ -58,7 +58,7 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
     analyzer = _Analyzer(ops)
     analyzer.visit(plan)
     for f in analyzer.kinds.findings(plan):
-        analyzer._emit(f.severity, "compare-types", f.pos, f.message, f.hint)
+        analyzer._emit(f.severity, f.code, f.pos, f.message, f.hint)
     _check_checkpointed(plan, ops, analyzer.diags)
     for code, pos, message, hint in precision.problems(plan):
         analyzer.diags.append(Diagnostic("warning", pos, message, code, hint))
@@ -287,6 +287,8 @@ class _Analyzer(Visitor):
     def visit_Loop(self, loop: ir.Loop) -> None:
         if isinstance(loop.count, ir.BlobRef):
             self._read(loop.count)
+            assert self.ctx is not None
+            self.kinds.count(self.ctx.task.node, loop.count)
         frame = Frame()
         self.frames.append(frame)
         mark = self.flow.mark()

@@ -9,6 +9,9 @@ a number and a string is an error; an ordering against a string that reads as a 
 (`"1e-4"`, quoted) is a warning even when the other side is not known, since it can only
 hold if that side is a string too.
 
+The same knowledge judges a loop count read from a blob: a `const` that gives it a
+negative, fractional, boolean or string value stops the job when the loop starts.
+
 What a blob holds is judged over every definition of it on its node: a blob is of a known
 kind only when all of them agree, so no path through the plan is assumed. The analyzer's
 walk (:mod:`jobrun.plans.analyze`) feeds :class:`Kinds` as it goes.
@@ -49,6 +52,7 @@ class Finding:
     pos: Pos
     message: str
     hint: str
+    code: str = "compare-types"
 
 
 class Kinds:
@@ -63,6 +67,7 @@ class Kinds:
     def __init__(self) -> None:
         self.calls: list[tuple[str, ir.OpCall]] = []  # (node, call) of the recorded ops
         self.indexes: list[tuple[str, ir.BlobRef]] = []  # (node, loop `as` blob)
+        self.counts: list[tuple[str, ir.BlobRef]] = []  # (node, blob a loop count reads)
 
     def op(self, node: str, call: ir.OpCall) -> None:
         if call.op in _RECORDED:
@@ -71,8 +76,38 @@ class Kinds:
     def index(self, node: str, ref: ir.BlobRef) -> None:
         self.indexes.append((node, ref))
 
+    def count(self, node: str, ref: ir.BlobRef) -> None:
+        self.counts.append((node, ref))
+
     def findings(self, plan: ir.Plan) -> list[Finding]:
-        """Every comparison of a number with a string whose kinds are known statically."""
+        """Every comparison of a number with a string whose kinds are known statically,
+        then every loop count that only `const`s give, one of them no count."""
+        return self._comparisons(plan) + self._counts(plan)
+
+    def _counts(self, plan: ir.Plan) -> list[Finding]:
+        wanted = {(node, ref.name) for node, ref in self.counts}
+        if not wanted:
+            return []
+        sides: dict[tuple[str, str], list[Side]] = {}
+        for key, side in _every_definition(plan, wanted, self._known(wanted)):
+            sides.setdefault(key, []).append(side)
+        found = []
+        for node, ref in self.counts:
+            defs = sides.get((node, ref.name), [])
+            if not defs or any(d.source is None for d in defs):
+                continue  # another op (or a loop index) defines it too: its value is not known
+            bad = [d for d in defs if isinstance(d.value, bool) or not isinstance(d.value, int) or d.value < 0]
+            if bad:
+                line = bad[0].source.line if bad[0].source is not None else 0
+                found.append(Finding(
+                    "error" if len(bad) == len(defs) else "warning", ref.pos,
+                    f"loop count {bad[0].text} is not a whole number >= 0: the job stops when the "
+                    "loop starts",
+                    f"give the `const` at line {line} a whole number >= 0, e.g. value: 3", "loop-count",
+                ))
+        return found
+
+    def _comparisons(self, plan: ir.Plan) -> list[Finding]:
         comparisons = [(node, c) for node, c in self.calls if c.op in COMPARISONS and len(c.ins) == 2]
         wanted = {(node, i.name) for node, c in comparisons for i in c.ins if isinstance(i, ir.BlobRef)}
         if not wanted:

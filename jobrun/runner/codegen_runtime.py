@@ -50,5 +50,10 @@ def as_int(n: Any, s: ir.Loop) -> int:
     if hasattr(n, "item") and getattr(n, "numel", lambda: 0)() == 1:
         n = n.item()
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise RunError(f"loop count is {n!r}, not a non-negative integer", s.pos)
+        name = s.count.name if isinstance(s.count, ir.BlobRef) else "its count"
+        raise RunError(
+            f"loop count is {n!r}, not a non-negative integer", s.pos,
+            f"give blob {name!r} a whole number >= 0 (or a one-element integer tensor) before the "
+            "loop starts, e.g. - const: {out: " + name + ", value: 3}",
+        )
     return n
