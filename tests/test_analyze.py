@@ -848,6 +848,23 @@ def test_output_clash_between_epoch_tasks() -> None:
     )
 
 
+def test_output_clash_says_what_the_run_does_with_the_two_values() -> None:
+    # The runner keeps both: stop_when tests each, early_stop takes the first task's, the
+    # epoch line shows the last task's (runner/job.py, monitor.py, display.py).
+    text = (
+        "job: j\nmax_epochs: 3\nstop_when: [done]\nearly_stop: {monitor: done, mode: max}\nepoch:\n"
+        "  - task: a\n    do: [{const: {out: done, value: false}}]\n    outputs: [done]\n"
+        "  - task: b\n    do: [{const: {out: done, value: true}}]\n    outputs: [done]\n"
+    )
+    d = only(text, "output-clash")
+    assert d.message == (
+        "output 'done' of task 'b' is also an output of task 'a' (line 6): stop_when stops the "
+        "job when any of them is truthy, early_stop monitors the value of task 'a' (the first), "
+        "the epoch line shows the value of task 'b'"
+    )
+    assert "keeps one value" not in (d.hint or "") and "metrics.jsonl keeps each" in (d.hint or "")
+
+
 # -- unused --------------------------------------------------------------------------------
 
 

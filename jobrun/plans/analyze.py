@@ -115,7 +115,7 @@ class _Analyzer(Visitor):
         for group in plan.groups:
             self.visit(group)
         self._check_watched(plan)
-        self._check_output_clash(plan.epoch)
+        self._check_output_clash(plan)
         self._resolve_reads()
 
     def visit_Group(self, group: ir.Group) -> None:
@@ -478,18 +478,29 @@ class _Analyzer(Visitor):
                     or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
                 )
 
-    def _check_output_clash(self, group: ir.Group) -> None:
-        owner: dict[str, ir.Task] = {}
-        for task in group.tasks:
+    def _check_output_clash(self, plan: ir.Plan) -> None:
+        """Two epoch tasks with one output name: the run keeps both (per task), but each
+        reader of outputs picks in its own way (runner/job.py, monitor.py, display.py)."""
+        owners: dict[str, list[ir.Task]] = {}
+        for task in plan.epoch.tasks:
             for out in task.outputs:
-                first = owner.setdefault(out.name, task)
-                if first is not task:
-                    self._emit(
-                        "warning", "output-clash", out.pos,
-                        f"output {out.name!r} of task {task.name!r} is also an output of task "
-                        f"{first.name!r} (line {first.pos.line})",
-                        "the runner keeps one value per output name: rename one of them",
-                    )
+                owners.setdefault(out.name, []).append(task)
+                if len(owners[out.name]) > 1:
+                    self._emit("warning", "output-clash", out.pos, self._clash(plan, out.name, owners[out.name]),
+                               "rename one of them if they are two values (metrics.jsonl keeps each under "
+                               "its task's name)")
+
+    def _clash(self, plan: ir.Plan, name: str, tasks: list[ir.Task]) -> str:
+        first, task = tasks[0], tasks[-1]
+        best = plan.checkpoint.best if plan.checkpoint is not None else None
+        said = ["stop_when stops the job when any of them is truthy"] if name in {
+            r.name for r in plan.stop_when} else []
+        said += [f"{what} monitors the value of task {first.name!r} (the first)" for what, watch
+                 in (("early_stop", plan.early_stop), ("checkpoint.best", best))
+                 if watch is not None and watch.monitor.name.name == name]
+        said.append(f"the epoch line shows the value of task {task.name!r}")
+        return (f"output {name!r} of task {task.name!r} is also an output of task {first.name!r} "
+                f"(line {first.pos.line}): " + ", ".join(said))
 
     def _resolve_reads(self) -> None:
         for read in self.unresolved:
