@@ -165,7 +165,9 @@ def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt:
         return
     text = printer.render_text(p, factor_prefixes=factor_prefixes)
     if sys.stdout.isatty():
-        printer.print_rich(text)
+        from jobrun.plans.colour import print_rich
+
+        print_rich(text)
     else:
         click.echo(text, nl=not text.endswith("\n"))
 

@@ -21,13 +21,13 @@ from runner_util import HANG_S
 
 from jobrun.errors import Pos
 from jobrun.plans import ir
+from jobrun.plans.colour import print_rich
 from jobrun.plans.compile import compile_file, compile_text
 from jobrun.plans.printer import (
     MAX_LITERAL,
     factor_names,
     format_arg,
     format_value,
-    print_rich,
     render_json,
     render_text,
 )
