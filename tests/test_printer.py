@@ -369,6 +369,18 @@ def test_strings_are_escaped_onto_one_line(text: str) -> None:
     )
 
 
+def test_format_arg_shows_every_key_of_a_mapping_and_cuts_only_its_long_values() -> None:
+    # An EMA built through `build`: its decay sat past the 64th character, cut away.
+    ema = {"target": "torch.optim.swa_utils.get_ema_multi_avg_fn", "decay": 0.999}
+    assert format_arg(ema) == '{target: "torch.optim.swa_utils.get_ema_multi_avg_fn", decay: 0.999}'
+    layers = [{"target": "torch.nn.Linear", "args": [16, 64]}] * 3 + [{"target": "torch.nn.ReLU"}]
+    assert format_arg(layers).endswith('{target: "torch.nn.Linear", args: [16, 64]}, {target: "torch.nn.ReLU"}]')
+    nested = {"a": {"b": "x" * 70, "c": list(range(40))}, "decay": 0.9}
+    text = format_arg(nested)
+    assert text.startswith('{a: {b: "' + "x" * 63 + "...<+len=72>, c: [0, 1, 2")
+    assert text.endswith(">}, decay: 0.9}")
+
+
 def test_format_arg_cuts_at_the_limit() -> None:
     assert format_arg("x" * 62) == '"' + "x" * 62 + '"'  # 64 characters: kept whole
     assert format_arg("x" * 63) == '"' + "x" * 63 + "...<+len=65>"

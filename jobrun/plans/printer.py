@@ -25,7 +25,7 @@ from jobrun.plans.load import to_plain
 from jobrun.plans.visit import Visitor
 
 INDENT = "    "
-MAX_LITERAL = 64  # longer strings, lists and mappings are cut, with a ...<+len=N> mark
+MAX_LITERAL = 64  # longer strings and lists are cut, with a ...<+len=N> mark
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PLAIN_MAP_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 
@@ -73,9 +73,16 @@ def _format_map(value: dict[Any, Any]) -> str:
 
 
 def format_arg(value: Any) -> str:
-    """format_value, cut after MAX_LITERAL characters with a mark giving the full length."""
+    """format_value, a string or list cut after MAX_LITERAL characters with a mark giving
+    the full length. A mapping, and a list that holds one, is not cut: each of its values
+    is shown as an argument is, so that no nested argument is hidden (an EMA's `decay`
+    in `build`'s mapping, a layer in a list of layers)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join([f"{_map_key(k)}: {format_arg(v)}" for k, v in value.items()]) + "}"
+    if isinstance(value, list | tuple) and any(isinstance(v, dict) for v in value):
+        return "[" + ", ".join([format_arg(v) for v in value]) + "]"
     text = format_value(value)
-    if len(text) > MAX_LITERAL and isinstance(value, str | list | tuple | dict):
+    if len(text) > MAX_LITERAL and isinstance(value, str | list | tuple):
         return f"{text[:MAX_LITERAL]}...<+len={len(text)}>"
     return text
 
