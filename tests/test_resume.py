@@ -572,12 +572,10 @@ def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path, monkeypa
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt", f"dir: {blocker}/ckpt"))
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
-    assert r.code == 0, r.text
-    assert "was NOT saved" in r.err
+    assert r.code == 1, r.text
+    assert r.err.count("was NOT saved") == 8  # epochs 0-6 warn, and the error that ends the run says it
     assert [x["steps"] for x in logged(tmp_path / "run")] == [3, 6, 9, 12, 15, 18]
-    # the final summary repeats the warning
-    summary_at = r.err.rfind("was NOT saved")
-    assert summary_at > r.err.find("was NOT saved")
+    assert "(no checkpoint of it was saved)" in r.err and "train it again" in r.err
 
 
 def _disk_full_at(monkeypatch, failing_epoch: int) -> None:
@@ -605,6 +603,40 @@ def test_disk_full_during_save_warns_and_keeps_earlier_checkpoints(tmp_path, mon
     assert "checkpoint of epoch 2" in r.err and "no space left" in r.err
     assert not (run / "ckpt" / "local.2" / "rank-0" / "COMMIT").exists()
     assert ckpt_values(run, 1)["steps"] == 3 and ckpt_values(run, 6)["steps"] == 18
+
+
+@pytest.mark.parametrize("background", ["false", "true"])
+def test_disk_full_at_the_last_save_fails_the_run_and_resume_finishes_it(reference, tmp_path, monkeypatch,
+                                                                          background):
+    # The OS says ENOSPC while the last epoch's tensors are written: the run has not
+    # finished (exit 1, one message saying how to go on), epoch 5 stays, a resume ends it.
+    import errno
+
+    from jobrun.store import files
+
+    real_write = files.tensorfile.write
+
+    def full(path, *args):
+        if path.parent.parent.name == "local.6":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_write(path, *args)
+
+    monkeypatch.setattr(files.tensorfile, "write", full)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", f"dir: ckpt, async: {background}}}"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 1 and "Traceback" not in r.text, r.text
+    error = r.err[r.err.rindex("\nerror: ") + 1:]  # after the warnings
+    assert error.startswith("error: the checkpoint of epoch 6, the last, was NOT saved: no space left on "
+                            f"device while writing {run / 'ckpt' / 'local.6' / 'rank-0'}"), error
+    assert "its newest checkpoint is epoch 5" in error and f"`jobrun resume {run}`" in error
+    assert json.loads((run / "run.json").read_text())["status"] == "failed"
+    assert ckpt_values(run, 5)["steps"] == 15
+    monkeypatch.setattr(files.tensorfile, "write", real_write)  # space was freed
+    again = jobrun("resume", run)
+    assert again.code == 0 and "resumed from checkpoint epoch 5" in again.out, again.text
+    assert _final(run) == _final(reference)
 
 
 @pytest.mark.parametrize("args, background", [

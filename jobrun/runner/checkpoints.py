@@ -51,6 +51,7 @@ class Checkpoints:
     _saving: bool
     _pending_signal: int | None
     _failed_save: int | None
+    _save_error: BaseException | None  # why this rank's latest save failed
     _writer: Writer | None
     _buffers: dict[str, store.Prepared]
     _last_saved: int
@@ -83,7 +84,7 @@ class Checkpoints:
                     total_bytes, seconds = self._write_all(epoch, prepared)
                     return f"ckpt {human_size(total_bytes)} in {seconds * 1000:.0f} ms"
             except (CheckpointError, OSError) as e:
-                self._failed_save = epoch
+                self._failed_save, self._save_error = epoch, e
                 self._warn(f"checkpoint of epoch {epoch} was NOT saved: {e}")
                 return "ckpt FAILED"
             blocked = time.perf_counter() - t0
@@ -183,7 +184,7 @@ class Checkpoints:
             return
         error = writer.wait()
         if error is not None:
-            self._failed_save = writer.epoch
+            self._failed_save, self._save_error = writer.epoch, error
             self._warn(f"checkpoint of epoch {writer.epoch} was NOT saved: {error}")
 
     def _restore(self, epoch: int) -> dict[str, Any]:

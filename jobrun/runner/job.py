@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jobrun import signals, store
-from jobrun.errors import Interrupted, JobrunError, RunError, said
+from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, said
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
@@ -97,11 +97,12 @@ class JobRunner(Checkpoints):
         self.unsaved: set[str] = set()
         self._saving = False
         self._failed_save: int | None = None  # this rank's failed save since the ranks last agreed
+        self._save_error: BaseException | None = None
         self._pending_signal: int | None = None
         self._resumable = cfg.resume_epoch is not None  # a checkpoint of this run exists
         self._writer: Writer | None = None
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
-        self._last_saved = 0  # the newest epoch written (set by the writer thread when async)
+        self._last_saved = -1  # the newest epoch written (set by the writer thread when async)
         self.ckpt_dir = self.run_dir.checkpoints
         self.watch = Watch(self.plan)  # early_stop and checkpoint.best
         # What checkpoints hold: per node, the blobs steps after init write or change.
@@ -320,6 +321,7 @@ class JobRunner(Checkpoints):
         self._wait_for_writer()
         if self.plan.checkpoint is not None and self.plan.checkpoint.background:
             self._prune_together()  # the last epoch written in the background is complete now
+        self._check_last_saved()
         ck = self.plan.checkpoint
         if ck is not None and ck.upload and self.ckpt_dir is not None and self.main_rank:
             dest = self.run_dir.under(ck.upload)
@@ -344,6 +346,23 @@ class JobRunner(Checkpoints):
         if self.main_rank:
             self._record("finished")
         signals.job_finished()
+
+    def _check_last_saved(self) -> None:
+        """A job whose last epoch has no checkpoint has not finished: it stops before the
+        upload, download and exit (a resume runs them after the epochs it trains again)."""
+        if self.ckpt_dir is None or self._last_saved == self.completed:
+            return
+        e = self._save_error
+        why = e.message if isinstance(e, JobrunError) else said(e) if e is not None else "see the warnings above"
+        fix = e.hint if isinstance(e, JobrunError) and e.hint else f"make {self.ckpt_dir} writable"
+        if self._last_saved >= 0:
+            newest = f"its newest checkpoint is epoch {self._last_saved}"
+            how = f"`{self.run_dir.resume_command()}` trains again from there"
+        else:
+            newest, how = "no checkpoint of it was saved", "train it again (`jobrun train ... --overwrite`)"
+        raise CheckpointError(
+            f"the checkpoint of epoch {self.completed}, the last, was NOT saved: {why}; the run has "
+            f"not finished ({newest})", hint=f"{fix}; then {how}")
 
     def _agree_on_stop(self) -> None:
         """With replicas: stop here, all ranks together, when any of them was signalled
