@@ -117,6 +117,24 @@ def test_console_log_begins_with_what_train_said_before_the_run_started(tmp_path
     assert log[:len(said)] == said and log[len(said)].startswith("epoch 1/")
 
 
+def test_console_log_has_what_resume_said_before_it_went_on(tmp_path):
+    # README: what jobrun prints (warnings too) is also in console.log; a resume's skipped
+    # epochs and overrides were printed before the run went on, and were not in it.
+    from runner_util import jobrun
+
+    plan, run = tmp_path / "plan.yaml", tmp_path / "run"
+    plan.write_text(COUNTER)
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    (run / "ckpt" / "local.3" / "rank-0" / "COMMIT").unlink()
+    r = jobrun("resume", run, "max_epochs=4")
+    assert r.code == 0, r.text
+    said = [line for line in (r.out + r.err).splitlines() if line.startswith(("warning:", "resuming with"))]
+    assert len(said) == 2 and said[0].startswith("warning: skipping checkpoint epoch 3"), said
+    log = (run / "console.log").read_text().splitlines()
+    resumed = log.index("resumed from checkpoint epoch 2")
+    assert set(said) <= set(log[:resumed]), log
+
+
 def _start(d, key, i, n):
     """A loop at iteration i, as the executor writes it (the display's entry, and the
     epoch's loops by key)."""

@@ -108,8 +108,9 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         return hosts.resume(run_dir, epoch, sets, replicas, max_restarts, force)
     run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
     run.info()  # a directory that is not a run is refused before anything is written
+    said: list[str] = []  # what it prints before the run goes on: console.log's too
     with run.lock(), ExitStack() as held:
-        plan, changes, stored = resume_plan(run, sets)
+        plan, changes, stored = resume_plan(run, sets, said)
         run.metrics_lines()  # a damaged line is refused before anything changes
         ckpt_dir = checkpoints_of(run, plan)
         held.enter_context(run.lock_checkpoints(ckpt_dir))
@@ -126,18 +127,19 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         device_for(device, n, select=False)
         restarts = restarts_of(info, plan, max_restarts)
         try:
-            epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None)
+            epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None, said=said)
         except NoCheckpoint as e:
             if asked is None and not sets and _never_saved(info, ckpt_dir):
                 return _start_again(run, Launch(run.path, run.plan_dir, device, None, n, restarts,
-                                                profile=profile), plan)
+                                                profile=profile), plan, said)
             e.hint = _train_again(run, info) or e.hint
             raise
         record = resuming(epoch, sets, changes, stored, n, saved, restarts,
-                          newer_epochs(ckpt_dir, epoch, asked))
+                          newer_epochs(ckpt_dir, epoch, asked), said)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
                         force=force or beyond_extending(changes), profile=profile, resuming=record)
+        to_console_log(run, said)
         return start(launch, False, plan)
 
 
@@ -237,14 +239,16 @@ def print_warnings(warnings: list[Any]) -> list[str]:
     return [*(f"warning: {line}" for line in lines), fix]
 
 
-def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str], Any]:
+def resume_plan(run: RunDir, sets: tuple[str, ...],
+                said: list[str] | None = None) -> tuple[ir.Plan, list[str], Any]:
     """The plan a resume runs: the run's own, with ``sets`` applied (what changed, and
-    the tree to store, when there are any)."""
+    the tree to store, when there are any). The warnings printed are added to ``said``."""
+    said = [] if said is None else said
     if run.source_changed():
         source = run.info().source
         what = "changed since the run started" if source and Path(source).is_file() else "is gone"
-        print(f"warning: {source or 'the plan file'} {what}; resume uses the plan stored in "
-              f"{run.plan_file} (give changes as KEY=VALUE overrides)", file=sys.stderr)
+        _say(said, f"warning: {source or 'the plan file'} {what}; resume uses the plan stored in "
+                   f"{run.plan_file} (give changes as KEY=VALUE overrides)")
     if not sets:
         return run.plan(), [], None
     original = run.plan()  # before changed_plan, which makes the changed one the run's
@@ -254,7 +258,7 @@ def resume_plan(run: RunDir, sets: tuple[str, ...]) -> tuple[ir.Plan, list[str],
         from jobrun.plans.analyze import analyze
 
         known = {(d.code, d.pos) for d in analyze(original)}
-        print_warnings([d for d in found if (d.code, d.pos) not in known])
+        said += print_warnings([d for d in found if (d.code, d.pos) not in known])
     return plan, changes, stored
 
 
@@ -311,19 +315,22 @@ def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
 
 
 def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any, replicas: int,
-             saved: int, restarts: int, newer: list[int] = ()) -> Resuming:  # type: ignore[assignment]
+             saved: int, restarts: int, newer: list[int] = (),  # type: ignore[assignment]
+             said: list[str] | None = None) -> Resuming:
     """What the resume will record once its checkpoint is restored (jobrun.runner.resuming);
-    what it changes is said now, and which later epochs it trains again (``newer``)."""
+    what it changes is said now (and added to ``said``), and which later epochs it trains
+    again (``newer``)."""
+    said = [] if said is None else said
     if changes:
-        _warn_changes(changes)
+        _warn_changes(changes, said)
     if newer:
         what = f"epoch {newer[0]} is" if len(newer) == 1 else f"epochs {newer[0]}-{newer[-1]} are"
-        print(f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "
-              f"trained again; the checkpoints after epoch {epoch} are removed once it is restored, "
-              "and the metrics lines and files they saved are replaced (copy the run directory "
-              "first to keep them)", file=sys.stderr)
+        _say(said, f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "
+                   f"trained again; the checkpoints after epoch {epoch} are removed once it is restored, "
+                   "and the metrics lines and files they saved are replaced (copy the run directory "
+                   "first to keep them)")
     if saved != replicas:
-        print(f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}", file=sys.stderr)
+        _say(said, f"resuming with {replicas_text(replicas)} from a checkpoint of {saved}")
     return Resuming(epoch, tuple(sets), tuple(changes), stored if changes else None, replicas, saved,
                     restarts, tuple(newer))
 
@@ -334,13 +341,14 @@ def _never_saved(info: RunInfo, ckpt_dir: Path) -> bool:
     return not info.last_epoch and not store.list_checkpoints(ckpt_dir)
 
 
-def _start_again(run: RunDir, launch: Launch, plan: ir.Plan) -> int:
+def _start_again(run: RunDir, launch: Launch, plan: ir.Plan, said: list[str]) -> int:
     """`resume` of a run that stopped before its first checkpoint (a scheduler's signal
     during init): it starts again from init, in its own directory, with its own plan, as
     a restarted rank does. A job script that resumes whatever run.json it finds (SLURM's
     requeue) then never loses a job to "no complete checkpoint"."""
-    print("note: the run stopped before its first checkpoint, so nothing was saved: "
-          "it starts again from init", file=sys.stderr)
+    _say(said, "note: the run stopped before its first checkpoint, so nothing was saved: "
+               "it starts again from init")
+    to_console_log(run, said)
     run.truncate_metrics(-1)  # what its init logged: logged again
     record = {k: v for k, v in run.info().record.items() if k != "ended"}
     run.write_info({**record, "status": "running", "started": time.time(), "error": None, "error_at": None})
@@ -358,23 +366,28 @@ def _train_again(run: RunDir, info: RunInfo) -> str | None:
     return f"it stopped before its first checkpoint: start it again with `{shlex.join(args)}`"
 
 
-def _warn_changes(changes: list[str]) -> None:
+def _warn_changes(changes: list[str], said: list[str]) -> None:
     for change in changes:
-        print(f"resuming with {change}", file=sys.stderr)
+        _say(said, f"resuming with {change}")
     if all(c.startswith("vars.") for c in changes):
-        print("note: no key of the plan uses the changed var(s) now (an earlier override may have "
-              "replaced a use, e.g. max_epochs=5): the run goes on as before", file=sys.stderr)
+        _say(said, "note: no key of the plan uses the changed var(s) now (an earlier override may have "
+                   "replaced a use, e.g. max_epochs=5): the run goes on as before")
     if any(c.startswith("max_steps:") for c in changes):
         # The steps go on from the checkpoint's exactly; an epoch that the old max_steps
         # ended mid-loop is not taken up again (its later steps run in the next epoch).
-        print("note: the steps go on exactly from the checkpoint's global step; an epoch the old "
-              "max_steps cut short is not finished (its later steps run in the next epoch)",
-              file=sys.stderr)
+        _say(said, "note: the steps go on exactly from the checkpoint's global step; an epoch the old "
+                   "max_steps cut short is not finished (its later steps run in the next epoch)")
     if beyond_extending(changes):
-        print("warning: the plan changed beyond max_epochs and max_steps: the result is no longer the one an "
-              "uninterrupted run would give (the changes are recorded in run.json); objects init "
-              "builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) keep "
-              "their saved state", file=sys.stderr)
+        _say(said, "warning: the plan changed beyond max_epochs and max_steps: the result is no longer the "
+                   "one an uninterrupted run would give (the changes are recorded in run.json); objects "
+                   "init builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) "
+                   "keep their saved state")
+
+
+def _say(said: list[str], line: str) -> None:
+    """A line on stderr, kept in ``said`` for the run's console.log."""
+    said.append(line)
+    print(line, file=sys.stderr)
 
 
 def _replicas(plan: ir.Plan, override: int | None) -> int:

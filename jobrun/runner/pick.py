@@ -39,9 +39,9 @@ def source_rank(rank: int, saved_world: int) -> int:
 
 def pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None, *,
                change_ok: bool = False, rank: int | None = None,
-               gather: Gather | None = None) -> tuple[int, int]:
+               gather: Gather | None = None, said: list[str] | None = None) -> tuple[int, int]:
     """(epoch, the number of ranks that wrote it): ``epoch``, or else the newest usable
-    one (each newer one skipped with a warning).
+    one (each newer one skipped with a warning, also added to ``said``).
 
     ``replicas``: the ranks of the run that resumes; a checkpoint written by another
     number is refused unless ``change_ok``. ``rank`` None: this process checks every
@@ -50,7 +50,7 @@ def pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None, 
     """
     nodes = list(plan.nodes)
     if rank is None:
-        return _pick_alone(ckpt_dir, nodes, replicas, epoch, change_ok)
+        return _pick_alone(ckpt_dir, nodes, replicas, epoch, change_ok, [] if said is None else said)
     return _pick_together(ckpt_dir, nodes, replicas, epoch, change_ok, rank, gather or (lambda x: [x]))
 
 
@@ -75,7 +75,11 @@ def _no_checkpoint(ckpt_dir: Path) -> CheckpointError:
 
 
 def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | None,
-                change_ok: bool) -> tuple[int, int]:
+                change_ok: bool, said: list[str]) -> tuple[int, int]:
+    def warn(line: str) -> None:
+        said.append(line)
+        print(line)
+
     def saved(e: int) -> int:
         return store.saved_world_size(ckpt_dir, nodes, e) or replicas
 
@@ -100,7 +104,7 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
         latest, skipped = store.latest_complete_epoch(ckpt_dir, nodes, None, verify_hashes=False,
                                                       before=before)
         for e, why in skipped:
-            print(f"warning: skipping checkpoint epoch {e}: {why}")
+            warn(f"warning: skipping checkpoint epoch {e}: {why}")
         if latest is None:
             raise _no_checkpoint(ckpt_dir)
         if saved(latest) != replicas and not change_ok:
@@ -108,7 +112,7 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
         bad = problems(latest)
         if bad is None:
             return latest, saved(latest)
-        print(f"warning: skipping checkpoint epoch {latest}: node {bad[0]!r}: {'; '.join(bad[1])}")
+        warn(f"warning: skipping checkpoint epoch {latest}: node {bad[0]!r}: {'; '.join(bad[1])}")
         before = latest
 
 
