@@ -660,6 +660,60 @@ def test_keep_retains_only_the_last_epochs(tmp_path, args, background):
     assert not any(getattr(h, "__module__", "").startswith("torch") for h in handlers), handlers
 
 
+def _stopped_before_the_last_prune(tmp_path, monkeypatch, keep: int) -> Path:
+    """A run of PLAN stopped between its last save and that save's prune (a signal with
+    replicas, a kill): it holds keep + 1 epochs."""
+    from jobrun import store
+
+    real_prune = store.prune
+
+    def stopped(ckpt_dir, *args, **kw):
+        if (Path(ckpt_dir) / "local.6").exists():
+            raise KeyboardInterrupt
+        return real_prune(ckpt_dir, *args, **kw)
+
+    monkeypatch.setattr(store, "prune", stopped)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt}", f"dir: ckpt, keep: {keep}}}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 130
+    assert store.complete_epochs(run / "ckpt", ["local"]) == list(range(6 - keep, 7))
+    monkeypatch.setattr(store, "prune", real_prune)
+    return run
+
+
+def test_a_resume_prunes_what_a_stop_before_the_last_prune_left(tmp_path, monkeypatch):
+    # Resumed at its end, the run saves nothing to prune after: the resume prunes.
+    from jobrun import store
+
+    run = _stopped_before_the_last_prune(tmp_path, monkeypatch, keep=2)
+    r = jobrun("resume", run)
+    assert r.code == 0 and "resumed from checkpoint epoch 6" in r.out, r.text
+    assert store.complete_epochs(run / "ckpt", ["local"]) == [5, 6]
+
+
+def test_a_resume_prunes_neither_its_epoch_nor_a_damaged_newer_one(reference, tmp_path, monkeypatch):
+    # keep: 1, epoch 6 damaged (its checksum fails): the resume goes on from 5, which its
+    # prune keeps (a failed save of 6 leaves it to go on from), and a save of 6 replaces
+    # the damaged one.
+    from jobrun import store
+
+    run = _stopped_before_the_last_prune(tmp_path, monkeypatch, keep=1)
+    tensors = run / "ckpt" / "local.6" / "rank-0" / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    real_write = store.write
+    _disk_full_at(monkeypatch, 6)
+    r = jobrun("resume", run)
+    assert r.code == 1 and "resumed from checkpoint epoch 5" in r.out, r.text
+    monkeypatch.setattr(store, "write", real_write)
+    r = jobrun("resume", run)
+    assert r.code == 0 and "resumed from checkpoint epoch 5" in r.out, r.text
+    assert store.complete_epochs(run / "ckpt", ["local"]) == [6]
+    assert _final(run) == _final(reference)
+
+
 def test_upload_copies_last_checkpoint(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(

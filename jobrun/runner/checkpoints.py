@@ -167,16 +167,36 @@ class Checkpoints:
             store.prune(self.ckpt_dir, keep, list(self.nodes), protect=protect)
         return total_bytes, total_s
 
-    def _prune_together(self) -> None:
+    def _prune_together(self, resumed: int | None = None) -> None:
         """Replicas: prune after a save, where every rank passes (see saves.prune_together;
         one process prunes right after its write instead, in the writer thread with async
-        saves, where collectives cannot run)."""
+        saves, where collectives cannot run). ``resumed``: the epoch a resume restored,
+        which it and the epochs after it (trained again) keep."""
         keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
         if not keep or self.ckpt_dir is None or self.cfg.world_size == 1:
             return
         ckpt_dir, nodes = self.ckpt_dir, list(self.nodes)
         prune_together(ckpt_dir, keep, nodes, self.rank, self.cfg.world_size,
-                       lambda complete: self.watch.protected(ckpt_dir, nodes, complete), self._warn)
+                       lambda complete: [*self.watch.protected(ckpt_dir, nodes, complete),
+                                         *(e for e in complete if resumed is not None and e >= resumed)],
+                       self._warn)
+
+    def _prune_resumed(self, epoch: int) -> None:
+        """A stop between a save and its prune (a signal with replicas, a kill) leaves more
+        than `keep` epochs, and a run resumed at its end saves none to prune after: the
+        resume prunes, as a save would, keeping ``epoch`` and the epochs after it."""
+        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        if not keep or self.ckpt_dir is None:
+            return
+        if self.cfg.world_size > 1:
+            self._prune_together(resumed=epoch)
+            return
+        nodes = list(self.nodes)
+        newer = [e for e in store.complete_epochs(self.ckpt_dir, nodes) if e >= epoch]
+        try:
+            store.prune(self.ckpt_dir, keep, nodes, protect=[*self.watch.protected(self.ckpt_dir, nodes), *newer])
+        except (CheckpointError, OSError) as e:
+            self._warn(f"old checkpoints were not pruned: {e}")
 
     def _wait_for_writer(self) -> None:
         writer, self._writer = self._writer, None

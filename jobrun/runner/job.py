@@ -244,6 +244,7 @@ class JobRunner(Checkpoints):
             return False
         meta = self._restore(resume)
         self._drop_replaced(resume)
+        self._prune_resumed(resume)
         self.epoch = self._last_saved = self.completed = resume  # the checkpoint it resumed from is the newest
         if self.cfg.resuming is not None and self.main_rank:
             self.cfg.resuming.record(self.run_dir)  # the run's own from now on (runner/resuming.py)
