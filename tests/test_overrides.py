@@ -334,3 +334,37 @@ def test_print_and_analyze_take_the_same_overrides(plan_file) -> None:
     assert r.code == 2 and "did you mean 'epoch.train.bump'" in r.err
     r = jobrun("print", path, "epoch.train.inner.loop=6", "--format", "json")
     assert r.code == 0 and json.loads(r.out)["groups"][1]["tasks"][0]["do"][0]["count"] == 6
+
+
+def test_a_resume_override_of_what_the_checkpoint_restores_says_it_has_no_effect(tmp_path: Path) -> None:
+    # `resume vars.lr=0.01`: init builds the optimizer with 0.01, then the checkpoint puts
+    # its saved lr back (as Lightning and HF Trainer do); the resume said "resuming with
+    # ...optimizer.lr: 0.1 -> 0.01" as if it took effect. It now says that it does not.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("""\
+job: fit
+seed: 0
+max_epochs: 1
+vars: {lr: 0.1}
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2, seed: 0}
+      - model.mlp: {out: model, sizes: [4, 2]}
+      - optimizer: {in: model, out: opt, lr: "${lr}"}
+epoch:
+  - task: train
+    do:
+      - train.step: {in: [model, opt, x, y], out: loss}
+      - log: {in: [loss]}
+    outputs: [loss]
+""")
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("resume", run, "vars.lr=0.01", "max_epochs=2")
+    assert r.code == 0, r.text
+    said = ("warning: init.0.do.2.optimizer.lr: 0.1 -> 0.01 has no effect: checkpoint epoch 1 restores "
+            "'opt' with its saved state")
+    assert said in r.err and said in (run / "console.log").read_text(), r.err
+    assert "max_epochs: 1 -> 2 has no effect" not in r.err

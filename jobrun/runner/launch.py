@@ -32,7 +32,7 @@ from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
 from jobrun.runner.pick import NoCheckpoint, pick_epoch, replicas_text
-from jobrun.runner.planchanges import beyond_extending
+from jobrun.runner.planchanges import beyond_extending, restored
 from jobrun.runner.resuming import Resuming
 from jobrun.runner.rundir import RunDir, RunTaken
 from jobrun.runner.runs import new_run_path
@@ -136,6 +136,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
             raise
         record = resuming(epoch, sets, changes, stored, n, saved, restarts,
                           newer_epochs(ckpt_dir, epoch, asked), said)
+        _warn_restored(changes, stored, plan, epoch, said)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
                         force=force or beyond_extending(changes), profile=profile, resuming=record)
@@ -382,6 +383,21 @@ def _warn_changes(changes: list[str], said: list[str]) -> None:
                    "one an uninterrupted run would give (the changes are recorded in run.json); objects "
                    "init builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) "
                    "keep their saved state")
+
+
+def _warn_restored(changes: list[str], stored: Any, plan: ir.Plan, epoch: int, said: list[str]) -> None:
+    """An override of what the checkpoint restores (an optimizer's lr) does nothing: as
+    in Lightning and HF Trainer, the saved state wins. Say so, by name."""
+    if not changes:
+        return
+    from jobrun.runner.checkpoints import held_blobs
+
+    held = {name for names in held_blobs(plan).values() for name in names}
+    for change, outs in restored(changes, stored, held):
+        _say(said, f"warning: {change} has no effect: checkpoint epoch {epoch} restores "
+                   f"{', '.join(map(repr, outs))} with its saved state (an optimizer's lr and "
+                   "momentum too); to train with the new value, start a new run with it "
+                   "(`jobrun train PLAN KEY=VALUE --run-dir NEW`)")
 
 
 def _say(said: list[str], line: str) -> None:

@@ -5,6 +5,7 @@ one `key: old -> new` line a change, and whether the changes reach what training
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 
@@ -46,3 +47,31 @@ def beyond_extending(changes: list[str]) -> bool:
     new values), nor do the download and exit groups, which run after the last epoch."""
     return any(not c.startswith((*(f"{k}:" for k in _EXTENDING), "vars.", "download.", "exit."))
                for c in changes)
+
+
+def restored(changes: list[str], tree: Any, held: Collection[str]) -> list[tuple[str, list[str]]]:
+    """The changes to an argument of an `init` op all of whose outputs a checkpoint holds
+    (an optimizer's lr): init builds them with the new value, then the restore puts back
+    their saved state, so the change does nothing. (change, the outputs) each."""
+    found = []
+    for change in changes:
+        path = change.split(":", 1)[0].split(".")
+        if path[0] != "init" or len(path) < 3:
+            continue
+        node: Any = tree
+        for part in path[:-2]:  # down to the op's mapping ({optimizer: {...}})
+            node = _child(node, part)
+        args = _child(node, path[-2])
+        outs = args.get("out") if isinstance(args, dict) else None
+        outs = [outs] if isinstance(outs, str) else outs
+        if path[-1] != "out" and isinstance(outs, list) and outs and all(o in held for o in outs):
+            found.append((change, outs))
+    return found
+
+
+def _child(node: Any, key: str) -> Any:
+    if isinstance(node, dict):
+        return node.get(key)
+    if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        return node[int(key)]
+    return None
