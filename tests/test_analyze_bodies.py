@@ -67,3 +67,10 @@ def test_a_stop_if_in_the_body_an_if_or_a_branch_ends_a_loop_null(stop: str) -> 
 def test_max_steps_ends_a_loop_null_that_trains() -> None:
     text = HEAD.replace("max_epochs: 1", "max_steps: 3") + "      - loop: null\n        do: [{log: {msg: x}}]\n"
     assert [d[1] for d in diags(text)] == []
+
+
+def test_max_steps_does_not_end_a_loop_null_outside_the_epoch_group() -> None:
+    """The runner ends the loops of epoch tasks at max_steps; an init loop never ends."""
+    text = ("job: j\nmax_steps: 3\ninit:\n  - task: s\n    do:\n      - loop: null\n"
+            "        do: [{log: {msg: x}}]\nepoch:\n  - task: t\n    do: [{log: {msg: y}}]\n")
+    assert [d[1] for d in diags(text)] == ["endless-loop"]

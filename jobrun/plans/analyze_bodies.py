@@ -4,8 +4,8 @@
   branch or a report, and a task with no steps at all: the plan compiles, but the body
   does nothing, which is most often a slip (steps deleted, or left out by an indentation).
 - errors: a `loop: null` with no `stop_if` in its body (outside the loops nested in it and
-  its reports) in a plan without `max_steps` (which ends the loops that take optimizer
-  steps): only a stop_if ends such a loop, so it never ends and the run hangs.
+  its reports), unless it is in an epoch task of a plan with `max_steps` (which ends the
+  loops of epoch tasks): only a stop_if ends such a loop, so it never ends and the run hangs.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def problems(plan: ir.Plan) -> Iterator[Problem]:
                 yield ("warning", "empty-body", task.pos,
                        f"task {task.name!r} of group `{group.name}` has no steps: it does nothing",
                        _EMPTY_HINT)
-            for block in children(task):
-                yield from _block(block, plan.max_steps is None)
+            for block in children(task):  # max_steps ends the loops of epoch tasks only
+                yield from _block(block, plan.max_steps is None or group.name != "epoch")
 
 
 def _block(steps: tuple[ir.Step, ...], endless: bool) -> Iterator[Problem]:
