@@ -147,12 +147,9 @@ def reader_order(n: int, pass_index: int) -> Any:
     """The order in which jobrun's shuffled reader reads pass ``pass_index`` of ``n``
     records (the first reader of node ``local`` in a plan of seed 0), from the reader's
     own seed function: a hand loop that reads in it reads the very batches the job reads."""
-    import torch
+    import jobrun
 
-    from jobrun.ops.reader import _mix
-
-    gen = torch.Generator().manual_seed(_mix(_mix(0, "local", 0), pass_index))
-    return torch.randperm(n, generator=gen)
+    return jobrun.reader_order(n, pass_index)
 
 
 class ReaderBatches:

@@ -1,7 +1,7 @@
 """jobrun: run PyTorch training jobs described by declarative YAML plans.
 
 For your own code (a `call`'s function): :func:`batch_rows`; for a hand loop that draws
-what a plan draws: :func:`node_seed`.
+what a plan draws: :func:`node_seed`, and reads in a shuffled reader's order: :func:`reader_order`.
 """
 
 from __future__ import annotations
@@ -49,3 +49,16 @@ def node_seed(seed: int, node: str = "local") -> int:
     from jobrun.ops.context import node_seed as seed_of
 
     return seed_of(seed, node)
+
+
+def reader_order(n: int, pass_index: int, seed: int = 0, node: str = "local", reader: int = 0) -> Any:
+    """The order in which a shuffled `reader` of ``n`` records reads pass ``pass_index``
+    (0 first): a tensor of record indices. ``reader`` counts the readers made on ``node``
+    (0 for the first) in a plan with ``seed: SEED``. A hand loop that takes its batches
+    as ``x[order[i:i + batch]]`` reads the very batches the plan reads::
+
+        order = reader_order(len(x), epoch - 1, seed=0)
+    """
+    from jobrun.ops.reader import pass_order, reader_seed
+
+    return pass_order(reader_seed(seed, node, reader), pass_index, n)

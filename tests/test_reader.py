@@ -279,3 +279,19 @@ def test_only_one_process_over_contiguous_cpu_tensors_is_plain():
     assert not TensorReader([x.t().contiguous().t()], batch_size=2)._plain  # not contiguous
     assert not TensorReader([x, np.arange(6)], batch_size=2)._plain
     assert not TensorReader([torch.nn.Parameter(x.float())], batch_size=2)._plain
+
+
+def test_reader_order_gives_a_hand_loop_the_shuffled_readers_batches():
+    """jobrun.reader_order (documented for hand loops): the record order of each pass of
+    the N-th reader made on a node, for the plan's seed."""
+    import jobrun
+
+    ctx = OpContext(seed=3, node="n1")
+    reader_op(ctx, torch.arange(7), batch_size=4)  # the node's reader 0 (not shuffled)
+    shuffled = reader_op(ctx, torch.arange(10), batch_size=4, shuffle=True, passes=2)
+    for pass_index in range(2):
+        order = jobrun.reader_order(10, pass_index, seed=3, node="n1", reader=1).tolist()
+        assert _epoch_batches(ctx, shuffled) == [order[0:4], order[4:8], order[8:10]]
+    assert sorted(order) == list(range(10))
+    assert jobrun.reader_order(10, 0, seed=3, node="n1", reader=1).tolist() != \
+        jobrun.reader_order(10, 0, seed=4, node="n1", reader=1).tolist()

@@ -57,6 +57,17 @@ def _mix(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def reader_seed(seed: int, node: str, ordinal: int) -> int:
+    """The seed of the `ordinal`-th reader (0 first) made on `node` in a plan of `seed`."""
+    return _mix(seed, node, ordinal)
+
+
+def pass_order(reader_seed: int, pass_index: int, n: int) -> torch.Tensor:
+    """A shuffled reader's order of the `n` records of pass `pass_index`: a function of
+    (reader seed, pass) alone (jobrun.reader_order gives it to hand loops)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_mix(reader_seed, pass_index)))
+
+
 def _field_length(index: int, field: Any) -> int:
     if isinstance(field, torch.Tensor | np.ndarray):
         if field.ndim == 0:
@@ -168,8 +179,7 @@ class Reader:
     def _pass_order(self) -> torch.Tensor:
         """The current pass's permutation: a function of (seed, pass) alone."""
         if self._order_pass != self.pass_index:
-            gen = torch.Generator().manual_seed(_mix(self.seed, self.pass_index))
-            self._order = torch.randperm(self.length, generator=gen)
+            self._order = pass_order(self.seed, self.pass_index, self.length)
             self._order_pass = self.pass_index
         return self._order  # type: ignore[return-value]
 
@@ -476,7 +486,7 @@ def reader_op(
     geometry: dict[str, Any] = dict(
         batch_size=batch_size, shuffle=shuffle, passes=passes, drop_last=drop_last,
         rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
-        seed=_mix(ctx.seed, ctx.node, ordinal),
+        seed=reader_seed(ctx.seed, ctx.node, ordinal),
     )
     from jobrun.ops import loader
 
