@@ -110,7 +110,7 @@ def test_devices_auto_picks_cuda_then_mps_then_cpu_and_ranks_get_their_own_gpu(
         monkeypatch, cuda, mps, world, local, expect):
     import torch
 
-    from jobrun.runner.workers import device_for
+    from jobrun.runner.devices import device_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
@@ -124,7 +124,7 @@ def test_more_ranks_on_a_host_than_gpus_is_refused(monkeypatch):
     import torch
 
     from jobrun.errors import UsageError
-    from jobrun.runner.workers import device_for
+    from jobrun.runner.devices import device_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -36,6 +36,7 @@ from jobrun.errors import JobrunError, UsageError
 from jobrun.plans import inputs, ir
 from jobrun.plans.compile import compile_text
 from jobrun.runner import group
+from jobrun.runner.devices import device_for
 from jobrun.runner.launch import (
     already_finished,
     best_or,
@@ -50,7 +51,7 @@ from jobrun.runner.launch import (
 from jobrun.runner.pick import pick_epoch
 from jobrun.runner.planchanges import beyond_extending
 from jobrun.runner.rundir import RunDir
-from jobrun.runner.workers import Launch, device_for, restart_count, worker
+from jobrun.runner.workers import Launch, restart_count, worker
 
 
 def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: int | None,

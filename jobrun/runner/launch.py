@@ -31,12 +31,13 @@ from jobrun.plans.keys import NODE_NAME
 from jobrun.plans.load import load_file, to_plain
 from jobrun.plans.overrides import apply_sets
 from jobrun.records_schema import RunInfo
+from jobrun.runner.devices import device_for
 from jobrun.runner.pick import NoCheckpoint, pick_epoch, replicas_text
 from jobrun.runner.planchanges import beyond_extending, restored
 from jobrun.runner.resuming import Resuming
 from jobrun.runner.rundir import RunDir, RunTaken
 from jobrun.runner.runs import new_run_path
-from jobrun.runner.workers import Launch, device_for, start
+from jobrun.runner.workers import Launch, start
 
 # -- entry points (called by the CLI) -------------------------------------------------------
 
