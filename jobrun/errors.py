@@ -66,6 +66,10 @@ class _Reported:
 class JobrunError(_Reported, Exception):
     """Base of every error jobrun reports to a user (never shown with a traceback)."""
 
+    # Raised by every rank of a job at once, as they agreed: the job failed, no rank did
+    # (the worker says it once and ends as a job does, so that no launcher names a rank).
+    every_rank = False
+
 
 class PlanError(JobrunError):
     """The plan file cannot be read as a plan (syntax, structure, types, names)."""

@@ -114,9 +114,10 @@ def record_ids(ids, epoch: int, path: str) -> None:
         f.write(line + "\n")
 
 
-def fail_saves_on_rank(rank: int = 1, at: int = 2) -> None:
+def fail_saves_on_rank(rank: int = 1, at: int = 2, full: str = "") -> None:
     """Make replica `rank`'s checkpoint save of epoch `at` fail as a full disk does (this
-    process's `jobrun.store.write` raises ENOSPC for that epoch)."""
+    process's `jobrun.store.write` raises ENOSPC for that epoch); with `full`, a path:
+    only while that file exists (the disk is full until a test removes it)."""
     import errno
 
     from jobrun import store
@@ -126,7 +127,7 @@ def fail_saves_on_rank(rank: int = 1, at: int = 2) -> None:
     write = store.write
 
     def failing(prepared, ckpt_dir, node, epoch, *args, **kwargs):
-        if epoch == at:
+        if epoch == at and (not full or os.path.exists(full)):
             raise OSError(errno.ENOSPC, "No space left on device")
         return write(prepared, ckpt_dir, node, epoch, *args, **kwargs)
 

@@ -160,6 +160,35 @@ def test_a_save_that_fails_on_another_rank_is_reported_by_rank_0(reference, tmp_
     assert again.code != 0 and "epoch 2" in again.err
 
 
+@pytest.mark.parametrize("background", ["false", "true"])
+def test_a_last_save_that_fails_on_another_rank_fails_the_run_on_every_rank(reference, tmp_path, background):
+    # Rank 1's save of epoch 4, the last, fails (a full disk): no rank runs on as if the
+    # run had finished; the launcher exits 1 with one message, and once the disk has
+    # space, a resume finishes the run as if it had never failed.
+    full = tmp_path / "full"
+    full.touch()
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("checkpoint: {dir: ckpt}", f"checkpoint: {{dir: ckpt, async: {background}}}")
+                    .replace("      - const: {out: epoch_no, value: 0}\n",
+                             "      - const: {out: epoch_no, value: 0}\n"
+                             f'      - call: {{fn: "jobrun_test_helpers:fail_saves_on_rank", at: 4, full: "{full}"}}\n'))
+    run = tmp_path / "run"
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)
+    assert r.code == 1 and "Traceback" not in r.text, r.text
+    said = ("error: the checkpoint of epoch 4, the last, was NOT saved by rank 1 of 2: [Errno 28] No space left "
+            "on device; the run has not finished (its newest checkpoint is epoch 3)")
+    assert r.err.count("error:") == 1 and said in r.err, r.err  # no "replica rank N failed"
+    assert f"`jobrun resume {run}` trains again from there" in r.err
+    assert said in (run / "console.log").read_text()
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "failed" and info["error"] == said.removeprefix("error: ")
+    full.unlink()  # space was freed
+    again = jobrun_proc("resume", run, timeout=HANG_S)
+    assert again.code == 0 and "resumed from checkpoint epoch 3" in again.out, again.text
+    assert _weights(run) == _weights(reference)
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+
+
 # -- Ctrl-C with replicas --------------------------------------------------------------------------
 
 

@@ -350,20 +350,39 @@ class JobRunner(Checkpoints):
 
     def _check_last_saved(self) -> None:
         """A job whose last epoch has no checkpoint has not finished: it stops before the
-        upload, download and exit (a resume runs them after the epochs it trains again)."""
-        if self.ckpt_dir is None or self._last_saved == self.completed:
+        upload, download and exit (a resume runs them after the epochs it trains again).
+        With replicas the ranks decide together: every one stops when any save failed."""
+        if self.ckpt_dir is None:
             return
         e = self._save_error
-        why = e.message if isinstance(e, JobrunError) else said(e) if e is not None else "see the warnings above"
-        fix = e.hint if isinstance(e, JobrunError) and e.hint else f"make {self.ckpt_dir} writable"
-        if self._last_saved >= 0:
-            newest = f"its newest checkpoint is epoch {self._last_saved}"
+        mine = None if self._last_saved == self.completed else {
+            "why": e.message if isinstance(e, JobrunError) else said(e) if e is not None else "see the warnings above",
+            "fix": e.hint if isinstance(e, JobrunError) and e.hint else f"make {self.ckpt_dir} writable",
+            "newest": self._last_saved}
+        world = self.cfg.world_size
+        if world > 1:
+            from jobrun.runner.group import gather
+
+            every = gather(mine)
+        else:
+            every = [mine]
+        failed = [(rank, f) for rank, f in enumerate(every) if f is not None]
+        if not failed:
+            return
+        rank, first = failed[0]
+        who = "" if world == 1 else f" by rank {rank} of {world}" if len(failed) == 1 \
+            else f" by {len(failed)} of {world} ranks (rank {rank}'s reason)"
+        newest_saved = min(f["newest"] if f is not None else self.completed for f in every)
+        if newest_saved >= 0:
+            newest = f"its newest checkpoint is epoch {newest_saved}"
             how = f"`{self.run_dir.resume_command()}` trains again from there"
         else:
             newest, how = "no checkpoint of it was saved", "train it again (`jobrun train ... --overwrite`)"
-        raise CheckpointError(
-            f"the checkpoint of epoch {self.completed}, the last, was NOT saved: {why}; the run has "
-            f"not finished ({newest})", hint=f"{fix}; then {how}")
+        error = CheckpointError(
+            f"the checkpoint of epoch {self.completed}, the last, was NOT saved{who}: {first['why']}; the run "
+            f"has not finished ({newest})", hint=f"{first['fix']}; then {how}")
+        error.every_rank = True
+        raise error
 
     def _agree_on_stop(self) -> None:
         """With replicas: stop here, all ranks together, when any of them was signalled

@@ -284,6 +284,17 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
     except JobrunError as e:
         if alone:
             raise
+        if e.every_rank:
+            # The job failed, no rank did: rank 0 says it once, and every rank ends with
+            # its code as a finished job ends, so that the launcher names no rank (and
+            # restarts none). torchrun's summary shows the error file.
+            _error_file(e.format_message())
+            if rank == 0:
+                print(e.format_message(), file=sys.stderr, flush=True)
+            if world > 1:
+                group.finish()
+            signals.exit_when_orphaned(e.exit_code)
+            return e.exit_code
         if world > 1 and group.lost_peer(e):
             # Another rank failed: say what it said (on another host too), not the broken
             # connection, then let the launcher stop this one. Its signal (it saw that rank
