@@ -568,8 +568,41 @@ def test_no_space_left(saved: Path, monkeypatch, where: str) -> None:
     assert "n.2" in info.value.message and "free disk space" in info.value.hint
     monkeypatch.undo()
     assert hidden_entries(saved) == []
-    assert not (saved / "n.2" / "rank-0").exists()
+    assert not (saved / "n.2").exists()
     assert ck.latest_complete_epoch(saved, ["n"], 1)[0] == 1
+
+
+def test_a_failed_save_removes_the_epoch_directory_it_made_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    # Left empty, an epoch's directory was listed as INVALID and skipped with a warning
+    # by every resume. Another rank's save there, or an older save of the epoch, stays.
+    ck.save({"w": torch.ones(3)}, {}, tmp_path, "n", 1)
+    ck.save({"w": torch.ones(3)}, {}, tmp_path, "n", 2, rank=0, world_size=2)
+    monkeypatch.setattr(tensorfile, "_save_file", library_out_of_space)
+    for epoch, rank, world in ((3, 0, 1), (2, 1, 2), (1, 0, 1)):  # new; beside a rank; a re-save
+        with pytest.raises(CheckpointError, match="no space left on device"):
+            ck.save({"w": torch.zeros(3)}, {}, tmp_path, "n", epoch, rank=rank, world_size=world)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n.1", "n.2"]
+    assert files_of(tmp_path / "n.2") == {"rank-0"} and hidden_entries(tmp_path) == []
+    assert torch.equal(ck.load(tmp_path, "n", 1)[0]["w"], torch.ones(3))
+    assert [(i.epoch, i.ok) for i in ck.list_checkpoints(tmp_path)] == [(1, True), (2, False)]  # rank 1 missing
+
+
+def test_a_save_whose_empty_epoch_directory_another_rank_removed_goes_on(tmp_path: Path, monkeypatch) -> None:
+    # Rank 0's save failed and removed the epoch's directory, empty, just before rank 1
+    # made its temporary directory there: rank 1's save makes it again.
+    real = os.mkdir
+
+    def racing(path, *args, **kwargs):
+        if Path(path).name.startswith(".tmp-") and not racing.done:
+            racing.done = True
+            os.rmdir(Path(path).parent)
+        return real(path, *args, **kwargs)
+
+    racing.done = False
+    monkeypatch.setattr(os, "mkdir", racing)
+    ck.save({"w": torch.ones(3)}, {}, tmp_path, "n", 1, rank=1, world_size=2)
+    assert racing.done and files_of(tmp_path / "n.1") == {"rank-1"}
 
 
 def test_permission_denied(tmp_path: Path, monkeypatch) -> None:

@@ -633,9 +633,11 @@ def test_disk_full_at_the_last_save_fails_the_run_and_resume_finishes_it(referen
     assert "its newest checkpoint is epoch 5" in error and f"`jobrun resume {run}`" in error
     assert json.loads((run / "run.json").read_text())["status"] == "failed"
     assert ckpt_values(run, 5)["steps"] == 15
+    assert "INVALID" not in jobrun("ckpt", "list", run).out  # the failed save left nothing
     monkeypatch.setattr(files.tensorfile, "write", real_write)  # space was freed
     again = jobrun("resume", run)
     assert again.code == 0 and "resumed from checkpoint epoch 5" in again.out, again.text
+    assert "skipping" not in again.text
     assert _final(run) == _final(reference)
 
 
