@@ -183,8 +183,8 @@ def test_under_torchrun_jobrun_uses_the_given_environment(runs, tmp_path):
     cmd = [*cmd[:cmd.index("train")], "resume", "--run-dir", str(run)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.count("warning: skipping checkpoint epoch 3:") == 1
-    assert "rank-1/tensors.safetensors: checksum mismatch" in p.stdout
+    assert p.stderr.count("warning: skipping checkpoint epoch 3:") == 1
+    assert "rank-1/tensors.safetensors: checksum mismatch" in p.stderr
     assert "resumed from checkpoint epoch 2" in p.stdout
     assert _weights(run) == _weights(runs / "two")
 

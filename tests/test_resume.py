@@ -248,7 +248,7 @@ def test_corrupt_latest_checkpoint_is_skipped(reference, tmp_path):
     (run / "ckpt" / "local.5" / "rank-0" / "COMMIT").unlink()
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
-    assert "skipping checkpoint epoch 6" in r.out and "skipping checkpoint epoch 5" in r.out
+    assert "skipping checkpoint epoch 6" in r.err and "skipping checkpoint epoch 5" in r.err  # as every warning
     assert "resumed from checkpoint epoch 4" in r.out
     assert _final(run) == _final(reference)
 
@@ -335,8 +335,8 @@ def test_resume_skips_a_damaged_epoch_and_reads_each_byte_once(reference, tmp_pa
     seen = _watch_reads(monkeypatch)
     r = jobrun("resume", "--run-dir", run)
     assert r.code == 0, r.text
-    assert "warning: skipping checkpoint epoch 6: node 'local'" in r.out
-    assert "checksum mismatch" in r.out
+    assert "warning: skipping checkpoint epoch 6: node 'local'" in r.err
+    assert "checksum mismatch" in r.err
     assert "resumed from checkpoint epoch 5" in r.out
     # Epochs 6 (found damaged) and 5 checked once each before the job starts; the job
     # loads epoch 5 without checksumming it again. (The job then saves epoch 6 afresh,
@@ -497,7 +497,7 @@ def test_torchrun_processes_checksum_their_own_rank_and_agree(two_ranks, monkeyp
     monkeypatch.setattr(store, "verify", record)
     got = _as_ranks(2, lambda rank, gather: _pick_epoch(ckpt, plan, 2, None, rank, gather))
     assert got == [1, 1]  # 3 is corrupt on rank 1 only, 2 incomplete: both pick 1
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("warning: skipping checkpoint epoch 3:") == 1  # rank 0 says it, once
     assert "rank-1/tensors.safetensors: checksum mismatch" in out
     assert "warning: skipping checkpoint epoch 2: node 'local'" in out and "COMMIT" in out

@@ -17,6 +17,7 @@ of (r >= N) restores rank 0's (see :func:`source_rank`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
                 change_ok: bool, said: list[str]) -> tuple[int, int]:
     def warn(line: str) -> None:
         said.append(line)
-        print(line)
+        print(line, file=sys.stderr)  # where every other warning goes
 
     def saved(e: int) -> int:
         return store.saved_world_size(ckpt_dir, nodes, e) or replicas
@@ -166,5 +167,5 @@ def _pick_together(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int |
         if epoch is not None:
             raise _unusable(ckpt_dir, nodes, e, problems[0])
         if say:
-            print(f"warning: skipping checkpoint epoch {e}: {'; '.join(problems)}")
+            print(f"warning: skipping checkpoint epoch {e}: {'; '.join(problems)}", file=sys.stderr)
     raise _no_checkpoint(ckpt_dir)
