@@ -47,7 +47,7 @@ def main(ctx: click.Context) -> None:
     \b
     jobrun train plans/mlp.yaml      train in a new runs/<job>/<N> (checkpoints every epoch)
     jobrun resume [RUN_DIR]          continue a run (default: the latest) where it stopped
-    jobrun runs                      list the runs: status, epochs, best value, overrides
+    jobrun runs [DIR]                list the runs: status, epochs, best value, overrides
     jobrun print plans/mlp.yaml      the plan as readable pseudo-code
     jobrun analyze plans/mlp.yaml    check the plan before running it
     """
@@ -374,12 +374,14 @@ def plot_cmd(run_dirs: tuple[str, ...], output: str | None, metrics: tuple[str, 
 
 
 @main.command("runs")
+@click.argument("root", required=False, type=click.Path(exists=True, file_okay=False), metavar="[DIR]")
 @_json
-def runs_cmd(as_json: bool) -> None:
-    """List the runs under ./runs: job, status, epochs, best monitored value, start, overrides."""
-    from jobrun.runner.runs import runs_text
+def runs_cmd(root: str | None, as_json: bool) -> None:
+    """List the runs under DIR (default ./runs; DIR itself when it is a run): job, status,
+    epochs, best monitored value, start, overrides."""
+    from jobrun.runner.runs import ROOT, runs_text
 
-    click.echo(runs_text(as_json))
+    click.echo(runs_text(as_json, ROOT if root is None else Path(root)))
 
 
 @main.group()

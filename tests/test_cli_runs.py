@@ -249,6 +249,21 @@ def test_a_run_of_the_old_layout_is_left_alone_and_listed(here):
     assert not list((here / "runs" / "counter").glob("[0-9]*"))
 
 
+def test_runs_lists_the_runs_under_a_directory_or_the_run_it_is_given(here):
+    """Runs trained with --run-dir outside ./runs were listed nowhere: `jobrun runs DIR`
+    said "Got unexpected extra argument"."""
+    assert jobrun("train", "plan.yaml", "--run-dir", "exp/a").code == 0
+    assert jobrun("train", "plan.yaml", "max_epochs=3", "--run-dir", "exp/sweep/b").code == 0
+    assert "jobrun runs DIR" in jobrun("runs").out  # nothing under ./runs: it says where else to look
+    listed = json.loads(jobrun("runs", "exp", "--json").out)
+    assert [(r["path"], r["status"], r["epochs"]) for r in listed] == [
+        ("exp/a", "finished", 2), ("exp/sweep/b", "finished", 3)]
+    assert "total=3 (epoch 3)" in jobrun("runs", "exp").out
+    assert [r["path"] for r in json.loads(jobrun("runs", "exp/sweep/b", "--json").out)] == ["exp/sweep/b"]
+    missing = jobrun("runs", "nope")
+    assert missing.code == 2 and "'nope' does not exist" in missing.err
+
+
 def test_run_dir_keeps_its_meaning(here):
     assert jobrun("train", "plan.yaml", "--run-dir", "mine").code == 0
     r = jobrun("train", "plan.yaml", "--run-dir", "mine")

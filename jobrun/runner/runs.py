@@ -53,23 +53,32 @@ def _names(path: Path) -> list[str]:
 
 
 def find_runs(root: Path = ROOT, damaged: bool = False) -> list[RunDir]:
-    """Every run directory under ``root`` (one or two levels down), oldest start first;
-    ``damaged``: also those whose run.json is there but cannot be read (first)."""
+    """Every run directory under ``root`` (one or two levels down), or ``root`` itself when
+    it is one, oldest start first; ``damaged``: also those whose run.json is there but
+    cannot be read (first)."""
     found: list[tuple[float, str, RunDir]] = []
+    for path in _candidates(root):
+        run = RunDir(path)
+        try:
+            started = float(run.info().started or 0)
+        except (JobrunError, TypeError, ValueError):
+            if not (damaged and (path / RUN_FILE).is_file()):
+                continue
+            started = -1.0
+        found.append((started, str(path), run))
+    return [run for _, _, run in sorted(found, key=lambda t: (t[0], t[1]))]
+
+
+def _candidates(root: Path) -> list[Path]:
+    """``root`` when it is a run (`jobrun runs runs/mnist`), else the directories one or
+    two levels under it (runs/<job>/<N>, and runs/<name> of `--run-dir runs/<name>`)."""
+    if (root / RUN_FILE).is_file():
+        return [root]
+    out = []
     for first in sorted(_names(root)):
         d = root / first
-        for path in [d, *(d / n for n in sorted(_names(d)))]:
-            if not path.is_dir() or path.is_symlink():
-                continue
-            run = RunDir(path)
-            try:
-                started = float(run.info().started or 0)
-            except (JobrunError, TypeError, ValueError):
-                if not (damaged and (path / RUN_FILE).is_file()):
-                    continue
-                started = -1.0
-            found.append((started, str(path), run))
-    return [run for _, _, run in sorted(found, key=lambda t: (t[0], t[1]))]
+        out += [p for p in [d, *(d / n for n in sorted(_names(d)))] if p.is_dir() and not p.is_symlink()]
+    return out
 
 
 def latest(root: Path = ROOT) -> RunDir:
@@ -191,11 +200,13 @@ def _values(records: list[dict[str, Any]], name: str) -> list[tuple[int, float]]
 
 
 def runs_text(as_json: bool, root: Path = ROOT) -> str:
+    """`jobrun runs [DIR]`: the runs under ``root`` (./runs by default), or ``root`` itself."""
     summaries = [summarize(run) for run in find_runs(root, damaged=True)]
     if as_json:
         return json.dumps([s.to_json() for s in summaries], indent=2)
     if not summaries:
-        return f"no runs under {root}/ (start one with `jobrun train PLAN`)"
+        return (f"no runs under {root}/ (start one with `jobrun train PLAN`; "
+                "list those trained with --run-dir elsewhere with `jobrun runs DIR`)")
     rows = [("RUN", "JOB", "STATUS", "EPOCHS", "BEST", "STARTED", "OVERRIDES")]
     for s in summaries:
         best = "-" if s.best is None else f"{s.monitor}={s.best:.4g} (epoch {s.best_epoch})"
