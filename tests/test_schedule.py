@@ -129,3 +129,53 @@ def test_ops_lists_the_schedule_and_print_shows_it(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.format(schedule="warmup: 5, steps: 25", max_steps=3))
     assert "sched = scheduler(opt, warmup=5, steps=25)" in jobrun("print", plan).out
+
+
+LR_PLAN = """\
+job: lr
+max_epochs: 3
+init:
+  - task: setup
+    do:
+      - data.synthetic: {{out: [x, y], task: regression, n: 16, features: 3}}
+      - model.mlp: {{out: model, sizes: [3, 4, 1]}}
+      - optimizer: {{in: model, out: opt, lr: 0.1, groups: [{{ndim_below: 2, lr: 0.5}}]}}
+      - scheduler: {{in: opt, out: sched, target: torch.optim.lr_scheduler.ReduceLROnPlateau, patience: 0}}
+      - optimizer.rate: {{in: opt, out: first_lr}}
+epoch:
+  - task: train
+    do:
+      - train.step: {{in: [model, opt, x, y], out: loss, loss: mse}}
+      - scheduler.step: {{in: [sched, 1.0]}}
+      - optimizer.rate: {{{lr}}}
+      - optimizer.rate: {{in: opt, out: bias_lr, group: 1}}
+      - log: {{in: [lr, bias_lr]}}
+    outputs: [loss, lr]
+"""
+
+
+def test_optimizer_lr_gives_each_groups_rate_as_the_scheduler_set_it(tmp_path):
+    """Lightning's LearningRateMonitor: a plateau scheduler's changes were in no log unless
+    a `call` read opt.param_groups[0]["lr"]."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(LR_PLAN.format(lr="in: opt, out: lr"))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    assert [(v["lr"], v["bias_lr"]) for v in logged(tmp_path / "run")] == [
+        (0.1 * 0.1**k, 0.5 * 0.1**k) for k in range(3)]  # the metric never improves: x factor 0.1
+    assert "lr=0.01" in r.out
+    assert "lr = optimizer.rate(opt)" in jobrun("print", plan).out
+    # beside it in init, `optimizer.lr` still names the optimizer's argument
+    assert "optimizer(model, lr=0.2," in jobrun("print", plan, "init.setup.optimizer.lr=0.2").out
+
+
+@pytest.mark.parametrize("call, message, hint", [
+    ("in: sched, out: lr", "optimizer.rate expects an optimizer, got a ReduceLROnPlateau", "the scheduler's `in`"),
+    ("in: opt, out: lr, group: 2", "group 2 is not one of the optimizer's 2 parameter group(s)", "group: 0 to 1"),
+])
+def test_optimizer_lr_of_what_has_no_such_rate_is_one_message(tmp_path, call, message, hint):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(LR_PLAN.format(lr=call))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code != 0 and message in r.err and hint in r.err and "plan.yaml:16:" in r.err, r.text
+    assert "Traceback" not in r.text

@@ -204,6 +204,20 @@ def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:
         sched.step(float(metric))
 
 
+def optimizer_rate(ctx: OpContext, opt: Any, *, group: int = 0) -> float:
+    """`optimizer.rate`: opt -> lr, the learning rate of parameter group `group` as it is now
+    (Lightning's LearningRateMonitor): what a scheduler set last, as a float."""
+    if not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "step"):  # a scheduler
+        raise RunError(f"optimizer.rate expects an optimizer, got a {type(opt).__name__}",
+                       hint="give the optimizer the scheduler was made on (the scheduler's `in`)")
+    require_optimizer("optimizer.rate", opt)
+    groups = opt.param_groups
+    if group >= len(groups):
+        raise RunError(f"optimizer.rate: group {group} is not one of the optimizer's {len(groups)} "
+                       "parameter group(s)", hint=f"group: 0 to {len(groups) - 1}")
+    return float(groups[group]["lr"])
+
+
 def require_optimizer(op: str, opt: Any) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise RunError(

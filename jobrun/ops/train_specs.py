@@ -162,6 +162,15 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         min_inputs=1,
         mutates=("sched",),
     ),
+    _training(  # not `optimizer.lr`: `init.setup.optimizer.lr=0.01` must keep naming optimizer's lr
+        "optimizer.rate",
+        "The learning rate (lr) of one parameter group now, a float: what a scheduler set last.",
+        "models:optimizer_rate",
+        "- optimizer.rate: {in: opt, out: lr}",
+        inputs=("opt",),
+        outputs=("lr",),
+        args=(arg("group", "int>=0", 0, "the parameter group (0: the first)"),),
+    ),
     _training(
         "train.step",
         "One optimizer step on a batch (x, y), or on one dict batch with loss: model (in: [model, "

@@ -193,6 +193,7 @@ DATA_OPS = frozenset((
     "const", "fill", "randn", "copy", "add", "sub", "mul", "div", "ge", "gt", "le", "lt",
     "eq", "ne", "and", "or", "not", "read", "load", "data.load", "data.synthetic",
     "train.step", "evaluate", "dist.allreduce", "dist.broadcast", "model.gather", "export",
+    "optimizer.rate",
 ))
 
 
