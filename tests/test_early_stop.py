@@ -264,6 +264,16 @@ def test_ckpt_list_shows_the_values_and_marks_the_best(best_run: Path) -> None:
         (3, "val_loss", 0.0, True), (6, "val_loss", 9.0, False)]
 
 
+def test_ckpt_show_gives_the_early_stop_state_a_resume_counts_on(best_run: Path) -> None:
+    """The best value, its epoch and the epochs waited were only in the checkpoint meta."""
+    r = jobrun("ckpt", "show", best_run)
+    assert r.code == 0 and r.out.splitlines()[:3] == [
+        "epoch 6", "early_stop: val_loss (min) best 0 (epoch 3), 3/3 epochs without improvement", "node local:"]
+    shown = json.loads(jobrun("ckpt", "show", best_run, "--epoch", "3", "--json").out)["early_stop"]
+    assert {k: shown[k] for k in ("monitor", "best", "best_epoch", "wait", "patience", "note")} == {
+        "monitor": "val_loss", "best": 0.0, "best_epoch": 3, "wait": 0, "patience": 3, "note": None}
+
+
 def test_export_best_and_resume_from_the_best(best_run: Path, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 

@@ -19,7 +19,13 @@ from jobrun.ops.core import SAVE_SUFFIXES
 from jobrun.plans import ir
 from jobrun.runner import rng
 from jobrun.runner.display import human_size
-from jobrun.runner.monitor import best_epoch, epoch_value, ranked_epochs
+from jobrun.runner.monitor import (
+    EARLY_STOP_META,
+    EarlyStopping,
+    best_epoch,
+    epoch_value,
+    ranked_epochs,
+)
 from jobrun.runner.rundir import RunDir, jobruns_own
 from jobrun.store import SavedState, shards
 
@@ -181,20 +187,44 @@ def show_text(run_dir: str | None, epoch: Epoch, node: str | None, rank: int, wa
     shown: dict[str, dict[str, Any]] = {}
     for n in [node] if node else run.nodes:
         shown[n] = dict(sorted(_select(run.load(e, n, rank), wanted, f"node {n!r} epoch {e}").items()))
+    early = _early_stop(run, e)
     if as_json:
         return json.dumps({
-            "epoch": e, "rank": rank,
+            "epoch": e, "rank": rank, "early_stop": early,
             "nodes": {n: {k: _jsonable(v) for k, v in blobs.items()} for n, blobs in shown.items()},
             "tensors": {n: {k: {"dtype": str(v.dtype), "shape": list(v.shape)}
                             for k, v in _flatten(blobs).items() if _is_tensor(v)}
                         for n, blobs in shown.items()},
         }, indent=2, allow_nan=False)
     lines = [f"epoch {e}" + (f" rank {rank}" if rank else "")]
+    if early is not None:
+        lines.append(_early_stop_text(early))
     for n, blobs in shown.items():
         lines.append(f"node {n}:")
         for name, value in blobs.items():
             lines += _describe(name, value, values, "  ")
     return "\n".join(lines)
+
+
+def _early_stop(run: _Run, epoch: int) -> dict[str, Any] | None:
+    """The early_stop state saved with `epoch`: what a resume from it counts on (None: the
+    plan has no early_stop); `note` says why a saved state is not used."""
+    spec = run.plan.early_stop
+    if spec is None:
+        return None
+    info = next((i for i in run.infos() if i.epoch == epoch and run.nodes[0] in i.nodes), None)
+    meta = (info.nodes[run.nodes[0]].meta if info is not None else None) or {}
+    state, note = EarlyStopping.restored(spec, meta.get(EARLY_STOP_META))
+    return {**state.state(), "patience": spec.patience, "note": note}
+
+
+def _early_stop_text(s: dict[str, Any]) -> str:
+    """`early_stop: val_loss best 0.27 (epoch 3), 2/3 epochs without improvement`."""
+    best = "-" if s["best"] is None else f"{s['best']:.6g} (epoch {s['best_epoch']})"
+    text = f"early_stop: {s['monitor']} ({s['mode']}) best {best}, {s['wait']}/{s['patience']} epochs without improvement"
+    if s["bad_value"] is not None:
+        text += f", {s['monitor']} was {s['bad_value']} after epoch {s['bad_epoch']} (it stops)"
+    return text + (f" (note: {s['note']})" if s["note"] else "")
 
 
 def _describe(name: str, value: Any, values: bool, indent: str) -> list[str]:
