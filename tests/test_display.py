@@ -210,6 +210,17 @@ def test_summary_merges_outputs_and_logged_values_and_hides_false_flags(capsys):
     assert out == "epoch 4/10  loss=0.1234 lr=0.1 bored=true  1.50s  ckpt 1 KB in 2 ms\n"
 
 
+def test_a_null_value_shows_as_a_dash_as_everywhere_else_in_the_cli(capsys):
+    """A validation every other epoch printed `val_loss=None` where `ckpt list` shows `-`."""
+    d = Display(enabled=True, tty=False)
+    with d.live("j"):
+        d.status("epoch 2")
+        d.logged("epoch", 2, "train", {"val_acc": None}, None)
+        d.epoch_line(SimpleNamespace(epoch=2, outputs={"train": {"val_loss": None}}, seconds=1.0, ckpt=""), 3)
+        d.logged("exit", 3, "report", {"best": None}, None)
+    assert capsys.readouterr().out.splitlines() == ["epoch 2/3  val_acc=- val_loss=-  1.00s", "[exit report] best=-"]
+
+
 def test_a_name_keeps_its_place_in_the_epoch_lines_whichever_log_ran_first(capsys):
     d = Display(enabled=True, tty=False)
     with d.live("j"):

@@ -299,6 +299,8 @@ def _fmt(value: Any) -> str:
     from jobrun.ops.core import plain
 
     v = plain(value)
+    if v is None:  # not measured this epoch: `-`, as `jobrun ckpt list` and `jobrun runs` show it
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, list) and len(v) > 4:
