@@ -32,6 +32,8 @@ class OpContext:
     task: str = ""
     # log(values, msg): print and append one line to metrics.jsonl (set by the runner).
     log: Callable[[dict[str, Any], str | None, int], None] | None = None  # values, msg, step
+    # load_checkpoint({blob: live value}, epoch): `checkpoint.load` (set by the runner).
+    load_checkpoint: Callable[[dict[str, Any], int | str], None] | None = None
     # Shared with the live display: the innermost running loop's iteration (set by the runner).
     progress: dict[str, Any] | None = None
     _generator: Any = None

@@ -292,6 +292,20 @@ def load(ctx: OpContext, path: str, _out_names: tuple[str, ...] = ()) -> Any:
 load.wants_out_names = True  # type: ignore[attr-defined]
 
 
+def checkpoint_load(ctx: OpContext, *values: Any, epoch: int | str = "best",
+                    _names: tuple[str, ...] = ()) -> None:
+    """Load what this run's checkpoint of `epoch` (a number, best or last) holds of the
+    named blobs into them, in place (Lightning's `trainer.test(ckpt_path="best")`); the
+    runner reads the checkpoint as a resume does (runner/checkpoints.py)."""
+    if ctx.load_checkpoint is None:
+        raise RunError("checkpoint.load reads the checkpoints of a run: it runs only in a job",
+                       hint="run the plan with `jobrun train`")
+    ctx.load_checkpoint(dict(zip(_names, values)), epoch)
+
+
+checkpoint_load.wants_names = True  # type: ignore[attr-defined]
+
+
 def _nest(flat: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     """Tensors saved as `<blob>.<key>` (a module's state) come back as one dict per blob;
     one output that names no key nor prefix gets the whole file (a state dict that

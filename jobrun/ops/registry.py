@@ -120,6 +120,15 @@ CORE_SPECS: tuple[OpSpec, ...] = (
         example="- load: {out: [w], path: weights.safetensors}", **_PURE,
     ),
     OpSpec(
+        "checkpoint.load", "Load the named blobs' state saved in this run's checkpoint of `epoch` "
+        "into them, in place (models, optimizers: load_state_dict; tensors: copied); in download "
+        "or exit, e.g. to test the best epoch's weights.",
+        _C + "checkpoint_load", inputs=("blobs",), min_inputs=1, max_inputs=None,
+        args=(arg("epoch", ("or", "int>=0", ("choice", "best", "last")), "best",
+                  "best (by checkpoint.best), last, or an epoch's number"),),
+        example="- checkpoint.load: {in: model, epoch: best}", mutates=("blobs",), keeps=(),
+    ),
+    OpSpec(
         "call", "Call user code `pkg.mod:func` with the inputs as positional arguments; parameters "
         "without a default named rank, world_size, device, generator, step or epoch get the run's values.",
         _C + "call", inputs=("args",), outputs=("results",), min_inputs=0, max_inputs=None,

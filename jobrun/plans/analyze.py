@@ -71,12 +71,13 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
 
 def _check_checkpointed(plan: ir.Plan, ops: Mapping[str, OpSpec], diags: list[Diagnostic]) -> None:
     """Worked out apart: what checkpoints hold (plans/state.py), instances training one model,
-    data, empty bodies and endless loops."""
-    from jobrun.plans import analyze_bodies, analyze_data, instances, state
+    data, empty bodies, endless loops and checkpoint.load."""
+    from jobrun.plans import analyze_bodies, analyze_data, analyze_loads, instances, state
     diags += [Diagnostic(s, p, m, "checkpoint-blob", h) for s, p, m, h in state.problems(plan, ops)]
     diags += [Diagnostic("error", p, m, "instance-training", h) for p, m, h in instances.problems(plan, ops)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_data.problems(plan)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_bodies.problems(plan)]
+    diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_loads.problems(plan, ops)]
 
 
 # -- the analyzer --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ back: :mod:`jobrun.runner.restore`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +221,74 @@ class Checkpoints:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6)})
         return meta
+
+    def _load_named(self, node: NodeRuntime, live: dict[str, Any], which: int | str) -> None:
+        """`checkpoint.load` (in download or exit): the named blobs of checkpoint `which`
+        (best, last or a number) into the live objects, read and checked as a resume reads
+        them. With replicas rank 0 picks the epoch for all: a monitored value that differs
+        per rank must not give the ranks different weights."""
+        if self.ckpt_dir is None:  # analyze refuses it: a plan run by another door
+            raise CheckpointError("checkpoint.load: this plan has no `checkpoint` block, so it has no checkpoints",
+                                  hint="add `checkpoint: {}` to the plan")
+        self._wait_for_writer()
+        nodes = list(self.nodes)
+        if self.cfg.world_size == 1:
+            epoch = self._loaded_epoch(which, ())
+        else:
+            from jobrun.runner.group import gather
+
+            said = gather(store.saved_by(self.ckpt_dir, nodes, self.rank, self.cfg.world_size))
+            picked: tuple[int | None, tuple[str, str | None] | None] = (None, None)
+            if self.main_rank:
+                try:
+                    picked = self._loaded_epoch(which, set(said[0]).intersection(*said[1:])), None
+                except CheckpointError as e:
+                    picked = None, (e.message, e.hint)
+            found, error = gather(picked)[0]
+            if error is not None:
+                raise CheckpointError(*error)
+            epoch = found
+        saved = store.saved_world_size(self.ckpt_dir, nodes, epoch)
+        loaded, _ = restore.read(self.ckpt_dir, [node.name], epoch, rank=self.rank,
+                                 world_size=self.cfg.world_size, saved_world=saved, hashes=True,
+                                 check_init=lambda *_: None)
+        restore.named(node, loaded[node.name][0], live, epoch)
+        best = self.plan.checkpoint.best if self.plan.checkpoint else None
+        why = f" (the best by {best.monitor.name.name})" if which == "best" and best is not None else ""
+        on = f" on node {node.name!r}" if len(self.nodes) > 1 else ""
+        self.display.line(f"loaded {', '.join(live)}{on} from checkpoint epoch {epoch}{why}")
+
+    def _loaded_epoch(self, which: int | str, complete: Collection[int]) -> int:
+        """The epoch `checkpoint.load` reads: the best, the newest, or the one named, among
+        the complete ones (``complete``: as for store.prunable)."""
+        assert self.ckpt_dir is not None
+        nodes = list(self.nodes)
+        done = sorted({*store.complete_epochs(self.ckpt_dir, nodes), *complete})
+        if which == "best":
+            from jobrun.runner.monitor import ranked_epochs
+
+            best = self.plan.checkpoint.best if self.plan.checkpoint is not None else None
+            if best is None:
+                raise CheckpointError("checkpoint.load: epoch: best, but the plan has no `checkpoint.best`",
+                                      hint="add checkpoint: {best: {monitor: val_loss, mode: min}}, or give "
+                                           "`epoch: last` or an epoch's number")
+            ranked = ranked_epochs(store.list_checkpoints(self.ckpt_dir), nodes, best.monitor, complete)
+            if not ranked:
+                raise CheckpointError(
+                    f"checkpoint.load: no complete checkpoint of this run recorded a value of "
+                    f"{best.monitor.name.name!r} (null or not finite in every saved epoch)",
+                    hint="give `epoch: last` or an epoch's number (`jobrun ckpt list` shows them)")
+            return ranked[0][0]
+        if which == "last" and done:
+            return done[-1]
+        if which == "last" or which not in done:
+            keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+            pruned = f"; `checkpoint.keep: {keep}` deletes the older ones" if keep else ""
+            raise CheckpointError(
+                f"checkpoint.load: no complete checkpoint of epoch {which} in {self.ckpt_dir}",
+                hint=f"the complete ones are epochs {', '.join(map(str, done)) or 'none'}{pruned}; "
+                     "`epoch: best` picks by checkpoint.best")
+        return int(which)
 
     def _drop_replaced(self, epoch: int) -> None:
         """A resume that went back (`--epoch`): remove the checkpoints saved after `epoch`,

@@ -14,6 +14,7 @@ the restore are the runner's base class, in :mod:`jobrun.runner.checkpoints`.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -125,6 +126,7 @@ class JobRunner(Checkpoints):
         for node in self.nodes.values():
             for tctx in node.task_ctxs:
                 tctx.log = self._logger(tctx)
+                tctx.load_checkpoint = functools.partial(self._load_named, node)
 
     # -- set-up ---------------------------------------------------------------------
     def _node(self, name: str) -> NodeRuntime:

@@ -13,7 +13,7 @@ file leaves the job as init built it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,44 @@ def into(node: NodeRuntime, blobs: dict[str, Any], epoch: int) -> None:
     for blob, saved in blobs.items():
         _blob(node, blob, saved, epoch)
     rng.restore(node.ctx, state)
+
+
+def named(node: NodeRuntime, blobs: dict[str, Any], names: Collection[str], epoch: int) -> None:
+    """`checkpoint.load`: the named blobs of what :func:`read` gave, into the live objects
+    in place (the steps that read them hold the objects): a state as a resume loads it,
+    a tensor copied into the live one; other values are refused, before any is loaded."""
+    where = f"checkpoint epoch {epoch} of node {node.name!r}"
+    held = sorted(b for b in blobs if b != rng.KEY)
+    tensors = []
+    for blob in names:
+        if blob not in blobs:
+            raise CheckpointError(
+                f"{where} holds no blob {blob!r} (it holds {', '.join(map(repr, held)) or 'none'})",
+                hint="checkpoints hold the blobs that steps after init change (docs/plan-language.md, "
+                     "section 10); `checkpoint: {include: [...]}` adds one")
+        saved, live = blobs[blob], node.globals.get(blob)
+        if isinstance(saved, SavedState):
+            continue
+        if _shape(saved) is None or _shape(live) is None or isinstance(saved, shards.SavedShard):
+            raise CheckpointError(
+                f"{where}, blob {blob!r}: checkpoint.load loads objects with a state (a model, an "
+                f"optimizer) and tensors in place, and this blob holds {type(live).__name__}",
+                hint=f"`jobrun export --epoch {epoch} --blob {blob}` copies it out of the checkpoint")
+        if (_shape(saved), _dtype(saved)) != (_shape(live), _dtype(live)):
+            raise CheckpointError(
+                f"{where}, blob {blob!r}: the checkpoint holds a tensor of {_dtype(saved)} "
+                f"{list(_shape(saved) or ())}, the live one is {_dtype(live)} {list(_shape(live) or ())}",
+                hint=_NEW_RUN_HINT)
+        tensors.append((live, saved))
+    for blob in names:
+        if isinstance(blobs[blob], SavedState):
+            _blob(node, blob, blobs[blob], epoch)
+    if tensors:
+        import torch
+
+        with torch.no_grad():
+            for live, saved in tensors:
+                live.copy_(saved)
 
 
 def _blob(node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
