@@ -25,7 +25,7 @@ from jobrun.plans import ir, precision
 from jobrun.plans.compare import Kinds
 from jobrun.plans.flow import DEF, MAYBE, Changes, Definitions, Effect, Flow, Frame, Read, TaskCtx
 from jobrun.plans.signatures import Signatures
-from jobrun.plans.visit import Visitor, also_written, written
+from jobrun.plans.visit import Visitor, also_written
 
 _MAX_SUGGESTIONS = 50  # difflib is slow on huge name sets: bound the cost of hints
 
@@ -71,13 +71,21 @@ def analyze(plan: ir.Plan, ops: Mapping[str, OpSpec] | None = None) -> list[Diag
 
 def _check_checkpointed(plan: ir.Plan, ops: Mapping[str, OpSpec], diags: list[Diagnostic]) -> None:
     """Worked out apart: what checkpoints hold (plans/state.py), instances training one model,
-    data, empty bodies, endless loops and checkpoint.load."""
-    from jobrun.plans import analyze_bodies, analyze_data, analyze_loads, instances, state
+    data, empty bodies, endless loops, checkpoint.load and the outputs epoch tasks hand over."""
+    from jobrun.plans import (
+        analyze_bodies,
+        analyze_data,
+        analyze_loads,
+        analyze_outputs,
+        instances,
+        state,
+    )
     diags += [Diagnostic(s, p, m, "checkpoint-blob", h) for s, p, m, h in state.problems(plan, ops)]
     diags += [Diagnostic("error", p, m, "instance-training", h) for p, m, h in instances.problems(plan, ops)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_data.problems(plan)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_bodies.problems(plan)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_loads.problems(plan, ops)]
+    diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_outputs.problems(plan)]
 
 
 # -- the analyzer --------------------------------------------------------------------------
@@ -115,8 +123,6 @@ class _Analyzer(Visitor):
             )
         for group in plan.groups:
             self.visit(group)
-        self._check_watched(plan)
-        self._check_output_clash(plan)
         self._resolve_reads()
 
     def visit_Group(self, group: ir.Group) -> None:
@@ -459,49 +465,6 @@ class _Analyzer(Visitor):
             f"let one task own {name!r}, or create it in an earlier group and hand results over "
             "through `outputs`",
         )
-
-    def _check_watched(self, plan: ir.Plan) -> None:
-        """`stop_when`, `early_stop` and `checkpoint.best` name epoch-task outputs."""
-        outputs = [o.name for t in plan.epoch.tasks for o in t.outputs]
-        best = plan.checkpoint.best if plan.checkpoint is not None else None
-        watched = [("stop-when", "stop_when names", ref) for ref in plan.stop_when] + [
-            ("monitor", f"{what} monitors", watch.monitor.name)
-            for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best))
-            if watch is not None
-        ]
-        for code, what, ref in watched:
-            if ref.name not in outputs:
-                makers = [t.name for t in plan.epoch.tasks if ref.name in written(t)]  # computed, not output
-                self._emit(
-                    "error", code, ref.pos, f"{what} {ref.name!r}, which is not an output of any epoch task",
-                    f"add {ref.name!r} to the `outputs` of epoch task {makers[0]!r}, which computes it"
-                    if makers else did_you_mean(ref.name, outputs)
-                    or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
-                )
-
-    def _check_output_clash(self, plan: ir.Plan) -> None:
-        """Two epoch tasks with one output name: the run keeps both (per task), but each
-        reader of outputs picks in its own way (runner/job.py, monitor.py, display.py)."""
-        owners: dict[str, list[ir.Task]] = {}
-        for task in plan.epoch.tasks:
-            for out in task.outputs:
-                owners.setdefault(out.name, []).append(task)
-                if len(owners[out.name]) > 1:
-                    self._emit("warning", "output-clash", out.pos, self._clash(plan, out.name, owners[out.name]),
-                               "rename one of them if they are two values (metrics.jsonl keeps each under "
-                               "its task's name)")
-
-    def _clash(self, plan: ir.Plan, name: str, tasks: list[ir.Task]) -> str:
-        first, task = tasks[0], tasks[-1]
-        best = plan.checkpoint.best if plan.checkpoint is not None else None
-        said = ["stop_when stops the job when any of them is truthy"] if name in {
-            r.name for r in plan.stop_when} else []
-        said += [f"{what} monitors the value of task {first.name!r} (the first)" for what, watch
-                 in (("early_stop", plan.early_stop), ("checkpoint.best", best))
-                 if watch is not None and watch.monitor.name.name == name]
-        said.append(f"the epoch line shows the value of task {task.name!r}")
-        return (f"output {name!r} of task {task.name!r} is also an output of task {first.name!r} "
-                f"(line {first.pos.line}): " + ", ".join(said))
 
     def _resolve_reads(self) -> None:
         for read in self.unresolved:

@@ -1,0 +1,66 @@
+"""Static checks of what epoch tasks hand over, for `analyze` (and so for `train`).
+
+- errors: `stop_when`, `early_stop` or `checkpoint.best` naming a blob that is no epoch
+  task's output (the runner only sees outputs);
+- warnings: one output name in two epoch tasks: the run keeps both (per task), but each
+  reader of outputs picks in its own way (runner/job.py, monitor.py, display.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jobrun.errors import did_you_mean
+from jobrun.plans import ir
+from jobrun.plans.analyze_bodies import Problem
+from jobrun.plans.visit import written
+
+
+def problems(plan: ir.Plan) -> Iterator[Problem]:
+    """Watched names that are no outputs, then output names of two epoch tasks."""
+    yield from _watched(plan)
+    yield from _clashes(plan)
+
+
+def _watched(plan: ir.Plan) -> Iterator[Problem]:
+    """`stop_when`, `early_stop` and `checkpoint.best` name epoch-task outputs."""
+    outputs = [o.name for t in plan.epoch.tasks for o in t.outputs]
+    best = plan.checkpoint.best if plan.checkpoint is not None else None
+    watched = [("stop-when", "stop_when names", ref) for ref in plan.stop_when] + [
+        ("monitor", f"{what} monitors", watch.monitor.name)
+        for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best))
+        if watch is not None
+    ]
+    for code, what, ref in watched:
+        if ref.name not in outputs:
+            makers = [t.name for t in plan.epoch.tasks if ref.name in written(t)]  # computed, not output
+            yield (
+                "error", code, ref.pos, f"{what} {ref.name!r}, which is not an output of any epoch task",
+                f"add {ref.name!r} to the `outputs` of epoch task {makers[0]!r}, which computes it"
+                if makers else did_you_mean(ref.name, outputs)
+                or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
+            )
+
+
+def _clashes(plan: ir.Plan) -> Iterator[Problem]:
+    owners: dict[str, list[ir.Task]] = {}
+    for task in plan.epoch.tasks:
+        for out in task.outputs:
+            owners.setdefault(out.name, []).append(task)
+            if len(owners[out.name]) > 1:
+                yield ("warning", "output-clash", out.pos, _clash(plan, out.name, owners[out.name]),
+                       "rename one of them if they are two values (metrics.jsonl keeps each under "
+                       "its task's name)")
+
+
+def _clash(plan: ir.Plan, name: str, tasks: list[ir.Task]) -> str:
+    first, task = tasks[0], tasks[-1]
+    best = plan.checkpoint.best if plan.checkpoint is not None else None
+    said = ["stop_when stops the job when any of them is truthy"] if name in {
+        r.name for r in plan.stop_when} else []
+    said += [f"{what} monitors the value of task {first.name!r} (the first)" for what, watch
+             in (("early_stop", plan.early_stop), ("checkpoint.best", best))
+             if watch is not None and watch.monitor.name.name == name]
+    said.append(f"the epoch line shows the value of task {task.name!r}")
+    return (f"output {name!r} of task {task.name!r} is also an output of task {first.name!r} "
+            f"(line {first.pos.line}): " + ", ".join(said))
