@@ -147,7 +147,12 @@ def test_evaluate_reads_a_full_pass_without_moving_the_position():
 
 
 def test_the_field_count_is_checkpointed_and_known_before_a_first_batch():
-    r = _reader(batch_size=30, drop_last=True)  # 23 records: no batch at all
+    # A pass's end met before any batch was read here: a state without "fields" (a pass
+    # without a batch, drop_last with fewer records than a batch, is refused).
+    with pytest.raises(RunError, match="drop_last drops all 23 records, fewer than batch_size 30"):
+        _reader(batch_size=30, drop_last=True)
+    r = _reader(batch_size=4)
+    r.load_state_dict({"pass": 0, "position": 23, "seed": 0, "length": 23})
     assert read_op(None, r) == (None, None, True)
     assert r.state_dict()["fields"] == 2
 
@@ -210,6 +215,23 @@ def test_an_iterable_dataset_is_read_pass_by_pass():
     assert _indices(_reads(r, 11)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9], "done"] * 2 + ["done"]
     with pytest.raises(RunError, match="shuffle applies to map-style"):
         _reader(Stream(), shuffle=True)
+
+
+def test_a_stream_with_a_pass_of_no_batch_is_refused():
+    # A loop reading a `passes: 0` reader to its `done` takes a step in every pass
+    # (analyze counts on it): a pass that gives nothing is an error, not an empty epoch.
+    class Once(Stream):
+        def __iter__(self):
+            yield from super().__iter__() if self.n else ()
+            self.n = 0
+
+    r = _reader(Once(3), batch_size=2, passes=0)
+    assert _indices(_reads(r, 3)) == [[0, 1], [2], "done"]
+    with pytest.raises(RunError, match="the stream Once ended before its first batch of pass 2"):
+        _reads(r, 1)
+    with pytest.raises(RunError, match=r"the stream Stream ended before its first batch\n") as e:
+        _reads(_reader(Stream(3), batch_size=4, drop_last=True), 1)
+    assert "with `drop_last: true`, fewer than 4 records make no batch" in e.value.hint
 
 
 def test_an_iterable_dataset_resumes_exactly_with_workers():

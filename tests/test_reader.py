@@ -45,6 +45,20 @@ def test_done_once_per_pass_then_stays_true_after_the_last():
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_reader_whose_pass_has_no_batch_is_refused(window):
+    # drop_last with fewer records than a batch: every read was `done`, so a `passes: 0`
+    # loop ended at once each epoch (analyze counts on a first batch in every pass).
+    data = torch.arange(13 if window else 3)  # 3 records either way: 3 windows of 4
+    with pytest.raises(RunError, match="drop_last drops all 3 records, fewer than batch_size 4") as e:
+        reader_op(OpContext(), data, batch_size=4, drop_last=True, passes=0, window=window)
+    assert "a batch_size of at most 3" in e.value.hint
+    made = [reader_op(OpContext(), data, batch_size=3, drop_last=True, passes=0, window=window)]
+    if window:  # random windows have no pass: drop_last does nothing to them
+        made.append(reader_op(OpContext(), data, batch_size=4, drop_last=True, window=window, sample="random"))
+    assert [read_op(OpContext(), r)[-1] for r in made] == [False] * len(made)
+
+
 def test_drop_last_skips_the_short_batch():
     ctx = OpContext()
     r = reader_op(ctx, torch.arange(5), batch_size=2, drop_last=True)

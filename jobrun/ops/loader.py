@@ -330,7 +330,7 @@ class DatasetReader(Reader):
         start, end = self.position, self._pass_end
         if start >= end or self.finished:
             self._stop()
-            if not self.field_count:  # e.g. drop_last with fewer records than a batch
+            if not self.field_count:  # e.g. resumed at a pass's end from a state without "fields"
                 self.field_count = len(as_fields(self._probe()))
             return self._end_of_pass()
         ahead = self._prepared(start)

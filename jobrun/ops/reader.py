@@ -141,6 +141,13 @@ class Reader:
         self._order: torch.Tensor | None = None  # the current pass's permutation
         self._order_pass = -1
         self._pass_end = self._records_per_pass()  # the geometry is fixed from here on
+        if length and not self._pass_end:  # (a stream's length is not known: 0 here)
+            # A pass always has a batch: a loop reading to a pass's end takes a step in each.
+            raise RunError(
+                f"reader: drop_last drops all {length} records, fewer than batch_size "
+                f"{batch_size}: a pass would have no batch",
+                hint=f"give a batch_size of at most {length}, or remove `drop_last: true`",
+            )
         self._to_device = ToDevice(self.device)
         self._move = self.device.type != "cpu"  # batches are sent to the device
         # Batches are prepared on a thread of their own (those sent to a GPU; `_prepare`).

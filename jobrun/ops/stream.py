@@ -66,6 +66,8 @@ class IterableReader(Reader):
             ahead = self._next()
         if ahead is _END:
             self._stop()
+            if not self.position:  # a pass always has a batch, as a Reader's geometry makes sure
+                raise self._empty_pass()
             return self._done()
         if type(ahead) is Failed:
             raise ahead.error
@@ -89,6 +91,13 @@ class IterableReader(Reader):
             return _END
         fields, n = self._part(batch)
         return (self._to_device.send(fields) if self._move else fields), n
+
+    def _empty_pass(self) -> RunError:
+        which = f" of pass {self.pass_index + 1}" if self.pass_index else ""
+        hint = "check the dataset's __iter__ (and its files)"
+        if self.drop_last and self.batch_size > 1:
+            hint += f"; with `drop_last: true`, fewer than {self.batch_size} records make no batch"
+        return RunError(f"reader: the stream {self.options.name} ended before its first batch{which}", hint=hint)
 
     def _done(self) -> tuple[Any, ...]:
         if not self.field_count:

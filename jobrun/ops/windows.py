@@ -66,6 +66,10 @@ class WindowReader(Reader):
         count = tokens.numel() - window if self.random else (tokens.numel() - 1) // window
         super().__init__(count, **geometry)
 
+    def _records_per_pass(self) -> int:
+        """Random windows have no passes: `drop_last` does nothing to them."""
+        return self.length if self.random else super()._records_per_pass()
+
     def read(self) -> tuple[Any, ...]:
         """The next batch as (x, y, done); see the `read` op."""
         if self.random:
