@@ -21,7 +21,7 @@ from typing import Any
 
 from jobrun.errors import Pos, did_you_mean
 from jobrun.ops.spec import OpSpec
-from jobrun.plans import ir, precision
+from jobrun.plans import analyze_data, ir, precision
 from jobrun.plans.compare import Kinds
 from jobrun.plans.flow import DEF, MAYBE, Changes, Definitions, Effect, Flow, Frame, Read, TaskCtx
 from jobrun.plans.signatures import Signatures
@@ -105,6 +105,7 @@ class _Analyzer(Visitor):
         self.pending: list[list[Changes]] = []  # per block: report definitions, seen at its end
         self.unresolved: list[Read | None] = []
         self.plan: ir.Plan | None = None
+        self.pass_readers: set[tuple[str, str]] = set()  # see analyze_data.pass_readers
         self.first_defs: Definitions | None = None  # walked only to explain undefined blobs
         self.creates: dict[tuple[str, str], dict[str, list[str]]] = {}  # (group, node) -> creators
         self.suggestions = 0
@@ -116,6 +117,7 @@ class _Analyzer(Visitor):
     # -- plan and groups -------------------------------------------------------------------
     def visit_Plan(self, plan: ir.Plan) -> None:
         self.plan = plan
+        self.pass_readers = analyze_data.pass_readers(plan)
         if plan.max_epochs is None and plan.max_steps is None and not (plan.stop_when or plan.early_stop):
             self._emit(
                 "error", "no-stop", plan.pos, f"job {plan.job!r} has no stop condition",
@@ -292,20 +294,21 @@ class _Analyzer(Visitor):
         self.kinds.op(self.ctx.task.node, call)
 
     def visit_Loop(self, loop: ir.Loop) -> None:
+        assert self.ctx is not None
+        node = self.ctx.task.node
         if isinstance(loop.count, ir.BlobRef):
             self._read(loop.count)
-            assert self.ctx is not None
-            self.kinds.count(self.ctx.task.node, loop.count)
-        frame = Frame()
+            self.kinds.count(node, loop.count)
+        frame = Frame(after_batch=analyze_data.first_batch_stop(loop, node, self.pass_readers))
         self.frames.append(frame)
         mark = self.flow.mark()
         if loop.index is not None:
             self._write(loop.index)
-            assert self.ctx is not None
-            self.kinds.index(self.ctx.task.node, loop.index)
+            self.kinds.index(node, loop.index)
         self.visit_block(loop.body)
         self.frames.pop()
-        # `loop: null` only ends at a stop_if, so its body starts at least once.
+        # `loop: null` only ends at a stop_if, so its body starts at least once; what it
+        # defines after a stop_if that cannot end its first iteration is defined after it.
         if loop.count is None or (isinstance(loop.count, int) and loop.count > 0):
             self._weaken_after_stop(frame)
         else:
@@ -316,7 +319,7 @@ class _Analyzer(Visitor):
     def visit_StopIf(self, stop: ir.StopIf) -> None:
         self._read(stop.cond)
         frame = self.frames[-1]
-        if frame.stop_mark is None:
+        if frame.stop_mark is None and stop is not frame.after_batch:
             frame.stop_mark, frame.stop_pos = self.flow.mark(), stop.pos
 
     def visit_If(self, node: ir.If) -> None:

@@ -36,7 +36,7 @@ def problems(plan: ir.Plan) -> Iterator[Problem]:
 def _block(steps: tuple[ir.Step, ...], endless: bool) -> Iterator[Problem]:
     """`endless`: whether a `loop: null` without a stop_if never ends."""
     for step in steps:
-        if isinstance(step, ir.Loop) and step.count is None and endless and not _stops(step.body):
+        if isinstance(step, ir.Loop) and step.count is None and endless and not stops(step.body):
             yield ("error", "endless-loop", step.pos,
                    "this `loop: null` never ends: no `stop_if` in its body leaves it",
                    "add `- stop_if: BLOB` to the loop's `do` (e.g. a read's `done`), or give "
@@ -54,12 +54,12 @@ def _block(steps: tuple[ir.Step, ...], endless: bool) -> Iterator[Problem]:
             yield from _block(block, endless)
 
 
-def _stops(steps: tuple[ir.Step, ...]) -> bool:
+def stops(steps: tuple[ir.Step, ...]) -> bool:
     """Whether a stop_if in `steps` can leave the loop they are the body of (a stop_if in
     a nested loop leaves that loop; one in a report ends the report's body)."""
     for step in steps:
         if isinstance(step, ir.StopIf):
             return True
-        if isinstance(step, ir.If | ir.Parallel) and any(_stops(b) for b in children(step)):
+        if isinstance(step, ir.If | ir.Parallel) and any(stops(b) for b in children(step)):
             return True
     return False

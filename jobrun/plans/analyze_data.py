@@ -10,6 +10,9 @@ Two kinds, both worked out from the plan alone (no file is opened, no torch):
   epoch reads to the end of a pass (an unbounded loop that stops at the read's `done`):
   the epochs after the last pass read nothing and train on nothing; `shuffle` or
   `drop_last` beside `sample: random`, which ignores them.
+
+It also tells the analyzer which `stop_if`s cannot end their loop's first iteration
+(:func:`first_batch_stop`): what a loop defines after one of those is defined after it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from jobrun.errors import Pos
 from jobrun.plans import ir
+from jobrun.plans.analyze_bodies import stops
 from jobrun.plans.visit import children, op_calls, task_calls
 
 # The suffixes `data.load` reads (jobrun/ops/data.py), and those it can memory-map.
@@ -175,6 +179,53 @@ def _stop_names(steps: tuple[ir.Step, ...]) -> set[str]:
             for block in children(step):
                 names |= _stop_names(block)
     return names
+
+
+# -- loops that read a pass to its end -----------------------------------------------
+
+
+def pass_readers(plan: ir.Plan) -> set[tuple[str, str]]:
+    """(node, blob) of the readers whose every `read` starts a pass or goes on in one, never
+    meets a pass's end left pending: made only by `reader` with `passes: 0`, and read by one
+    `read` alone (no `every`, in a task of one instance, not where `max_steps` can end its
+    loop after a pass's last batch). An `evaluate` of a whole pass leaves the position alone;
+    any other use of the blob may move it."""
+    makers: dict[tuple[str, str], set[bool]] = {}
+    uses: dict[tuple[str, str], list[bool]] = {}
+    for group in plan.groups:
+        cut = plan.max_steps is not None and group.name == "epoch"  # max_steps ends its loops
+        for task in group.tasks:
+            for call in task_calls(task):
+                for out in call.outs:
+                    passes = call.kwargs.get("passes") if call.op == "reader" else None
+                    makers.setdefault((task.node, out.name), set()).add(type(passes) is int and passes == 0)
+                if call.op == "evaluate" and call.kwargs.get("batches") is None:
+                    continue
+                lone = call.op == "read" and call.every is None and task.instances == 1 and not cut
+                for ref in call.ins:
+                    if isinstance(ref, ir.BlobRef):
+                        uses.setdefault((task.node, ref.name), []).append(lone)
+    return {key for key, made in makers.items() if made == {True} and uses.get(key) == [True]}
+
+
+def first_batch_stop(loop: ir.Loop, node: str, readers: set[tuple[str, str]]) -> ir.StopIf | None:
+    """The `stop_if` of a `loop: null` that cannot end its first iteration, if any: the
+    only one that leaves the loop, at the top of its body, right after a `read` of one of
+    `readers` (:func:`pass_readers`), testing its `done`. Each run of the loop then starts
+    at a pass's first batch, and a pass always has one (jobrun/ops/reader.py refuses a
+    reader whose pass has none), so the first `done` comes after a batch."""
+    tops = [i for i, step in enumerate(loop.body) if isinstance(step, ir.StopIf)]
+    if loop.count is not None or len(tops) != 1 or not tops[0] or any(
+        isinstance(step, ir.If | ir.Parallel) and any(stops(b) for b in children(step)) for step in loop.body
+    ):
+        return None  # a count, or another stop_if, can end the loop before a pass's end
+    read, stop = loop.body[tops[0] - 1], loop.body[tops[0]]
+    assert isinstance(stop, ir.StopIf)
+    if (isinstance(read, ir.OpCall) and read.op == "read" and len(read.outs) >= 2 and stop.every is None
+            and read.outs[-1].name == stop.cond.name and isinstance(read.ins[0], ir.BlobRef)
+            and (node, read.ins[0].name) in readers):
+        return stop
+    return None
 
 
 def _calls(groups: tuple[ir.Group, ...]) -> Iterator[ir.OpCall]:

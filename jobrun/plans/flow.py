@@ -106,6 +106,7 @@ class Frame:
 
     stop_mark: int | None = None
     stop_pos: Pos | None = None
+    after_batch: ir.StopIf | None = None  # a stop_if that cannot end the loop's first iteration
 
 
 @dataclass
