@@ -160,6 +160,20 @@ def test_a_save_that_fails_on_another_rank_is_reported_by_rank_0(reference, tmp_
     assert again.code != 0 and "epoch 2" in again.err
 
 
+def test_saves_that_fail_on_every_rank_are_counted_as_every_rank(tmp_path):
+    # Both ranks' saves of epoch 2 fail: rank 0's summary counts itself too, not 1 of 2.
+    fail = '      - call: {{fn: "jobrun_test_helpers:fail_saves_on_rank", rank: {}}}\n'
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("      - const: {out: epoch_no, value: 0}\n",
+                                 "      - const: {out: epoch_no, value: 0}\n" + fail.format(0) + fail.format(1)))
+    run = tmp_path / "run"
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)
+    assert r.code == 0, r.text
+    assert "[rank 1] warning: checkpoint of epoch 2 was NOT saved: " in r.err
+    said = "checkpoint of epoch 2 was NOT saved by 2 of 2 ranks (each says why on stderr)"
+    assert said in r.err and said in (run / "console.log").read_text(), r.err
+
+
 @pytest.mark.parametrize("background", ["false", "true"])
 def test_a_last_save_that_fails_on_another_rank_fails_the_run_on_every_rank(reference, tmp_path, background):
     # Rank 1's save of epoch 4, the last, fails (a full disk): no rank runs on as if the

@@ -395,9 +395,8 @@ class JobRunner(Checkpoints):
             from jobrun.runner.group import agree_on_stop
 
             count, epoch = agree_on_stop(failed)
-            others = count - (failed is not None)
-            if self.main_rank and others:
-                self._warn(f"checkpoint of epoch {epoch} was NOT saved by {others} of "
+            if self.main_rank and count > (failed is not None):  # another rank's save failed too
+                self._warn(f"checkpoint of epoch {epoch} was NOT saved by {count} of "
                            f"{self.cfg.world_size} ranks (each says why on stderr); a resume goes on "
                            "from the newest epoch that every rank saved")
 
