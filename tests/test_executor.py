@@ -312,6 +312,7 @@ epoch:
 @pytest.mark.parametrize(("count", "message"), [
     ("-1", "loop count is -1, not a non-negative integer"),
     ("1.5", "loop count is 1.5, not a non-negative integer"),
+    ("null", "loop count is null, not a non-negative integer"),
     ("missing", "loop count: blob 'missing' is not defined on node 'local'"),
 ])
 def test_a_bad_loop_count_is_reported_at_the_loop(count, message, body):

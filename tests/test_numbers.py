@@ -185,7 +185,7 @@ def test_no_finding_where_the_kinds_are_not_a_number_and_a_string(step: str) -> 
 LOOP = "job: j\nmax_epochs: 1\nepoch:\n  - task: t\n    do:\n      DEFS\n      - loop: n\n        do: [{log: {in: [n]}}]\n"
 
 
-@pytest.mark.parametrize("value", ["-2", "2.5", "'3'", "true"])
+@pytest.mark.parametrize("value", ["-2", "2.5", "'3'", "true", "null", "[1, 2]", "[2.5]"])
 def test_a_const_that_is_no_loop_count_is_an_error_at_the_count(value: str) -> None:
     (d,) = analyze(compile_text(LOOP.replace("DEFS", f"- const: {{out: n, value: {value}}}"), FILE))
     assert (d.severity, d.code, d.pos.line, d.pos.col) == ("error", "loop-count", 7, 15), d.format()
@@ -196,6 +196,7 @@ def test_a_const_that_is_no_loop_count_is_an_error_at_the_count(value: str) -> N
 @pytest.mark.parametrize(("defs", "severities"), [
     ("- const: {out: n, value: 3}", []),
     ("- const: {out: n, value: [3]}", []),  # a one-element tensor will do
+    ("- const: {out: n, value: [[3]]}", []),
     ("- const: {out: n, value: -2}\n      - add: {in: [n, 5], out: n}", []),  # the add's value is not known
     ("- const: {out: n, value: -2}\n      - const: {out: n, value: 2}", ["warning"]),  # one of two
 ])

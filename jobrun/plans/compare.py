@@ -96,7 +96,7 @@ class Kinds:
             defs = sides.get((node, ref.name), [])
             if not defs or any(d.source is None for d in defs):
                 continue  # another op (or a loop index) defines it too: its value is not known
-            bad = [d for d in defs if isinstance(d.value, bool) or not isinstance(d.value, int) or d.value < 0]
+            bad = [d for d in defs if not _whole(d.value)]
             if bad:
                 line = bad[0].source.line if bad[0].source is not None else 0
                 found.append(Finding(
@@ -195,10 +195,8 @@ def _defined(call: ir.OpCall, i: int, out: ir.BlobRef) -> Side:
     """What output `i` of `call` holds, as far as is known without running it."""
     if i == 0 and call.op == "const":
         value = call.kwargs.get("value")
-        kind = _kind(value)
-        if kind is not None:
-            source = call.pos_of("value")
-            return Side(kind, f"`{out.name}` ({kind_of(value)}, line {source.line})", out.pos, value, source)
+        source = call.pos_of("value")  # a null or a list too: a loop count judges them
+        return Side(_kind(value), f"`{out.name}` ({kind_of(value)}, line {source.line})", out.pos, value, source)
     elif i == 0 and call.op in _BOOLEAN_OPS:
         return Side(NUMBER, f"`{out.name}` (a boolean from `{call.op}`, line {out.pos.line})", out.pos)
     return _UNKNOWN
@@ -233,6 +231,14 @@ def _judge(call: ir.OpCall, num: Side, text: Side) -> Finding | None:
         severity, text.pos,
         f"`{call.op}` compares {num.text} with {text.text}: {consequence}", hint,
     )
+
+
+def _whole(value: Any) -> bool:
+    """Whether a const's value is a loop count: a whole number >= 0, or a list of one
+    (a one-element tensor)."""
+    while isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _kind(value: Any) -> str | None:

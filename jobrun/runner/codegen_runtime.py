@@ -52,7 +52,7 @@ def as_int(n: Any, s: ir.Loop) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         name = s.count.name if isinstance(s.count, ir.BlobRef) else "its count"
         raise RunError(
-            f"loop count is {n!r}, not a non-negative integer", s.pos,
+            f"loop count is {'null' if n is None else repr(n)}, not a non-negative integer", s.pos,
             f"give blob {name!r} a whole number >= 0 (or a one-element integer tensor) before the "
             "loop starts, e.g. - const: {out: " + name + ", value: 3}",
         )
