@@ -51,6 +51,12 @@ def node_seed(seed: int, node: str = "local") -> int:
     return seed_of(seed, node)
 
 
+_ORDER_ARGS = {"n": "the number of records (windows for a window reader), a whole number >= 0",
+               "pass_index": "the pass as a whole number >= 0, 0 first (epoch - 1 when an epoch reads one pass)",
+               "seed": "the plan's `seed`, a whole number",
+               "reader": "the number of readers the node made before this one, a whole number >= 0"}
+
+
 def reader_order(n: int, pass_index: int, seed: int = 0, node: str = "local", reader: int = 0) -> Any:
     """The order in which a shuffled `reader` of ``n`` records reads pass ``pass_index``
     (0 first): a tensor of record indices. ``reader`` counts the readers made on ``node``
@@ -58,7 +64,17 @@ def reader_order(n: int, pass_index: int, seed: int = 0, node: str = "local", re
     as ``x[order[i:i + batch]]`` reads the very batches the plan reads::
 
         order = reader_order(len(x), epoch - 1, seed=0)
+
+    A count that is no whole number >= 0 (``epoch - 1`` of epoch 0, a float seed, which
+    would silently give another order) is a ValueError.
     """
     from jobrun.ops.reader import pass_order, reader_seed
 
-    return pass_order(reader_seed(seed, node, reader), pass_index, n)
+    counts = {"n": n, "pass_index": pass_index, "seed": seed, "reader": reader}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not hasattr(value, "__index__") or (name != "seed" and value < 0):
+            raise ValueError(f"reader_order: {name} is {value!r}; give {_ORDER_ARGS[name]}")
+        counts[name] = value.__index__()  # numpy's and torch's integers as Python's
+    if not isinstance(node, str):
+        raise ValueError(f"reader_order: node is {node!r}; give the node's name as a string ('local' by default)")
+    return pass_order(reader_seed(counts["seed"], node, counts["reader"]), counts["pass_index"], counts["n"])

@@ -309,3 +309,18 @@ def test_reader_order_gives_a_hand_loop_the_shuffled_readers_batches():
     assert sorted(order) == list(range(10))
     assert jobrun.reader_order(10, 0, seed=3, node="n1", reader=1).tolist() != \
         jobrun.reader_order(10, 0, seed=4, node="n1", reader=1).tolist()
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    ((10, -1), "pass_index is -1"),  # epoch - 1 of an epoch 0
+    ((10.0, 0), "n is 10.0"),
+    ((10, 0, 0.0), "seed is 0.0"),  # str(0.0) would mix another seed than the plan's 0
+    ((10, 0, True), "seed is True"),
+])
+def test_reader_order_refuses_what_is_no_whole_number_instead_of_giving_another_order(args, named):
+    import jobrun
+
+    with pytest.raises(ValueError, match=f"reader_order: {named}; give "):
+        jobrun.reader_order(*args)
+    assert jobrun.reader_order(np.int64(10), torch.tensor(1), np.int64(3)).tolist() == \
+        jobrun.reader_order(10, 1, 3).tolist()  # numpy's and torch's integers are whole numbers
