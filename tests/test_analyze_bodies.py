@@ -65,7 +65,7 @@ def test_a_stop_if_in_the_body_an_if_or_a_branch_ends_a_loop_null(stop: str) -> 
 
 
 def test_max_steps_ends_a_loop_null_that_trains() -> None:
-    text = HEAD.replace("max_epochs: 1", "max_steps: 3") + "      - loop: null\n        do: [{log: {msg: x}}]\n"
+    text = HEAD.replace("max_epochs: 1", "max_steps: 3") + "      - loop: null\n        do: [{call: {fn: 'm:f'}}]\n"
     assert [d[1] for d in diags(text)] == []
 
 
@@ -74,3 +74,13 @@ def test_max_steps_does_not_end_a_loop_null_outside_the_epoch_group() -> None:
     text = ("job: j\nmax_steps: 3\ninit:\n  - task: s\n    do:\n      - loop: null\n"
             "        do: [{log: {msg: x}}]\nepoch:\n  - task: t\n    do: [{log: {msg: y}}]\n")
     assert [d[1] for d in diags(text)] == ["endless-loop"]
+
+
+def test_max_steps_does_not_end_a_loop_null_that_takes_no_optimizer_step() -> None:
+    """max_steps counts optimizer steps: a loop of train.step or call may end by it, a
+    loop of `add` never does (a plug-in op may step, so it is given the benefit)."""
+    head = "job: j\nmax_steps: 3\nepoch:\n  - task: t\n    do:\n      - const: {out: a, value: 1}\n"
+    adds = head + "      - loop: null\n        do: [{add: {in: [a, 1], out: a}}]\n"
+    assert [d[1] for d in diags(adds)] == ["endless-loop"]
+    nested = head + "      - loop: null\n        do:\n          - if: a\n            then: [{call: {fn: 'm:f'}}]\n"
+    assert "endless-loop" not in [d[1] for d in diags(nested)]

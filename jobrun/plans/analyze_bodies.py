@@ -30,13 +30,14 @@ def problems(plan: ir.Plan) -> Iterator[Problem]:
                        f"task {task.name!r} of group `{group.name}` has no steps: it does nothing",
                        _EMPTY_HINT)
             for block in children(task):  # max_steps ends the loops of epoch tasks only
-                yield from _block(block, plan.max_steps is None or group.name != "epoch")
+                yield from _block(block, plan.max_steps is not None and group.name == "epoch")
 
 
-def _block(steps: tuple[ir.Step, ...], endless: bool) -> Iterator[Problem]:
-    """`endless`: whether a `loop: null` without a stop_if never ends."""
+def _block(steps: tuple[ir.Step, ...], max_steps: bool) -> Iterator[Problem]:
+    """`max_steps`: whether max_steps ends these steps' loops that take optimizer steps."""
     for step in steps:
-        if isinstance(step, ir.Loop) and step.count is None and endless and not stops(step.body):
+        if (isinstance(step, ir.Loop) and step.count is None and not stops(step.body)
+                and not (max_steps and _may_step(step.body))):
             yield ("error", "endless-loop", step.pos,
                    "this `loop: null` never ends: no `stop_if` in its body leaves it",
                    "add `- stop_if: BLOB` to the loop's `do` (e.g. a read's `done`), or give "
@@ -51,7 +52,7 @@ def _block(steps: tuple[ir.Step, ...], endless: bool) -> Iterator[Problem]:
                     yield ("warning", "empty-body", branch.pos,
                            f"branch {label} of this `parallel` has no steps in its `do`", _EMPTY_HINT)
         for block in children(step):
-            yield from _block(block, endless)
+            yield from _block(block, max_steps)
 
 
 def stops(steps: tuple[ir.Step, ...]) -> bool:
@@ -61,5 +62,25 @@ def stops(steps: tuple[ir.Step, ...]) -> bool:
         if isinstance(step, ir.StopIf):
             return True
         if isinstance(step, ir.If | ir.Parallel) and any(stops(b) for b in children(step)):
+            return True
+    return False
+
+
+# Ops that may take an optimizer step: max_steps ends a loop only through them (the global
+# step is counted as optimizers step). An op of a plug-in may too.
+_STEPPING = frozenset({"train.step", "call"})
+
+
+def _may_step(steps: tuple[ir.Step, ...]) -> bool:
+    """Whether an optimizer step can happen in `steps` (a report's body is not counted:
+    it runs beside the loop, not in its iterations)."""
+    from jobrun.ops.registry import CORE_SPECS
+    from jobrun.ops.train_specs import TRAIN_SPECS
+
+    core = {spec.name for spec in (*CORE_SPECS, *TRAIN_SPECS)}
+    for step in steps:
+        if isinstance(step, ir.OpCall) and (step.op in _STEPPING or step.op not in core):
+            return True
+        if not isinstance(step, ir.Report) and any(_may_step(b) for b in children(step)):
             return True
     return False
