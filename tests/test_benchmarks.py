@@ -121,3 +121,20 @@ def test_epoch_split_times_every_piece_of_the_job() -> None:
     assert all(float(rows[piece][0]) > 0 for piece in ("loop", "mean loss", "evaluate", "after", "log",
                                                        "metrics line", "plain values", "samples/s")), p.stdout
     assert float(rows["loop"][1]) > 0 and float(rows["mean loss"][1]) == 0, p.stdout  # the ops loop has none
+
+
+@pytest.mark.slow
+def test_bytecode_counts_name_jobruns_own_work_per_step() -> None:
+    # The counts are deterministic: the three loops run the same model on the same data,
+    # so torch's own Python (the optimizer, the modules) is the same in each, and what
+    # jobrun runs beyond the hand loop is its ops' and the generated loop's bytecodes.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "instructions.py"), "--bytecodes", "--top", "40"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    per_step = {m[1]: float(m[2]) for m in re.finditer(r"^  (jobrun|ops|hand) +[\d,]+ +([\d.]+) a step$", p.stdout, re.M)}
+    assert set(per_step) == {"jobrun", "ops", "hand"}, p.stdout
+    assert per_step["hand"] < per_step["ops"] < per_step["jobrun"], p.stdout
+    beyond = {m[2]: float(m[1]) for m in re.finditer(r"^ +([\d.]+)  (.+)$", p.stdout, re.M)}
+    assert beyond.get("train.py:train_step", 0) > 0 and beyond.get("reader.py:read_op", 0) > 0, p.stdout
+    assert any(fn.endswith(":do") and fn.startswith("<jobrun task 'train'") for fn in beyond), p.stdout
