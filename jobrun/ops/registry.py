@@ -100,7 +100,7 @@ CORE_SPECS: tuple[OpSpec, ...] = (
         "read", "Next record/batch and `done` (true once at the end of each pass, fields null; without `done` in out, the next pass goes on).",
         "jobrun.ops.reader:read_op", inputs=("r",), outputs=("fields", "done"), min_outputs=1,
         max_outputs=None, example="- read: {in: data, out: [xb, yb, done]}",
-        mutates=("r",), keeps=(),
+        mutates=("r",), keeps=(), bind="jobrun.ops.bound:bind_read",
     ),
     OpSpec(
         "log", "Record values: the epoch's summary line (a line of their own outside epochs), "

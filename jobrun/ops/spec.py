@@ -67,6 +67,9 @@ class OpSpec:
     # so every input (users' ops, whose code jobrun cannot see).
     mutates: tuple[str, ...] | None = None
     keeps: tuple[str, ...] | None = None
+    # "package.module:function": given the run's context and a call site's arguments, the
+    # op bound to them (a function of the inputs only), or None (jobrun/ops/bound.py).
+    bind: str | None = None
     _arg_index: dict[str, ArgSpec] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -181,6 +181,7 @@ TRAIN_SPECS: tuple[OpSpec, ...] = (
         min_inputs=3,  # [model, opt, batch]: a dict batch, its keys the model's arguments
         outputs=("loss",),
         mutates=("model", "opt"),
+        bind="jobrun.ops.bound:bind_step",
         args=(
             arg("loss", "loss", "cross_entropy", _LOSS_DOC),
             arg("clip_grad_norm", ("or", "number>0", "null"), None, "clip the gradient norm to this"),

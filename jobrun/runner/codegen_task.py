@@ -232,8 +232,11 @@ class Generator(Visitor):
             # stored plan.yaml, laid out anew, has other line numbers than the user's file).
             kwargs["_site"] = f"{self.task.group}/{self.task.name}/{s.op}#{self.op_number}"
         code = self.code
+        bound = self._bound(spec, s, kwargs) if not clocked else None
         with code.step(s.pos, s.op, self._op_failure(s)):
-            args = ["ctx"]
+            if bound is not None:  # the op specialised to this call site's arguments
+                impl, kwargs = bound, {}
+            args = [] if bound is not None else ["ctx"]
             for i in s.ins:
                 args.append(self._read(i.name) if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
             # Arguments as keywords of the call (a name is an identifier: the op's own
@@ -254,6 +257,17 @@ class Generator(Visitor):
                     self._store(extra.name, "r")
                 if s.op == "train.step" and self.means and outs[0] in self.means:
                     self._accumulate(outs[0])
+
+    def _bound(self, spec: Any, s: ir.OpCall, kwargs: dict[str, Any]) -> Any:
+        """The op bound to this call site's arguments (jobrun/ops/bound.py), or None."""
+        if spec.bind is None:
+            return None
+        from jobrun.ops.imports import resolve
+
+        try:
+            return resolve(spec.bind, spec.name, "binding")(self.ctx, **kwargs)
+        except RunError as e:
+            raise RunError(e.message, s.pos, e.hint) from e
 
     def _accumulate(self, name: str) -> None:
         """Keep a train.step loss for its loop's mean, as it is (a device tensor stays
