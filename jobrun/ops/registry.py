@@ -189,3 +189,11 @@ def resolve_impl(spec: OpSpec) -> Callable[..., Any]:
     from jobrun.ops.imports import resolve
 
     return resolve(spec.impl, spec.name, "implementation")
+
+
+def bound_impl(spec: OpSpec, ctx: Any, kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+    """The op bound to one call site's arguments (its spec's `bind`, see jobrun/ops/bound.py),
+    a function of the inputs only; None when the op does not bind there."""
+    from jobrun.ops.imports import resolve
+
+    return None if spec.bind is None else resolve(spec.bind, spec.name, "binding")(ctx, **kwargs)

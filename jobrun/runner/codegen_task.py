@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from jobrun.errors import Interrupted, JobrunError, RunError, said
 from jobrun.ops.context import STEP_COUNTER, OpContext
 from jobrun.ops.core import truthy
-from jobrun.ops.registry import registry, resolve_impl
+from jobrun.ops.registry import bound_impl, registry, resolve_impl
 from jobrun.plans import ir
 from jobrun.plans.visit import Visitor, also_written, children, written
 from jobrun.runner import clock
@@ -232,10 +232,10 @@ class Generator(Visitor):
             # stored plan.yaml, laid out anew, has other line numbers than the user's file).
             kwargs["_site"] = f"{self.task.group}/{self.task.name}/{s.op}#{self.op_number}"
         code = self.code
-        bound = self._bound(spec, s, kwargs) if not clocked else None
+        bound = None if clocked else bound_impl(spec, self.ctx, kwargs)
+        if bound is not None:  # the op specialised to this call site's arguments
+            impl, kwargs = bound, {}
         with code.step(s.pos, s.op, self._op_failure(s)):
-            if bound is not None:  # the op specialised to this call site's arguments
-                impl, kwargs = bound, {}
             args = [] if bound is not None else ["ctx"]
             for i in s.ins:
                 args.append(self._read(i.name) if isinstance(i, ir.BlobRef) else code.value("lit", i.value))
@@ -257,17 +257,6 @@ class Generator(Visitor):
                     self._store(extra.name, "r")
                 if s.op == "train.step" and self.means and outs[0] in self.means:
                     self._accumulate(outs[0])
-
-    def _bound(self, spec: Any, s: ir.OpCall, kwargs: dict[str, Any]) -> Any:
-        """The op bound to this call site's arguments (jobrun/ops/bound.py), or None."""
-        if spec.bind is None:
-            return None
-        from jobrun.ops.imports import resolve
-
-        try:
-            return resolve(spec.bind, spec.name, "binding")(self.ctx, **kwargs)
-        except RunError as e:
-            raise RunError(e.message, s.pos, e.hint) from e
 
     def _accumulate(self, name: str) -> None:
         """Keep a train.step loss for its loop's mean, as it is (a device tensor stays
@@ -372,7 +361,8 @@ class Generator(Visitor):
                     f"op `{s.op}` {where}: blob {name!r} is not defined", s.pos,
                     f"{name!r} is made only inside a loop, where no step made it this time: e.g. "
                     "the loop's `read` ended at once, its reader having no pass left (`passes` is 1 "
-                    "by default; `passes: 0` reads on in every epoch); or give it a value before the loop"
+                    "by default; `passes: 0` reads on in every epoch), or at the end of a pass where "
+                    "max_steps ended the last epoch; or give it a value before the loop"
                     if name in looped else "define it earlier (e.g. in the init group)",
                 ) from e
             from jobrun.ops.loader import is_worker_death, worker_died
