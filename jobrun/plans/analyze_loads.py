@@ -51,10 +51,14 @@ def problems(plan: ir.Plan, ops: Mapping[str, OpSpec]) -> Iterator[Problem]:
                     from jobrun.plans.state import checkpointed
 
                     held = checkpointed(plan, ops)
-                yield from _inputs(call, held.get(task.node, ()), ckpt)
+                made = {o.name for g in plan.groups for t in g.tasks if t.node == task.node
+                        for c in task_calls(t) for o in c.outs}
+                yield from _inputs(call, held.get(task.node, ()), ckpt, made)
 
 
-def _inputs(call: ir.OpCall, held: tuple[str, ...], ckpt: ir.Checkpoint) -> Iterator[Problem]:
+def _inputs(call: ir.OpCall, held: tuple[str, ...], ckpt: ir.Checkpoint, made: set[str]) -> Iterator[Problem]:
+    """(``made``: the names the node's steps write; one no step writes is the flow
+    check's: read before it is defined, with its did-you-mean.)"""
     excluded = {ref.name for ref in ckpt.exclude}
     for item in call.ins:
         if not isinstance(item, ir.BlobRef):
@@ -63,7 +67,7 @@ def _inputs(call: ir.OpCall, held: tuple[str, ...], ckpt: ir.Checkpoint) -> Iter
         elif item.name in excluded:
             yield ("error", _CODE, item.pos, f"{OP}: blob {item.name!r} is not in the checkpoints: "
                    "`checkpoint.exclude` drops it", "remove it from `checkpoint.exclude`, or from this `in`")
-        elif item.name not in held:
+        elif item.name not in held and item.name in made:
             yield ("error", _CODE, item.pos, f"{OP}: blob {item.name!r} is not in the checkpoints: "
                    "no step after init changes it, so every epoch's value is the one init built",
                    "load a blob that the epochs train (`jobrun print` shows what is checkpointed), "
