@@ -183,6 +183,8 @@ def test_fsdp_replicas_load_their_slices_of_the_best_epoch(tmp_path):
      "checkpoint.load: blob 'tx' is not in the checkpoints: no step after init changes it"),
     (("mode: min}}", "mode: min}, exclude: [opt]}"),
      "checkpoint.load: blob 'opt' is not in the checkpoints: `checkpoint.exclude` drops it"),
+    (("{in: model, epoch: best}", "{in: model, epoch: 99}"),
+     "checkpoint.load loads epoch 99, after the last (max_epochs: "),
     # a name no step writes: only the flow check's error (read before defined), not this one's
     (("{in: model, epoch: best}", "{in: modle, epoch: best}"), "'modle'"),
 ])

@@ -42,7 +42,12 @@ def problems(plan: ir.Plan, ops: Mapping[str, OpSpec]) -> Iterator[Problem]:
                     yield ("error", _CODE, call.pos, f"{OP}: this plan writes no checkpoints",
                            "add `checkpoint: {best: {monitor: val_loss, mode: min}}` (or `checkpoint: {}`)")
                     continue
-                if call.kwargs.get("epoch", "best") == "best" and ckpt.best is None:
+                which = call.kwargs.get("epoch", "best")
+                if isinstance(which, int) and plan.max_epochs is not None and which > plan.max_epochs:
+                    yield ("error", _CODE, call.pos_of("epoch"),
+                           f"{OP} loads epoch {which}, after the last (max_epochs: {plan.max_epochs})",
+                           "give an epoch up to max_epochs, `last` or `best`")
+                if which == "best" and ckpt.best is None:
                     yield ("error", _CODE, call.pos_of("epoch"),
                            f"{OP} loads the best epoch, but the plan has no `checkpoint.best` to rank epochs",
                            "add `best: {monitor: val_loss, mode: min}` to `checkpoint`, or give "
