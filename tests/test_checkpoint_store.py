@@ -588,6 +588,40 @@ def test_a_failed_save_removes_the_epoch_directory_it_made_and_nothing_else(tmp_
     assert [(i.epoch, i.ok) for i in ck.list_checkpoints(tmp_path)] == [(1, True), (2, False)]  # rank 1 missing
 
 
+def test_saves_that_fail_on_every_rank_leave_no_epoch_directory(tmp_path: Path, monkeypatch) -> None:
+    # A full disk fails both ranks' saves of a new epoch; rank 0, which made the epoch's
+    # directory, fails while rank 1's temporary directory is still there: rank 1, failing
+    # last, removes it (left empty, ckpt list showed it INVALID and resumes skipped it).
+    import threading
+
+    writing = {r: threading.Event() for r in (0, 1)}
+    fail = {r: threading.Event() for r in (0, 1)}
+
+    def blocked_out_of_space(tensors, path) -> None:
+        rank = 1 if "rank-1" in str(path) else 0
+        writing[rank].set()
+        assert fail[rank].wait(HANG_S)
+        library_out_of_space(tensors, path)
+
+    def save(rank: int, errors: list[str]) -> None:
+        try:
+            ck.save({"w": torch.ones(3)}, {}, tmp_path, "n", 1, rank=rank, world_size=2)
+        except CheckpointError as e:
+            errors.append(e.message)
+
+    monkeypatch.setattr(tensorfile, "_save_file", blocked_out_of_space)
+    errors: list[str] = []
+    threads = {r: threading.Thread(target=save, args=(r, errors)) for r in (0, 1)}
+    for r in (0, 1):  # rank 0 makes n.1, then rank 1 writes beside it
+        threads[r].start()
+        assert writing[r].wait(HANG_S)
+    for r in (0, 1):
+        fail[r].set()
+        threads[r].join(HANG_S)
+    assert len(errors) == 2 and all("no space left on device" in e for e in errors)
+    assert list(tmp_path.iterdir()) == [] and ck.list_checkpoints(tmp_path) == []
+
+
 def test_a_save_whose_empty_epoch_directory_another_rank_removed_goes_on(tmp_path: Path, monkeypatch) -> None:
     # Rank 0's save failed and removed the epoch's directory, empty, just before rank 1
     # made its temporary directory there: rank 1's save makes it again.

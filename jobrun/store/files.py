@@ -346,14 +346,15 @@ def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None])
     and ``then`` runs (a COMMIT marker). On any error everything written is removed and
     the old directory put back, and the error propagates. ``final`` is a rank directory
     (of an epoch, or of an upload): what is deleted is what a save writes there, and the
-    parent this call made (the epoch's directory) once nothing else is in it: a failed
-    save of a new epoch leaves no trace, which `ckpt list` and resume would call invalid.
+    parent (the epoch's directory) once nothing else is in it: a failed save of a new
+    epoch leaves no trace, which `ckpt list` and resume would call invalid. With replicas
+    whichever rank fails last removes it (all fail on a full disk; the rank that made it
+    may fail while another's temporary directory is still there).
     """
     parent = final.parent
     tag = f"{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp, aside = parent / f".tmp-{tag}", parent / f".old-{tag}"
     made = placed = had_old = False
-    made_parent = not os.path.lexists(parent)
     try:
         make_dirs(parent)
         if os.path.islink(parent):  # jobrun makes this directory: a link there is planted
@@ -381,10 +382,9 @@ def place_dir(final: Path, fill: Callable[[Path], T], then: Callable[[T], None])
         if had_old:  # on failure the old copy stays aside (hidden) rather than half-restored
             with contextlib.suppress(OSError):
                 os.replace(aside, final)
-        if made_parent:  # kept whole when another rank's save is there, or on its way
-            with contextlib.suppress(OSError):
-                remove_in(parent.parent, Shape(dirs=((re.compile(re.escape(parent.name)), Shape()),)),
-                          [parent.name])
+        with contextlib.suppress(OSError):  # kept whole when another rank's save is there
+            remove_in(parent.parent, Shape(dirs=((re.compile(re.escape(parent.name)), Shape()),)),
+                      [parent.name])
         raise
     _discard(aside if had_old else None)
     return result
