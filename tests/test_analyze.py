@@ -865,6 +865,18 @@ def test_output_clash_says_what_the_run_does_with_the_two_values() -> None:
     assert "keeps one value" not in (d.hint or "") and "metrics.jsonl keeps each" in (d.hint or "")
 
 
+def test_output_clash_of_three_tasks_names_the_one_the_epoch_line_shows() -> None:
+    # The epoch line shows the last task's value: the warning at the second task said
+    # the second's.
+    text = "job: j\nmax_epochs: 3\nepoch:\n" + "".join(
+        f"  - task: {t}\n    do: [{{const: {{out: acc, value: 1}}}}]\n    outputs: [acc]\n" for t in "abc")
+    said = [d.message for d in analyze(compile_text(text, "p.yaml")) if d.code == "output-clash"]
+    assert [m.split(":")[0] for m in said] == [
+        "output 'acc' of task 'b' is also an output of task 'a' (line 4)",
+        "output 'acc' of task 'c' is also an output of task 'a' (line 4)"]
+    assert all(m.endswith("the epoch line shows the value of task 'c'") for m in said), said
+
+
 # -- unused --------------------------------------------------------------------------------
 
 

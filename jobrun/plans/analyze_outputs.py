@@ -47,20 +47,23 @@ def _clashes(plan: ir.Plan) -> Iterator[Problem]:
     for task in plan.epoch.tasks:
         for out in task.outputs:
             owners.setdefault(out.name, []).append(task)
-            if len(owners[out.name]) > 1:
-                yield ("warning", "output-clash", out.pos, _clash(plan, out.name, owners[out.name]),
+    for task in plan.epoch.tasks:
+        for out in task.outputs:
+            if owners[out.name][0] is not task:
+                yield ("warning", "output-clash", out.pos, _clash(plan, out.name, task, owners[out.name]),
                        "rename one of them if they are two values (metrics.jsonl keeps each under "
                        "its task's name)")
 
 
-def _clash(plan: ir.Plan, name: str, tasks: list[ir.Task]) -> str:
-    first, task = tasks[0], tasks[-1]
+def _clash(plan: ir.Plan, name: str, task: ir.Task, tasks: list[ir.Task]) -> str:
+    """The warning at `task`'s output `name`, which `tasks` (all of them) give."""
+    first, shown = tasks[0], tasks[-1]  # the epoch line shows the last task's (display.py)
     best = plan.checkpoint.best if plan.checkpoint is not None else None
     said = ["stop_when stops the job when any of them is truthy"] if name in {
         r.name for r in plan.stop_when} else []
     said += [f"{what} monitors the value of task {first.name!r} (the first)" for what, watch
              in (("early_stop", plan.early_stop), ("checkpoint.best", best))
              if watch is not None and watch.monitor.name.name == name]
-    said.append(f"the epoch line shows the value of task {task.name!r}")
+    said.append(f"the epoch line shows the value of task {shown.name!r}")
     return (f"output {name!r} of task {task.name!r} is also an output of task {first.name!r} "
             f"(line {first.pos.line}): " + ", ".join(said))
