@@ -68,13 +68,22 @@ def reader_order(n: int, pass_index: int, seed: int = 0, node: str = "local", re
     A count that is no whole number >= 0 (``epoch - 1`` of epoch 0, a float seed, which
     would silently give another order) is a ValueError.
     """
+    import operator
+
+    import torch
+
     from jobrun.ops.reader import pass_order, reader_seed
 
     counts = {"n": n, "pass_index": pass_index, "seed": seed, "reader": reader}
     for name, value in counts.items():
-        if isinstance(value, bool) or not hasattr(value, "__index__") or (name != "seed" and value < 0):
+        try:  # numpy's and torch's integers as Python's; not a float tensor, nor one of several values
+            whole = None if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool \
+                else operator.index(value)
+        except (TypeError, ValueError, RuntimeError):
+            whole = None
+        if whole is None or (name != "seed" and whole < 0):
             raise ValueError(f"reader_order: {name} is {value!r}; give {_ORDER_ARGS[name]}")
-        counts[name] = value.__index__()  # numpy's and torch's integers as Python's
+        counts[name] = whole
     if not isinstance(node, str):
         raise ValueError(f"reader_order: node is {node!r}; give the node's name as a string ('local' by default)")
     return pass_order(reader_seed(counts["seed"], node, counts["reader"]), counts["pass_index"], counts["n"])

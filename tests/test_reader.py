@@ -316,6 +316,9 @@ def test_reader_order_gives_a_hand_loop_the_shuffled_readers_batches():
     ((10.0, 0), "n is 10.0"),
     ((10, 0, 0.0), "seed is 0.0"),  # str(0.0) would mix another seed than the plan's 0
     ((10, 0, True), "seed is True"),
+    ((10, torch.tensor(1.5)), r"pass_index is tensor\(1.5000\)"),  # torch's own TypeError
+    ((torch.tensor([10, 3]), 0), r"n is tensor\(\[10,  3\]\)"),  # torch's own RuntimeError
+    ((10, torch.tensor(True)), r"pass_index is tensor\(True\)"),  # taken for 1
 ])
 def test_reader_order_refuses_what_is_no_whole_number_instead_of_giving_another_order(args, named):
     import jobrun
