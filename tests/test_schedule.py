@@ -179,3 +179,14 @@ def test_optimizer_lr_of_what_has_no_such_rate_is_one_message(tmp_path, call, me
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
     assert r.code != 0 and message in r.err and hint in r.err and "plan.yaml:16:" in r.err, r.text
     assert "Traceback" not in r.text
+
+
+def test_optimizer_lr_of_a_schedule_by_step_points_at_its_optimizer(tmp_path):
+    # jobrun's own schedule (no `target`) has no step(): the hint said to create an optimizer.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(LR_PLAN.format(lr="in: sched, out: lr").replace(
+        "target: torch.optim.lr_scheduler.ReduceLROnPlateau, patience: 0", "warmup: 2, steps: 6").replace(
+        "      - scheduler.step: {in: [sched, 1.0]}\n", ""))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code != 0 and "optimizer.rate expects an optimizer, got a StepSchedule" in r.err, r.text
+    assert "the scheduler's `in`" in r.err and "Traceback" not in r.text

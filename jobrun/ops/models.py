@@ -207,7 +207,8 @@ def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:
 def optimizer_rate(ctx: OpContext, opt: Any, *, group: int = 0) -> float:
     """`optimizer.rate`: opt -> lr, the learning rate of parameter group `group` as it is now
     (Lightning's LearningRateMonitor): what a scheduler set last, as a float."""
-    if not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "step"):  # a scheduler
+    made_on = getattr(opt, "optimizer", None) or getattr(opt, "opt", None)  # torch's schedulers, jobrun's
+    if not isinstance(opt, torch.optim.Optimizer) and (hasattr(opt, "step") or made_on is not None):
         raise RunError(f"optimizer.rate expects an optimizer, got a {type(opt).__name__}",
                        hint="give the optimizer the scheduler was made on (the scheduler's `in`)")
     require_optimizer("optimizer.rate", opt)
