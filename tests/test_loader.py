@@ -480,3 +480,27 @@ def test_a_jobs_persistent_workers_stop_when_it_ends(flaky):
     r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run", "max_epochs=2")
     assert r.code == 0, r.text
     assert set(multiprocessing.active_children()) - before == set()
+
+
+def test_a_workers_broken_fd_handshake_prints_no_traceback(capsys):
+    """A worker's fd-sharing thread (multiprocessing's resource_sharer) prints a handshake
+    that broke when the job stopped taking batches: the job reports why it stopped."""
+    import functools
+    import sys
+
+    from jobrun.ops.loader import _sharing_broke
+
+    def raised(filename: str, error: str):
+        try:
+            exec(compile(f"raise {error}", filename, "exec"))
+        except BaseException:
+            return sys.exc_info()
+
+    hook = functools.partial(_sharing_broke, sys.__excepthook__)
+    hook(*raised("/usr/lib/python3.11/multiprocessing/resource_sharer.py", "ConnectionResetError(104, 'reset')"))
+    hook(*raised("/usr/lib/python3.11/multiprocessing/resource_sharer.py", "EOFError()"))
+    assert capsys.readouterr().err == ""
+    hook(*raised("/usr/lib/python3.11/multiprocessing/resource_sharer.py", "ValueError('other')"))
+    hook(*raised("/data/my_dataset.py", "ConnectionResetError(104, 'reset')"))
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 2 and "ValueError: other" in err and "my_dataset.py" in err

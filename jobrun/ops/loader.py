@@ -42,6 +42,7 @@ import functools
 import random
 import re
 import signal
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -218,6 +219,20 @@ def _worker_init(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, end_quietly)
+    sys.excepthook = functools.partial(_sharing_broke, sys.excepthook)
+
+
+def _sharing_broke(previous: Callable[..., None], kind: type, value: BaseException, tb: Any) -> None:
+    """A worker's excepthook. multiprocessing's thread that hands the main process the
+    file descriptors of batches prints a connection broken mid-handshake through
+    sys.excepthook: the main process stopped taking batches (another worker died, the job
+    stops), which the job reports itself; a traceback of it on the job's stderr only
+    misled (seen as 'Traceback ... resource_sharer.py, in _serve')."""
+    import traceback
+
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    if not (issubclass(kind, OSError | EOFError) and any(f.filename.endswith("resource_sharer.py") for f in frames)):
+        previous(kind, value, tb)
 
 
 # ---------------------------------------------------------------------------- map-style
