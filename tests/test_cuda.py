@@ -94,3 +94,22 @@ def test_train_on_the_gpu_from_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "finished" and "cuda" in json.dumps(info)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_bound_step_takes_its_plain_lines_on_the_gpu(device, monkeypatch):
+    """`device: cuda` in one process is the current GPU: the bound step (jobrun/ops/bound.py)
+    must not hand every step to train_step because `cuda` != `cuda:0`."""
+    from jobrun.ops import bound
+
+    def general(*args, **kwargs):
+        raise AssertionError("the bound step fell back to train_step")
+
+    monkeypatch.setattr(train, "train_step", general)
+    step = bound.bind_step(OpContext(device=device))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    loss = step(model, opt, x[:16].cuda(), y[:16].cuda())
+    assert loss.is_cuda and loss.dtype == torch.float32

@@ -40,7 +40,7 @@ def bind_step(ctx: OpContext, loss: str = "cross_entropy", clip_grad_norm: float
         return None
     loss_fn, general, last = LOSSES[loss], train.train_step, train._last_loss
     cross_entropy = loss == "cross_entropy"  # its common case here, not through its wrapper
-    on_cpu, device = ctx.device == "cpu", torch.device(ctx.device)
+    on_cpu, device = ctx.device == "cpu", _indexed(torch.device(ctx.device))
 
     def step(model: Any, opt: Any, x: Any, y: Any = train._ONE_BATCH) -> Any:
         if (x.__class__ is _Tensor and y.__class__ is _Tensor and isinstance(opt, _Optimizer)
@@ -59,6 +59,14 @@ def bind_step(ctx: OpContext, loss: str = "cross_entropy", clip_grad_norm: float
         return general(ctx, model, opt, x, y, loss=loss)
 
     return step
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """The device a tensor on `device` reports: `cuda` in one process is torch's current
+    GPU (`cuda:0` unless set), `mps` is `mps:0`; a bare `cuda` never equals a tensor's."""
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device.type, 0) if device.index is None and device.type == "mps" else device
 
 
 def bind_read(ctx: OpContext, _out_names: tuple[str, ...] = ()) -> Any:
