@@ -147,6 +147,12 @@ def said(e: BaseException) -> str:
         return f"<{type(e).__name__}: its str() raised>"
 
 
+def a_type(value: object) -> str:
+    """`value`'s type as a message names it, with its article: 'an int', 'a Tensor'."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def cut(text: str) -> str:
     """``text`` cut to MAX_SAID characters, saying how many were left out."""
     return text if len(text) <= MAX_SAID else f"{text[:MAX_SAID]}... ({len(text) - MAX_SAID} more characters)"

@@ -604,3 +604,12 @@ def test_warmup_then_cosine_written_in_yaml_and_resumed(plan_file, tmp_path):
     again = jobrun("resume", "--run-dir", tmp_path / "run", "--epoch", "2")
     assert again.code == 0, again.text
     assert [row["lr"] for row in logged(tmp_path / "run")] == pytest.approx(lrs)
+
+
+def test_a_wrong_input_is_named_with_its_article():
+    """'got an int', not 'got a int' (a user's report)."""
+    ctx = OpContext()
+    with pytest.raises(RunError, match="optimizer.rate expects an optimizer, got an int"):
+        models.optimizer_rate(ctx, 3)
+    with pytest.raises(RunError, match="evaluate expects a reader, got a Linear"):
+        train.evaluate(ctx, nn.Linear(2, 2), nn.Linear(2, 2))

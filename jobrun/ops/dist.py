@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from jobrun import signals
-from jobrun.errors import RunError
+from jobrun.errors import RunError, a_type
 from jobrun.ops.context import OpContext
 
 
@@ -477,7 +477,7 @@ def model_gather(ctx: OpContext, model: Any) -> dict[str, torch.Tensor] | None:
     needed; with fsdp every rank sends its shards (all ranks must run the op).
     """
     if not isinstance(model, nn.Module):
-        raise RunError(f"model.gather expects an nn.Module, got a {type(model).__name__}")
+        raise RunError(f"model.gather expects an nn.Module, got {a_type(model)}")
     if ctx.parallel == "fsdp" and ctx.distributed:
         from jobrun.ops.fsdp import full_state
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from jobrun import safedel, safefs
-from jobrun.errors import RunError, did_you_mean
+from jobrun.errors import RunError, a_type, did_you_mean
 from jobrun.ops import nested, optim
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
@@ -197,7 +197,7 @@ def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:
     if not hasattr(sched, "step"):
         hint = ("a scheduler without a target steps with its optimizer: remove scheduler.step"
                 if type(sched).__name__ == "StepSchedule" else None)
-        raise RunError(f"scheduler.step expects a scheduler, got a {type(sched).__name__}", hint=hint)
+        raise RunError(f"scheduler.step expects a scheduler, got {a_type(sched)}", hint=hint)
     if metric is None:
         sched.step()
     else:
@@ -209,7 +209,7 @@ def optimizer_rate(ctx: OpContext, opt: Any, *, group: int = 0) -> float:
     (Lightning's LearningRateMonitor): what a scheduler set last, as a float."""
     made_on = getattr(opt, "optimizer", None) or getattr(opt, "opt", None)  # torch's schedulers, jobrun's
     if not isinstance(opt, torch.optim.Optimizer) and (hasattr(opt, "step") or made_on is not None):
-        raise RunError(f"optimizer.rate expects an optimizer, got a {type(opt).__name__}",
+        raise RunError(f"optimizer.rate expects an optimizer, got {a_type(opt)}",
                        hint="give the optimizer the scheduler was made on (the scheduler's `in`)")
     require_optimizer("optimizer.rate", opt)
     groups = opt.param_groups
@@ -222,7 +222,7 @@ def optimizer_rate(ctx: OpContext, opt: Any, *, group: int = 0) -> float:
 def require_optimizer(op: str, opt: Any) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise RunError(
-            f"{op} expects an optimizer, got a {type(opt).__name__}",
+            f"{op} expects an optimizer, got {a_type(opt)}",
             hint="create one with `optimizer: {in: model, out: opt, lr: 0.1}`",
         )
 
@@ -240,7 +240,7 @@ def export(
     Rank 0 writes; the others wait for it, so the file exists when every rank goes on.
     """
     if not isinstance(model, nn.Module):
-        raise RunError(f"export expects an nn.Module, got a {type(model).__name__}")
+        raise RunError(f"export expects an nn.Module, got {a_type(model)}")
     out = ctx.resolve_write(path)
     if ctx.rank == 0:
         program = _export_program(ctx, model, example_input, dynamic_batch)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobrun.errors import RunError, did_you_mean
+from jobrun.errors import RunError, a_type, did_you_mean
 
 # How a rule selects parameters; its other keys are the group's options (lr, weight_decay...).
 SELECTORS = ("ndim_below", "ndim_at_least", "names")
@@ -43,7 +43,7 @@ def optimizer_class(name: str | None, target: str | None) -> str:
 def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[str, Any]]:
     """The parameter groups `groups` describes, for an optimizer whose options are `options`."""
     if not isinstance(model, nn.Module):
-        raise RunError(f"optimizer: groups need a model (an nn.Module), got a {type(model).__name__}")
+        raise RunError(f"optimizer: groups need a model (an nn.Module), got {a_type(model)}")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise RunError("optimizer: `groups` is a list of rules",
                        hint="groups: [{ndim_below: 2, weight_decay: 0.0}]")

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from jobrun.errors import RunError
+from jobrun.errors import RunError, a_type
 from jobrun.ops.batches import counter, counts
 from jobrun.ops.context import OpContext
 from jobrun.ops.split import global_records, mark_records, rank_bounds
@@ -525,7 +525,7 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
     reader then never ends), and only after the last pass are the fields null."""
     if not isinstance(reader, Reader):
         raise RunError(
-            f"read expects a reader, got a {type(reader).__name__}",
+            f"read expects a reader, got {a_type(reader)}",
             hint="create one with `reader: {in: [x, y], out: r}`",
         )
     progress = ctx.progress if ctx is not None else None  # no context: a reader used on its own

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobrun.errors import RunError
+from jobrun.errors import RunError, a_type
 from jobrun.ops.batches import counter, records
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
@@ -423,7 +423,7 @@ def evaluate(
     global batch.
     """
     if not isinstance(reader, Reader):
-        raise RunError(f"evaluate expects a reader, got a {type(reader).__name__}")
+        raise RunError(f"evaluate expects a reader, got {a_type(reader)}")
     if reader.field_count == 1 and loss != MODEL:  # a Dataset reader learns its count late
         if getattr(reader, "keys", None):
             raise RunError("evaluate: a reader with keys gives dict batches, model(**batch), "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jobrun import safefs, store
-from jobrun.errors import CheckpointError, UsageError
+from jobrun.errors import CheckpointError, UsageError, a_type
 from jobrun.ops.core import SAVE_SUFFIXES
 from jobrun.plans import ir
 from jobrun.runner import rng
@@ -330,7 +330,7 @@ def _is_module_state(value: Any) -> bool:
 def _kind(value: Any) -> str:
     if isinstance(value, SavedState):
         return f"the state of a {value.type_name}"
-    return f"a {type(value).__name__}"
+    return a_type(value)
 
 
 def _holds_tensor(value: Any) -> bool:

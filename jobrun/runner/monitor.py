@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jobrun import store
-from jobrun.errors import RunError, UsageError
+from jobrun.errors import RunError, UsageError, a_type
 from jobrun.plans import ir
 
 EARLY_STOP_META = "early_stop"  # the state after the epoch
@@ -79,8 +79,8 @@ def _kind(value: Any) -> str:
         return "null"
     shape = getattr(value, "shape", None)
     if shape is not None:
-        return f"a {type(value).__name__} of shape {list(shape)}"
-    return f"a {type(value).__name__}"
+        return f"{a_type(value)} of shape {list(shape)}"
+    return a_type(value)
 
 
 def _show(value: float) -> str:
