@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobrun import store
-from jobrun.errors import CheckpointError, Interrupted
+from jobrun.errors import CheckpointError, Interrupted, UsageError
 from jobrun.plans import ir
 from jobrun.runner import fingerprint, restore, rng
 from jobrun.runner.display import human_size
@@ -264,21 +264,14 @@ class Checkpoints:
         assert self.ckpt_dir is not None
         nodes = list(self.nodes)
         done = sorted({*store.complete_epochs(self.ckpt_dir, nodes), *complete})
-        if which == "best":
-            from jobrun.runner.monitor import ranked_epochs
+        if which == "best":  # the rule of `--epoch best`
+            from jobrun.runner.monitor import best_epoch
 
-            best = self.plan.checkpoint.best if self.plan.checkpoint is not None else None
-            if best is None:
-                raise CheckpointError("checkpoint.load: epoch: best, but the plan has no `checkpoint.best`",
-                                      hint="add checkpoint: {best: {monitor: val_loss, mode: min}}, or give "
-                                           "`epoch: last` or an epoch's number")
-            ranked = ranked_epochs(store.list_checkpoints(self.ckpt_dir), nodes, best.monitor, complete)
-            if not ranked:
-                raise CheckpointError(
-                    f"checkpoint.load: no complete checkpoint of this run recorded a value of "
-                    f"{best.monitor.name.name!r} (null or not finite in every saved epoch)",
-                    hint="give `epoch: last` or an epoch's number (`jobrun ckpt list` shows them)")
-            return ranked[0][0]
+            try:
+                return best_epoch(store.list_checkpoints(self.ckpt_dir), nodes, self.plan, "this run", complete,
+                                  instead="give `epoch: last` or an epoch's number (`jobrun ckpt list` shows them)")
+            except UsageError as e:
+                raise CheckpointError(f"checkpoint.load: {e.message}", hint=e.hint) from None
         if which == "last" and done:
             return done[-1]
         if which == "last" or which not in done:

@@ -246,20 +246,22 @@ def epoch_value(meta: dict[str, Any], monitor: ir.Monitor) -> float | None:
 
 
 def best_epoch(infos: list[Any], nodes: list[str], plan: ir.Plan, where: str,
-               complete: Collection[int] = ()) -> int:
-    """The best epoch of a run (`--epoch best`), or a UsageError saying why there is none
-    (``complete``: as for ranked_epochs)."""
+               complete: Collection[int] = (), instead: str = "give --epoch E (see `jobrun ckpt list`)") -> int:
+    """The best epoch of a run (`--epoch best`, `checkpoint.load`'s `epoch: best`), or a
+    UsageError saying why there is none and, ``instead``, what else to give (``complete``:
+    as for ranked_epochs)."""
     best = plan.checkpoint.best if plan.checkpoint is not None else None
     if best is None:
         raise UsageError(
             f"the plan of {where} has no `checkpoint.best`, so no epoch is the best one",
-            hint="give --epoch E (see `jobrun ckpt list`), or add checkpoint: {best: {monitor: val_loss, "
-                 "mode: min}} to the plan for the next run",
+            hint=f"{instead}, or add checkpoint: {{best: {{monitor: val_loss, mode: min}}}} to the plan "
+                 "for the next run",
         )
     ranked = ranked_epochs(infos, nodes, best.monitor, complete)
     if not ranked:
         raise UsageError(
-            f"no complete checkpoint of {where} recorded a value of {best.monitor.name.name!r}",
-            hint="give --epoch E (see `jobrun ckpt list`)",
+            f"no complete checkpoint of {where} recorded a value of {best.monitor.name.name!r} "
+            "(null or not finite in every saved epoch)",
+            hint=instead,
         )
     return ranked[0][0]
