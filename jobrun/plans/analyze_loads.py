@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import ir
 from jobrun.plans.analyze_bodies import Problem
-from jobrun.plans.visit import task_calls
+from jobrun.plans.visit import task_calls, written
 
 OP = "checkpoint.load"
 _CODE = "checkpoint-load"
@@ -56,8 +56,7 @@ def problems(plan: ir.Plan, ops: Mapping[str, OpSpec]) -> Iterator[Problem]:
                     from jobrun.plans.state import checkpointed
 
                     held = checkpointed(plan, ops)
-                made = {o.name for g in plan.groups for t in g.tasks if t.node == task.node
-                        for c in task_calls(t) for o in c.outs}
+                made = set().union(*(written(t) for g in plan.groups for t in g.tasks if t.node == task.node))
                 yield from _inputs(call, held.get(task.node, ()), ckpt, made)
 
 
