@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from jobrun.errors import Pos
@@ -71,13 +72,18 @@ def stops(steps: tuple[ir.Step, ...]) -> bool:
 _STEPPING = frozenset({"train.step", "call"})
 
 
-def _may_step(steps: tuple[ir.Step, ...]) -> bool:
-    """Whether an optimizer step can happen in `steps` (a report's body is not counted:
-    it runs beside the loop, not in its iterations)."""
+@functools.cache
+def _jobruns_ops() -> frozenset[str]:
     from jobrun.ops.registry import CORE_SPECS
     from jobrun.ops.train_specs import TRAIN_SPECS
 
-    core = {spec.name for spec in (*CORE_SPECS, *TRAIN_SPECS)}
+    return frozenset(spec.name for spec in (*CORE_SPECS, *TRAIN_SPECS))
+
+
+def _may_step(steps: tuple[ir.Step, ...]) -> bool:
+    """Whether an optimizer step can happen in `steps` (a report's body is not counted:
+    it runs beside the loop, not in its iterations)."""
+    core = _jobruns_ops()
     for step in steps:
         if isinstance(step, ir.OpCall) and (step.op in _STEPPING or step.op not in core):
             return True

@@ -215,8 +215,8 @@ def first_batch_stop(loop: ir.Loop, node: str, readers: set[tuple[str, str]]) ->
     at a pass's first batch, and a pass always has one (jobrun/ops/reader.py refuses a
     reader whose pass has none), so the first `done` comes after a batch."""
     tops = [i for i, step in enumerate(loop.body) if isinstance(step, ir.StopIf)]
-    if loop.count is not None or len(tops) != 1 or not tops[0] or any(
-        isinstance(step, ir.If | ir.Parallel) and any(stops(b) for b in children(step)) for step in loop.body
+    if loop.count is not None or len(tops) != 1 or not tops[0] or stops(
+        tuple(step for step in loop.body if not isinstance(step, ir.StopIf))  # one in an if or a branch
     ):
         return None  # a count, or another stop_if, can end the loop before a pass's end
     read, stop = loop.body[tops[0] - 1], loop.body[tops[0]]
