@@ -105,15 +105,21 @@ def test_each_jobrun_epoch_is_compared_with_the_hand_epochs_around_it():
     assert neighbour_ratios([2.0], [1.0]) == [0.5]  # one pair: the epoch after
 
 
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """A tool of benchmarks/ run as its docstring says: a script, with nothing but jobrun
+    installed on the path; it succeeded."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
 @pytest.mark.slow
 def test_epoch_split_times_every_piece_of_the_job() -> None:
     # The tool wraps jobrun's own functions (the ops the code generator takes, the metrics
     # line, samples/s, the mean loss): one renamed would leave its piece at 0 or fail.
-    # As its docstring says to run it: a script, with nothing but jobrun installed on the path.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "epoch_split.py"), "--tiny", "--reps", "1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = _script("epoch_split.py", "--tiny", "--reps", "1")
     rows = {m[1]: m[2].split() for m in re.finditer(r"^ *([a-z/ ]+?) +([-+0-9. ]+)$", p.stdout, re.M)}
     for piece in ("loop", "mean loss", "evaluate", "after", "log", "metrics line", "tensorboard",
                   "plain values", "samples/s"):
@@ -128,10 +134,7 @@ def test_bytecode_counts_name_jobruns_own_work_per_step() -> None:
     # The counts are deterministic: the three loops run the same model on the same data,
     # so torch's own Python (the optimizer, the modules) is the same in each, and what
     # jobrun runs beyond the hand loop is its ops' and the generated loop's bytecodes.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "instructions.py"), "--bytecodes", "--top", "40"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = _script("instructions.py", "--bytecodes", "--top", "40")
     per_step = {m[1]: float(m[2]) for m in re.finditer(r"^  (jobrun|ops|hand) +[\d,]+ +([\d.]+) a step$", p.stdout, re.M)}
     assert set(per_step) == {"jobrun", "ops", "hand"}, p.stdout
     assert per_step["hand"] < per_step["ops"] < per_step["jobrun"], p.stdout
