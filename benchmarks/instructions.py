@@ -1,7 +1,9 @@
 """The runner row's epoch counted, not timed: jobrun, the loop of jobrun's ops and the hand
-loop, one epoch each, in Python bytecodes or in machine instructions. The same figures in
-every run on every machine, so a change to the executor or an op can be weighed without
-the noise of a shared machine (the row's times move by about 1% from run to run).
+loop, one epoch each, in Python bytecodes or in machine instructions, so a change to the
+executor or an op can be weighed without the noise of a shared machine (the row's times
+move by about 1% from run to run). The bytecodes are the same in every run; the machine
+instructions move by up to 2% between runs (memory layout), less between the three loops
+of one run.
 
     python benchmarks/instructions.py --bytecodes [--tiny]   # seconds; by function
     python benchmarks/instructions.py [--tiny]      # needs valgrind and a C compiler
@@ -46,10 +48,10 @@ void cg_stop(const char *name) { CALLGRIND_DUMP_STATS_AT(name); CALLGRIND_STOP_I
 EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
-def child(helper: str, sizes: list[int], batch: int) -> None:
-    """Inside valgrind: the job, its loops, and the client requests around epoch 3."""
-    import ctypes
-
+def count_epoch(sizes: list[int], batch: int, around: Any) -> None:
+    """Run bench_runner's plan (3 epochs) and, after each jobrun epoch, one epoch of the
+    hand loop and of the ops loop; epoch 3 of each runs as ``around(name, run)`` (jobrun's:
+    its epoch group, as EpochResult.seconds)."""
     import torch
 
     import jobrun.runner.job as job
@@ -57,50 +59,54 @@ def child(helper: str, sizes: list[int], batch: int) -> None:
     from benchmarks.inproc import run_plan, write_plan
 
     torch.set_num_threads(1)
-    cg = ctypes.CDLL(helper)
     counted = 3
-    tmp = Path(tempfile.mkdtemp(prefix="jobrun-bench-instr-"))
+    tmp = Path(tempfile.mkdtemp(prefix="jobrun-bench-counted-"))
     loops = {"hand": HandLoop(sizes, batch, tmp / "hand.jsonl"),
              "ops": HandLoop(sizes, batch, tmp / "ops.jsonl", ops=True)}
     run_group = job.JobRunner._run_group
 
-    def counted_group(self, name):  # jobrun's epoch: the epoch group, as EpochResult.seconds
+    def counted_group(self: Any, name: str) -> Any:
         if name != "epoch" or self.epoch != counted:
             return run_group(self, name)
-        cg.cg_start()
-        try:
-            return run_group(self, name)
-        finally:
-            cg.cg_stop(b"jobrun")
+        return around("jobrun", lambda: run_group(self, name))
 
     def between(epoch: int) -> None:
         for name, loop in loops.items():
-            if epoch == counted:
-                cg.cg_start()
-                loop.run_epoch()
-                cg.cg_stop(name.encode())
-            else:
-                loop.run_epoch()
+            around(name, loop.run_epoch) if epoch == counted else loop.run_epoch()
 
-    job.JobRunner._run_group = counted_group
-    run_plan(write_plan(plan_for(sizes, batch, counted), tmp), run_dir=tmp / "run", between=between)
-    shutil.rmtree(tmp, ignore_errors=True)
+    job.JobRunner._run_group = counted_group  # type: ignore[method-assign]
+    try:
+        run_plan(write_plan(plan_for(sizes, batch, counted), tmp), run_dir=tmp / "run", between=between)
+    finally:
+        job.JobRunner._run_group = run_group  # type: ignore[method-assign]
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def child(helper: str, sizes: list[int], batch: int) -> None:
+    """Inside valgrind: callgrind's client requests around epoch 3 of each."""
+    import ctypes
+
+    cg = ctypes.CDLL(helper)
+
+    def instrumented(name: str, run: Any) -> Any:
+        cg.cg_start()
+        try:
+            return run()
+        finally:
+            cg.cg_stop(name.encode())
+
+    count_epoch(sizes, batch, instrumented)
 
 
 def bytecodes(sizes: list[int], batch: int, top: int) -> None:
     """Bytecodes of epoch 3 of each (sys.settrace with opcode events), by function."""
     import collections
 
-    import torch
+    from benchmarks.bench_runner import _steps_per_epoch
 
-    import jobrun.runner.job as job
-    from benchmarks.bench_runner import HandLoop, plan_for
-    from benchmarks.inproc import run_plan, write_plan
+    counts: dict[str, collections.Counter] = {}
 
-    torch.set_num_threads(1)
-    counted, counts = 3, {}
-
-    def traced(fn: Any, name: str) -> Any:
+    def traced(name: str, run: Any) -> Any:
         seen: collections.Counter = collections.Counter()
 
         def local(frame: Any, event: str, arg: Any) -> Any:
@@ -114,29 +120,13 @@ def bytecodes(sizes: list[int], batch: int, top: int) -> None:
 
         sys.settrace(call)
         try:
-            return fn()
+            return run()
         finally:
             sys.settrace(None)
             counts[name] = seen
 
-    tmp = Path(tempfile.mkdtemp(prefix="jobrun-bench-bytecodes-"))
-    loops = {"hand": HandLoop(sizes, batch, tmp / "hand.jsonl"),
-             "ops": HandLoop(sizes, batch, tmp / "ops.jsonl", ops=True)}
-    run_group = job.JobRunner._run_group
-
-    def counted_group(self: Any, name: str) -> Any:
-        if name != "epoch" or self.epoch != counted:
-            return run_group(self, name)
-        return traced(lambda: run_group(self, name), "jobrun")
-
-    def between(epoch: int) -> None:
-        for name, loop in loops.items():
-            traced(loop.run_epoch, name) if epoch == counted else loop.run_epoch()
-
-    job.JobRunner._run_group = counted_group  # type: ignore[method-assign]
-    run_plan(write_plan(plan_for(sizes, batch, counted), tmp), run_dir=tmp / "run", between=between)
-    shutil.rmtree(tmp, ignore_errors=True)
-    steps = -(-2048 // batch)
+    count_epoch(sizes, batch, traced)
+    steps = _steps_per_epoch(batch)
     print(f"sizes {sizes}, batch {batch} ({steps} steps): Python bytecodes in one epoch")
     for name in ("jobrun", "ops", "hand"):
         total = sum(counts[name].values())
