@@ -161,7 +161,7 @@ class Checkpoints:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_save", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6), "bytes": result.bytes})
         self._last_saved = epoch
-        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        keep = self._keep
         if keep and self.cfg.world_size == 1:  # replicas prune together: _prune_together
             protect = self.watch.protected(self.ckpt_dir, list(self.nodes))
             store.prune(self.ckpt_dir, keep, list(self.nodes), protect=protect)
@@ -172,7 +172,7 @@ class Checkpoints:
         one process prunes right after its write instead, in the writer thread with async
         saves, where collectives cannot run). ``resumed``: the epoch a resume restored,
         which it and the epochs after it (trained again) keep."""
-        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        keep = self._keep
         if not keep or self.ckpt_dir is None or self.cfg.world_size == 1:
             return
         ckpt_dir, nodes = self.ckpt_dir, list(self.nodes)
@@ -185,7 +185,7 @@ class Checkpoints:
         """A stop between a save and its prune (a signal with replicas, a kill) leaves more
         than `keep` epochs, and a run resumed at its end saves none to prune after: the
         resume prunes, as a save would, keeping ``epoch`` and the epochs after it."""
-        keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+        keep = self._keep
         if not keep or self.ckpt_dir is None:
             return
         if self.cfg.world_size > 1:
@@ -206,6 +206,11 @@ class Checkpoints:
         if error is not None:
             self._failed_save, self._save_error = writer.epoch, error
             self._warn(f"checkpoint of epoch {writer.epoch} was NOT saved: {error}")
+
+    @property
+    def _keep(self) -> int | None:
+        """`checkpoint.keep` (None: every epoch is kept, or no checkpoints)."""
+        return self.plan.checkpoint.keep if self.plan.checkpoint else None
 
     def _restore(self, epoch: int) -> dict[str, Any]:
         if self.ckpt_dir is None:
@@ -253,7 +258,7 @@ class Checkpoints:
                                  world_size=self.cfg.world_size, saved_world=saved, hashes=True,
                                  check_init=lambda *_: None)
         restore.named(node, loaded[node.name][0], live, epoch)
-        best = self.plan.checkpoint.best if self.plan.checkpoint else None
+        best = self.watch.best
         why = f" (the best by {best.monitor.name.name})" if which == "best" and best is not None else ""
         on = f" on node {node.name!r}" if len(self.nodes) > 1 else ""
         self.display.line(f"loaded {', '.join(live)}{on} from checkpoint epoch {epoch}{why}")
@@ -275,7 +280,7 @@ class Checkpoints:
         if which == "last" and done:
             return done[-1]
         if which == "last" or which not in done:
-            keep = self.plan.checkpoint.keep if self.plan.checkpoint else None
+            keep = self._keep
             pruned = f"; `checkpoint.keep: {keep}` deletes the older ones" if keep else ""
             raise CheckpointError(
                 f"checkpoint.load: no complete checkpoint of epoch {which} in {self.ckpt_dir}",
