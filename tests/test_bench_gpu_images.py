@@ -12,7 +12,8 @@ from test_gpt import one_thread  # noqa: F401 - a fixture: one torch thread (a s
 from benchmarks import gpu_images
 from benchmarks.bench_gpu import _HostReads
 from benchmarks.common import Mode
-from jobrun.ops.reader import Reader, TensorReader
+from jobrun.ops.reader import Reader
+from jobrun.ops.tensor_reader import TensorReader
 
 
 @pytest.mark.usefixtures("one_thread")

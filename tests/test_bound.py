@@ -107,11 +107,16 @@ def test_a_bound_read_reads_and_counts_as_read_op() -> None:
 def test_a_read_without_done_or_of_another_reader_goes_through_read_op() -> None:
     ctx = _feed_ctx()
     x = torch.arange(6.0)
-    rolled = bound.bind_read(ctx, ("xb",))  # done left out: the next pass goes on
-    r = reader_op(ctx, x, batch_size=4, passes=0)
-    assert [rolled(r).tolist() for _ in range(3)] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0], [0.0, 1.0, 2.0, 3.0]]
+    assert bound.bind_read(ctx, ("xb",)) is None  # one output: the reader's one field
+    rolled = bound.bind_read(ctx, ("xb", "yb"))  # done left out: the next pass goes on
+    r = reader_op(ctx, x, -x, batch_size=4, passes=0)
+    assert [rolled(r)[1].tolist() for _ in range(3)] == [[-0.0, -1.0, -2.0, -3.0], [-4.0, -5.0], [-0.0, -1.0, -2.0, -3.0]]
     with pytest.raises(RunError, match="read expects a reader"):
         bound.bind_read(ctx, ("xb", "end"))("not a reader")
+    # The generated line does not count a bound read's values: the fallback does.
+    three = reader_op(ctx, x, x, x, batch_size=4, keys=["a", "b", "c"])  # one dict a batch
+    with pytest.raises(RunError, match=r"op returned 2 value\(s\) for 3 outputs"):
+        bound.bind_read(ctx, ("a", "b", "end"))(three)
     assert bound.bind_read(OpContext(device="cpu"), ("xb", "end")) is None  # no run: no feed to count in
 
 
@@ -136,3 +141,4 @@ def test_the_code_generator_calls_the_bound_ops(tmp_path) -> None:
     source = "".join(line for name, entry in linecache.cache.items() if "task 'train'" in str(name)
                      for line in entry[2])
     assert "_read(G['data'])" in source and "_train_step(G['model'], G['opt'], L['xb'], L['yb'])" in source, source
+    assert "results(r, 3)" not in source, source  # the bound read counts its values itself

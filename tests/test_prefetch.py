@@ -17,8 +17,9 @@ from torch.utils.data import TensorDataset
 
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
-from jobrun.ops.reader import Reader, TensorReader, read_op, reader_op
+from jobrun.ops.reader import Reader, read_op, reader_op
 from jobrun.ops.split import global_records
+from jobrun.ops.tensor_reader import TensorReader
 
 TOKENS = torch.arange(1000, dtype=torch.int64) * 7 % 65
 
@@ -30,9 +31,9 @@ def _tensor_reader(rank: int = 0, world: int = 1, plain: bool = True, **args) ->
     return r
 
 
-# Each kind of reader that looks ahead, at 13 records (windows: 13 in order) a pass.
+# Each kind of reader that looks ahead, at 13 records (windows: 13 in order) a pass. A
+# plain one (CPU tensors in one process) gathers each batch when `read` runs.
 MAKERS = {
-    "tensors plain": lambda **a: _tensor_reader(**a),
     "tensors general": lambda **a: _tensor_reader(plain=False, **a),
     "windows in order": lambda rank=0, world=1, **a: reader_op(
         OpContext(seed=7, rank=rank, world_size=world), TOKENS[:105], window=8, **a),
@@ -51,7 +52,7 @@ def _threaded(make):
     return made
 
 
-MAKERS.update({f"{k}, threaded": _threaded(v) for k, v in list(MAKERS.items()) if k != "tensors plain"})
+MAKERS.update({f"{k}, threaded": _threaded(v) for k, v in list(MAKERS.items())})
 
 
 def _ahead(reader: Reader):
@@ -98,6 +99,30 @@ def test_a_checkpoint_taken_while_a_batch_is_prepared_resumes_bit_for_bit(kind, 
     assert _run(fresh, 7) == expected
     r.load_state_dict(state)  # back to the checkpoint, with another batch prepared
     assert _run(r, 7) == expected
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("at", [0, 1, 3, 4, 6])
+def test_a_plain_reader_prepares_nothing_and_resumes_from_any_read_bit_for_bit(shuffle, at):
+    """A plain reader's batches come from a generator of its pass; the state is its
+    position, and loading one (into a fresh reader or the same one, mid-pass or at a
+    pass's end) drops the generator."""
+    args = dict(batch_size=4, shuffle=shuffle, passes=0)
+    r = _tensor_reader(**args)
+    assert r._plain
+    for _ in range(at):
+        r.read()
+        assert r._ahead is None
+    state = r.state_dict()
+    expected = _run(r, 7)
+    fresh = _tensor_reader(**args)
+    fresh.load_state_dict(state)
+    assert _run(fresh, 7) == expected
+    r.load_state_dict(state)
+    assert _run(r, 7) == expected
+    general = _tensor_reader(plain=False, **args)
+    general.load_state_dict(state)
+    assert _run(general, 7) == expected
 
 
 @pytest.mark.parametrize("kind", MAKERS)

@@ -8,7 +8,8 @@ import torch
 
 from jobrun.errors import RunError
 from jobrun.ops.context import OpContext
-from jobrun.ops.reader import Reader, TensorReader, read_op, reader_op
+from jobrun.ops.reader import Reader, read_op, reader_op
+from jobrun.ops.tensor_reader import TensorReader
 
 
 def _drain(ctx: OpContext, reader: Reader, reads: int) -> list:

@@ -73,14 +73,18 @@ def bind_read(ctx: OpContext, _out_names: tuple[str, ...] = ()) -> Any:
     """`read` of a reader of tensors (whose fields are known when it is made) into its
     fields and `done`: the batch as the reader gives it, its wait counted in the run's feed
     as read_op counts it. Any other reader (a Dataset's, whose fields a read tells), or a
-    read that leaves `done` out (it rolls over a pass's end), goes through read_op."""
-    from jobrun.ops.reader import TensorReader, read_op
+    read that leaves `done` out (it rolls over a pass's end), goes through read_op. Either
+    way it returns one value per output, so the generated line does not count them."""
+    from jobrun.ops.reader import read_op
+    from jobrun.ops.tensor_reader import TensorReader
+    from jobrun.runner.codegen_runtime import results
 
     progress = ctx.progress
     feed = progress.get("feed") if progress is not None else None
-    if feed is None:
+    outputs = len(_out_names)
+    if feed is None or outputs < 2:  # one output: a reader's one field, rolling over
         return None
-    fields = len(_out_names) - 1  # the reader's fields, then done
+    fields = outputs - 1  # the reader's fields, then done
     clock = time.perf_counter
 
     def read(reader: Any) -> Any:
@@ -92,6 +96,7 @@ def bind_read(ctx: OpContext, _out_names: tuple[str, ...] = ()) -> Any:
                 if reader.feed is not feed:
                     feed.watch(reader)
             return batch
-        return read_op(ctx, reader, _out_names)
+        return results(read_op(ctx, reader, _out_names), outputs)
 
+    read.counted = True  # type: ignore[attr-defined]
     return read

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from jobrun.errors import RunError
-from jobrun.ops.reader import Reader, TensorReader
+from jobrun.ops.reader import Reader
+from jobrun.ops.tensor_reader import TensorReader
 from jobrun.ops.windows import WindowReader
 
 

@@ -2,8 +2,8 @@
 
 :class:`Reader` is what every reader shares: a position (pass, records read in the pass),
 the shuffled order of a pass, the rank's part of a global batch, the `done` protocol and
-the checkpointed state. :class:`TensorReader` reads in-memory fields;
-:mod:`jobrun.ops.loader` reads torch Datasets through a DataLoader, by the same rules.
+the checkpointed state. :mod:`jobrun.ops.tensor_reader` reads in-memory fields,
+:mod:`jobrun.ops.loader` torch Datasets through a DataLoader, by the same rules.
 
 A reader walks its records in *global* batches of ``batch_size`` records. With ``world_size = R`` replicas, rank ``r`` returns its own
 contiguous slice of every global batch (split like ``torch.tensor_split``), so the ranks
@@ -19,9 +19,10 @@ Look-ahead. When `read` hands out a batch, the reader prepares the next one of t
 pass: gathers it on the host and starts its copy to the device
 (:meth:`jobrun.ops.transfer.ToDevice.send`: on CUDA from pinned memory on a side stream,
 so it travels while the step runs; elsewhere the copy is done at once). The next `read`
-hands that batch out. The prepared batch is not part of the state: the position still
-names the next batch to hand out, a checkpoint taken between reads is the one taken
-without look-ahead, and loading a state drops the prepared batch. The look-ahead stops at
+hands that batch out (a plain reader, CPU tensors in one process, gathers each batch
+when `read` runs: nothing travels). The prepared batch is not part of the state: the
+position names the next batch to hand out, a checkpoint taken between reads is the one
+taken without look-ahead, and loading a state drops the prepared batch. The look-ahead stops at
 the end of a pass (the `done` read and the first batch of the next pass are read when
 `read` runs) and wherever preparing a batch could draw from the job's random streams (a
 Dataset or stream read without workers, see :mod:`jobrun.ops.loader`). Random windows
@@ -34,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -44,7 +45,7 @@ import torch
 from jobrun.errors import RunError, a_type
 from jobrun.ops.batches import counter, counts
 from jobrun.ops.context import OpContext
-from jobrun.ops.split import global_records, mark_records, rank_bounds
+from jobrun.ops.split import global_records, rank_bounds
 from jobrun.ops.transfer import ToDevice
 
 _ORDINAL_KEY = "reader.ordinal"
@@ -66,23 +67,6 @@ def pass_order(reader_seed: int, pass_index: int, n: int) -> torch.Tensor:
     """A shuffled reader's order of the `n` records of pass `pass_index`: a function of
     (reader seed, pass) alone (jobrun.reader_order gives it to hand loops)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(_mix(reader_seed, pass_index)))
-
-
-def _field_length(index: int, field: Any) -> int:
-    if isinstance(field, torch.Tensor | np.ndarray):
-        if field.ndim == 0:
-            raise RunError(
-                f"reader input {index} is a scalar; a reader iterates the first dimension",
-                hint="pass a tensor, array or list with one entry per record",
-            )
-        return int(field.shape[0])
-    if isinstance(field, Sequence) and not isinstance(field, str | bytes):
-        return len(field)
-    raise RunError(
-        f"reader input {index} is a {type(field).__name__}; "
-        "expected a tensor, a numpy array or a list (a torch Dataset is a reader's only input)",
-        hint="load the data with data.load/data.synthetic, or read a Dataset alone: `in: dataset`",
-    )
 
 
 class Failed:
@@ -311,6 +295,7 @@ class Reader:
         self.position = values["position"]
         self.seed = values["seed"]
         self._order_pass = -1  # recompute the permutation lazily
+        self._batches = None  # a plain reader's batches from the position left
         self._prepared(-1)  # prepared for the position left: dropped (once its thread is done)
 
     def __repr__(self) -> str:
@@ -319,134 +304,6 @@ class Reader:
             f"shuffle={self.shuffle}, passes={self.passes}, pass={self.pass_index}, "
             f"position={self.position}, rank={self.rank}/{self.world_size})"
         )
-
-
-class TensorReader(Reader):
-    """A reader over in-memory fields: tensors, numpy arrays or lists of equal length.
-
-    Hot-path note: `read` does integer arithmetic and one slice (or, shuffled, one
-    `index_select`) per field; the shuffled order of a pass is computed once when the pass
-    starts.
-    """
-
-    def __init__(self, fields: Sequence[Any], **geometry: Any) -> None:
-        if not fields:
-            raise RunError("reader needs at least one input", hint="in: [x, y]")
-        lengths = [_field_length(i, f) for i, f in enumerate(fields)]
-        if len(set(lengths)) > 1:
-            raise RunError(
-                f"reader inputs have different lengths {lengths}",
-                hint="every input must have one entry per record (same first dimension)",
-            )
-        if not lengths[0]:  # it "trained" an epoch of no steps and finished, as a Dataset's does not
-            raise RunError("reader inputs have no records (their first dimension is 0)",
-                           hint="check the data the reader is given (an empty file, a filter that kept nothing?)")
-        super().__init__(lengths[0], **geometry)
-        self.fields = tuple(fields)
-        self.field_count = len(self.fields)
-        # Batches already on the target device skip the move (a dispatch per field per read).
-        self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
-        self._threaded = self._move and self._to_device.cuda
-        self._plain = self._plain_fields()
-
-    def _plain_fields(self) -> bool:
-        """True when batches can skip rank slices, moves and per-field type checks.
-
-        That is one process, batches (not single records) and only dense contiguous CPU
-        tensors read on the CPU: the training loop's common case, where `read` is a slice
-        of the pass order and one `index_select` per field (the values and layout of
-        `field[idx]`, whose advanced indexing costs about 0.5 us more per field).
-        """
-        return (
-            self.world_size == 1
-            and self.batch_size > 1
-            and self.device.type == "cpu"
-            and all(
-                type(f) is torch.Tensor
-                and f.layout == torch.strided
-                and f.is_cpu
-                and f.is_contiguous()
-                for f in self.fields
-            )
-        )
-
-    def read(self) -> tuple[Any, ...]:
-        """The next batch as (*fields, done); see the `read` op.
-
-        Every training step runs this: a shuffled plain reader (see `_plain_fields`) of
-        two fields calls no other Python function but `_handed`, which counts the batch
-        (`finished` and `_pass_order` inlined).
-        It hands out the batch the last read prepared and prepares the next one of the
-        pass (look-ahead, see the module docstring).
-        """
-        start, end = self.position, self._pass_end
-        if start >= end or (self.passes and self.pass_index >= self.passes):
-            return self._end_of_pass()
-        stop = start + self.batch_size
-        if stop > end:
-            stop = end
-        self.position = stop
-        if self._plain and self.shuffle:  # on the CPU: nothing to send, nothing can fail
-            order = self._order if self._order_pass == self.pass_index else self._pass_order()
-            fields = self.fields
-            batch = self._ahead
-            if batch is None or self._ahead_at != start:
-                idx = order[start:stop]  # type: ignore[index]
-                batch = (fields[0].index_select(0, idx), fields[1].index_select(0, idx), False) \
-                    if len(fields) == 2 else (*self._select(idx), False)
-            if stop < end:
-                idx = order[stop:stop + self.batch_size]  # type: ignore[index]
-                self._ahead = (fields[0].index_select(0, idx), fields[1].index_select(0, idx), False) \
-                    if len(fields) == 2 else (*self._select(idx), False)
-                self._ahead_at = stop
-            else:
-                self._ahead = None
-            self._handed(batch, stop - start, stop - start)
-            return batch
-        order = self._pass_order() if self.shuffle else None
-        ahead = self._prepared(start)
-        fields = self._land(self._take(start, stop, order) if ahead is None else ahead)
-        if stop < end:
-            self._prepare(stop, self._take, stop, min(stop + self.batch_size, end), order)
-        if self.world_size > 1 and self.batch_size > 1:
-            mark_records(fields, stop - start)
-        lo, hi = self.rank_part(start, stop)
-        self._handed(fields, hi - lo, stop - start)
-        return (*fields, False)
-
-    def full_pass(self) -> Iterator[tuple[Any, ...]]:
-        for start in range(0, self.pass_end, self.batch_size):
-            yield self._land(self._take(start, min(start + self.batch_size, self.pass_end), None))
-
-    def _take(self, start: int, stop: int, order: torch.Tensor | None) -> Any:
-        """The batch [start, stop) of a pass (this rank's part), sent to the device."""
-        if self._plain and order is None:  # `read` has its own path for shuffled ones
-            return tuple([f[start:stop] for f in self.fields])
-        if self.batch_size == 1:
-            # An unbatched record cannot be split: every rank reads the same one.
-            i = start if order is None else int(order[start])
-            fields = tuple(f[i] for f in self.fields)
-        else:
-            lo, hi = self.rank_part(start, stop)
-            if order is None:
-                fields = tuple(f[lo:hi] for f in self.fields)
-            else:
-                idx = order[lo:hi]
-                fields = tuple(self._gather(f, idx) for f in self.fields)
-        # gathered where the fields are, then moved as one batch (see jobrun.ops.transfer)
-        return self._to_device.send(fields) if self._move else fields
-
-    def _select(self, idx: torch.Tensor) -> tuple[Any, ...]:
-        """The records `idx` of every field (plain readers only: CPU tensors)."""
-        return tuple([f.index_select(0, idx) for f in self.fields])
-
-    def _gather(self, field: Any, idx: torch.Tensor) -> Any:
-        if isinstance(field, torch.Tensor):
-            # on the host: gathered where the copy to the device starts (pinned on CUDA)
-            return self._to_device.gather(field, idx) if field.is_cpu else field[idx.to(field.device)]
-        if isinstance(field, np.ndarray):
-            return field[idx.numpy()]
-        return [field[i] for i in idx.tolist()]
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
@@ -516,6 +373,8 @@ def reader_op(
             hint="wrap them in a Dataset to read them with workers, e.g. "
             "`build: {in: [x, y], out: ds, target: torch.utils.data.TensorDataset}`",
         )
+    from jobrun.ops.tensor_reader import TensorReader
+
     return TensorReader(fields, **geometry)
 
 

@@ -252,7 +252,7 @@ class Generator(Visitor):
             with self._timed(s.pos, s.op):
                 code.line(f"r = {call}" if outs else call)
             if outs:
-                self._outputs(outs)
+                self._outputs(outs, counted=getattr(bound, "counted", False))
                 for extra in also_written(s):  # train.step's <loss>_last
                     self._store(extra.name, "r")
                 if s.op == "train.step" and self.means and outs[0] in self.means:
@@ -286,14 +286,16 @@ class Generator(Visitor):
                                                     f"{pos.file.rsplit('/', 1)[-1]}:{pos.line}", what))
         code.line(f"{slot}[0] += 1; {slot}[1] += clock() - {t}")
 
-    def _outputs(self, outs: list[str]) -> None:
+    def _outputs(self, outs: list[str], counted: bool = False) -> None:
+        """Store an op's results; `counted`: the op returns one value per output."""
         code = self.code
         if len(outs) == 1:
             self._store(outs[0], "r")
             return
         n = len(outs)
-        with code.block(f"if type(r) is not tuple or len(r) != {n}:"):
-            code.line(f"r = results(r, {n})")
+        if not counted:
+            with code.block(f"if type(r) is not tuple or len(r) != {n}:"):
+                code.line(f"r = results(r, {n})")
         targets = ", ".join(f"L[{name!r}]" for name in outs)
         if not self.private and not self.instance:
             code.line(f"{targets} = r")
