@@ -473,3 +473,32 @@ def test_a_loop_of_train_steps_leaves_the_mean_of_their_losses(block, monkeypatc
     expected = (sums[0] if len(sums) == 1 else torch.stack(sums).sum()) / 7
     assert torch.equal(loss, expected)  # bit for bit
     assert float(loss) == pytest.approx(sum(float(v) for v in each) / 7, rel=1e-6)
+
+
+@pytest.mark.parametrize(("value", "truth"), [
+    ("true", True), ("false", False), ("null", False), ("0", False), ("1", True), ("0.0", False),
+    ("2.5", True), ("''", False), ("'x'", True)])
+def test_if_and_stop_if_test_a_blob_as_its_truth(value, truth):
+    """The generated test of a condition: a bool without a call, null false, any other
+    value by its truth (a one-element tensor by its value: test_core_ops)."""
+    g, out = run(f"""
+job: t
+init:
+  - task: setup
+    do:
+      - const: {{out: c, value: {value}}}
+      - const: {{out: n, value: 0}}
+epoch:
+  - task: t
+    do:
+      - if: c
+        then: [{{const: {{out: branch, value: then}}}}]
+        else: [{{const: {{out: branch, value: else}}}}]
+      - loop: 3
+        do:
+          - add: {{in: [n, 1], out: n}}
+          - stop_if: c
+    outputs: [branch]
+""")
+    assert out["t"] == {"branch": "then" if truth else "else"}
+    assert g["n"] == (1 if truth else 3)

@@ -405,8 +405,8 @@ class Generator(Visitor):
 
     # -- conditions -----------------------------------------------------------------------
     def _test(self, ref: ir.BlobRef) -> str:
-        """Python's test of blob `ref`'s truth (a bool is tested without a call)."""
-        return f"(v := {self._read(ref.name)}) is True or (v is not False and v is not None and truthy(v))"
+        """Python's test of blob `ref`'s truth: a bool without a call, False first."""
+        return f"(v := {self._read(ref.name)}) is not False and (v is True or (v is not None and truthy(v)))"
 
     def _read_failure(self, ref: ir.BlobRef, what: str) -> Handler:
         """The handler of a line that reads blob `ref` (for `what`) and tests its truth."""
