@@ -122,6 +122,20 @@ def test_analyze_refuses_a_schedule_the_op_would_refuse_before_train_makes_a_run
     assert "warmpu" in schedule or ok.code == 0, ok.text
 
 
+@pytest.mark.parametrize("given", ["warmup: 0", "warmup: 3"])
+def test_analyze_refuses_the_schedules_keys_beside_a_target_before_train_makes_a_run(tmp_path, given):
+    """`warmup: 0` beside a target passed the op unseen (it is the op's default), so a
+    scheduler class of one's own taking `warmup` silently got its own default instead."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.format(schedule=f"target: torch.optim.lr_scheduler.StepLR, step_size: 2, {given}",
+                                max_steps=3))
+    r = jobrun("analyze", plan)
+    assert r.code == 1 and "plan.yaml:10:" in r.out and "warmup belong(s) to the schedule without a target" in r.out
+    assert "warmup_steps" in r.out, r.text
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "jobrun does not pass them on" in r.err and not (tmp_path / "run").exists(), r.text
+
+
 def test_ops_lists_the_schedule_and_print_shows_it(tmp_path):
     out = jobrun("ops", "scheduler").out
     for word in ("warmup", "decay", "min_ratio", "global step"):

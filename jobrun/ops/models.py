@@ -184,11 +184,12 @@ def scheduler(ctx: OpContext, opt: Any, *, target: str | None = None, warmup: in
         from jobrun.ops.schedule import closed_form
 
         return closed_form(ctx, opt, schedule, kwargs)
+    from jobrun.ops.schedule import beside_target
+
     defaults = {"warmup": 0, "decay": "cosine", "steps": None, "min_lr": None, "min_ratio": 0.0}
-    given = sorted(k for k, v in schedule.items() if v != defaults[k])
-    if given:
-        raise RunError(f"scheduler: {', '.join(given)} belong(s) to the schedule without a target, "
-                       f"not to {target}", hint="remove `target` to schedule by the global step")
+    found = beside_target([k for k, v in schedule.items() if v != defaults[k]], target)
+    if found is not None:
+        raise RunError(found[1], hint=found[2])
     return _instantiate("scheduler", target, [], kwargs, leading=(opt,), optimizer=opt)
 
 

@@ -108,6 +108,22 @@ def problem(schedule: dict[str, Any], others: dict[str, Any]) -> tuple[str, str,
     return None
 
 
+def beside_target(given: list[str], target: str) -> tuple[str, str, str] | None:
+    """Why a scheduler with a `target` cannot take the schedule's own keys `given` (those
+    the plan gave), as (the first key, message, hint), else None: the op keeps them for
+    the schedule without a target and never passes them on, so a class of yours that takes
+    `warmup` would silently get its own default. `analyze` asks it with the keys the plan
+    gives, the op with those it got unlike their defaults."""
+    if not given:
+        return None
+    keys = sorted(given)
+    return keys[0], (
+        f"scheduler: {', '.join(keys)} belong(s) to the schedule without a target, not to "
+        f"{target}: jobrun does not pass them on"), (
+        "remove `target` to schedule by the global step, or give your scheduler's argument "
+        "another name (e.g. warmup_steps)")
+
+
 def closed_form(ctx: OpContext, opt: Any, schedule: dict[str, Any], others: dict[str, Any]) -> StepSchedule:
     """`scheduler` without a target: check the arguments, attach the schedule to `opt`;
     `others` are keys the plan gave beside the schedule's own (a torch scheduler's)."""

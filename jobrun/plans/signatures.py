@@ -57,7 +57,7 @@ class Signatures:
                 found.append(problem)
         if call.op == "train.step" and len(call.ins) == 3:
             found += _dict_batch_step(call)
-        if call.op == "scheduler" and dict(call.args).get("target") is None and not found:
+        if call.op == "scheduler" and not found:
             found += _schedule(call, spec)
         if info.required:
             given = {key for key, _ in call.args}
@@ -86,13 +86,17 @@ def _dict_batch_step(call: ir.OpCall) -> list[Problem]:
 
 
 def _schedule(call: ir.OpCall, spec: OpSpec) -> list[Problem]:
-    """A `scheduler` without a target, by the op's own rule (a misspelt `warmpu`, which
-    the op takes for a torch scheduler's key; steps not above warmup)."""
-    from jobrun.ops.schedule import SCHEDULE_ARGS, problem
+    """A `scheduler`, by the op's own rules: without a target, a misspelt `warmpu` (which
+    the op takes for a torch scheduler's key), steps not above warmup; with one, the
+    schedule's keys given to it (`warmup: 0` too, which the op cannot tell from none)."""
+    from jobrun.ops.schedule import SCHEDULE_ARGS, beside_target, problem
 
     given = dict(call.args)
-    schedule = {k: given.get(k, spec.arg(k).default) for k in SCHEDULE_ARGS}  # type: ignore[union-attr]
-    found = problem(schedule, {k: v for k, v in given.items() if spec.arg(k) is None})
+    if given.get("target") is not None:
+        found = beside_target([k for k in SCHEDULE_ARGS if k in given], str(given["target"]))
+    else:
+        schedule = {k: given.get(k, spec.arg(k).default) for k in SCHEDULE_ARGS}  # type: ignore[union-attr]
+        found = problem(schedule, {k: v for k, v in given.items() if spec.arg(k) is None})
     if found is None:
         return []
     key, message, hint = found
