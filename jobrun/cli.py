@@ -159,7 +159,7 @@ def print_cmd(plan: str, overrides: tuple[str, ...], factor_prefixes: bool, fmt:
     from jobrun.plans import printer
 
     fmt = "json" if as_json else fmt
-    p = _compile(plan, sets + _positional(overrides))
+    p = _compile(plan, _positional(sets, overrides))
     if fmt == "json":
         click.echo(json.dumps(printer.render_json(p), indent=2))
         return
@@ -187,7 +187,7 @@ def analyze(plan: str, overrides: tuple[str, ...], fmt: str, as_json: bool, sets
 
     fmt = "json" if as_json else fmt
     try:
-        p = _compile(plan, sets + _positional(overrides))
+        p = _compile(plan, _positional(sets, overrides))
     except JobrunError as e:
         if fmt == "json":
             click.echo(json.dumps({"diagnostics": [_error_json(e)], "errors": 1, "warnings": 0}, indent=2))
@@ -297,7 +297,7 @@ def train(plan: str, overrides: tuple[str, ...], run_dir: str | None, sets: tupl
 
     if device is not None and not DEVICE.match(device):
         raise _usage(f"bad --device {device!r}", "use auto, cpu, cuda or cuda:N")
-    sys.exit(run_train(plan, run_dir, sets + _positional(overrides), replicas, device, overwrite,
+    sys.exit(run_train(plan, run_dir, _positional(sets, overrides), replicas, device, overwrite,
                        max_restarts, profile=_profile_level(profile, profile_steps)))
 
 
@@ -326,6 +326,7 @@ def resume(args: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
     """
     from jobrun.runner.launch import resume as run_resume
 
+    _positional(sets, ())  # a --set without its KEY=VALUE
     dirs = [a for a in args if "=" not in a]
     if len(dirs) > 1 or (dirs and run_dir):
         raise _usage(f"give one run directory, not {' and '.join([*([run_dir] if run_dir else []), *dirs])}",
@@ -343,13 +344,18 @@ def _under_torchrun() -> bool:
     return under_torchrun()
 
 
-def _positional(overrides: tuple[str, ...]) -> tuple[str, ...]:
-    """KEY=VALUE arguments after the plan (Hydra's style); they mean what --set means."""
+def _positional(sets: tuple[str, ...], overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """The --set values, then the KEY=VALUE arguments after the plan (Hydra's style), which
+    mean what --set means. A --set given no value took the option after it as its value."""
+    for item in sets:
+        if item.startswith("--"):
+            raise _usage(f"--set has no KEY=VALUE (it took {item!r}, the option after it)",
+                         "write --set KEY=VALUE, e.g. --set max_epochs=3")
     for item in overrides:
         if "=" not in item:
             raise _usage(f"unexpected argument {item!r}",
                          "overrides are KEY=VALUE (e.g. max_epochs=3 vars.lr=0.05)")
-    return overrides
+    return sets + overrides
 
 
 def _usage(message: str, hint: str | None = None):

@@ -603,3 +603,13 @@ def test_a_bad_seconds_setting_in_the_environment_is_one_message_before_anything
         assert r.code == 2 and f"error: {name}={value!r}: a number of seconds > 0 expected" in r.err, r.text
         assert "Traceback" not in r.text
     assert not (here / "runs" / "env").exists()
+
+
+@pytest.mark.parametrize("command", [["train", "plan.yaml"], ["print", "plan.yaml"], ["analyze", "plan.yaml"],
+                                     ["resume"]])
+def test_a_set_without_its_value_names_the_option_it_took(here, command):
+    """`--set --run-dir runs/b` said "unexpected argument 'runs/b'": --set had taken the
+    option after it as its value."""
+    r = jobrun(*command, "--set", "--run-dir", "runs/b")
+    assert r.code == 2 and "--set has no KEY=VALUE (it took '--run-dir'" in r.err, r.err
+    assert "write --set KEY=VALUE" in r.err and not (here / "runs").exists()
