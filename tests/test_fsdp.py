@@ -414,6 +414,90 @@ def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
     assert one[2] < one[0]  # it trained
 
 
+_ACCUMULATE = """
+import json, sys, torch, torch.distributed as dist
+import torch.nn.functional as F
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+scatters = []
+for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # before jobrun takes one
+    if hasattr(dist, name):
+        def counted(*a, _real=getattr(dist, name), **k):
+            scatters.append(1)
+            return _real(*a, **k)
+        setattr(dist, name, counted)
+from jobrun.ops import fsdp
+from jobrun.ops.context import OpContext
+from jobrun.ops.split import mark_records
+from jobrun.ops.train import train_step
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+torch.manual_seed(0)
+K, n = 4, 13
+x, y = torch.randn(1, n, 6).repeat(3, 1, 1), torch.randint(0, 3, (1, n)).repeat(3, 1)  # one batch
+lo, size = (0, 10) if rank == 0 else (10, 3)  # rank 1: 3 records, an empty 4th micro-batch
+def sharded(amp):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
+    model = fsdp.shard(model, (), amp)  # two units (the Linears); the root holds none
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+out = {}
+for amp in (None, "bf16"):
+    model, opt = sharded(amp)
+    ctx = OpContext(rank=rank, world_size=world, parallel="fsdp")
+    jobrun = {"losses": [], "scatters": []}
+    for s in range(3):
+        xs, ys = mark_records((x[s, lo:lo + size], y[s, lo:lo + size]), n)
+        scatters.clear()
+        jobrun["losses"].append(train_step(ctx, model, opt, xs, ys, accumulate=K, amp=amp).item())
+        jobrun["scatters"].append(len(scatters))
+    jobrun["weights"] = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    # torch's FSDP2 accumulation loop as torchtitan writes it: every backward reduce-scatters
+    model, opt = sharded(amp)
+    hand = {"scatters": []}
+    for s in range(3):
+        scatters.clear()
+        opt.zero_grad(set_to_none=True)
+        for i, (xb, yb) in enumerate(zip(x[s, lo:lo + size].tensor_split(K), y[s, lo:lo + size].tensor_split(K))):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None):
+                loss = F.cross_entropy(model(xb), yb) * (len(yb) / n) if len(yb) else model(xb).sum() * 0.0
+            loss.backward()
+        opt.step()
+        hand["scatters"].append(len(scatters))
+    hand["weights"] = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    out[str(amp)] = {"jobrun": jobrun, "hand": hand}
+print(json.dumps(out))
+dist.destroy_process_group()
+""" + _EXIT
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory):
+    """`train.step` with accumulate 4 and a hand FSDP2 loop on 2 ranks, float32 and bf16:
+    what each rank printed."""
+    root = tmp_path_factory.mktemp("accumulate")
+    (root / "accumulate.py").write_text(_ACCUMULATE)
+    procs = [subprocess.Popen([sys.executable, str(root / "accumulate.py"), str(r), "2", str(root / "store")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    got = []
+    for p in procs:
+        out, err = p.communicate(timeout=HANG_S)
+        assert p.returncode == 0, err
+        got.append(json.loads(out.splitlines()[-1]))
+    return got
+
+
+@pytest.mark.slow
+def test_accumulate_trains_what_a_hand_written_fsdp2_loop_does(accumulated):
+    """FSDP2's default accumulation, as torchtitan's loop: every micro-batch's backward
+    reduce-scatters to the slices (one per unit: 4 micro-batches x 2 units), bit for bit
+    the hand loop's weights in float32 and bf16 (a rank's empty micro-batch included)."""
+    for got in accumulated:
+        for amp in ("None", "bf16"):
+            assert got[amp]["jobrun"]["scatters"] == got[amp]["hand"]["scatters"] == [8, 8, 8], amp
+            assert got[amp]["jobrun"]["weights"] == got[amp]["hand"]["weights"], amp
+            assert got[amp]["jobrun"]["losses"] == accumulated[0][amp]["jobrun"]["losses"]
+    assert accumulated[0]["None"]["jobrun"]["losses"][2] < accumulated[0]["None"]["jobrun"]["losses"][0]
+
+
 def test_a_misspelt_fsdp_layers_class_is_refused_at_its_line_before_the_run(tmp_path):
     """It passed analyze and the import check, made a run directory, started both ranks,
     and each said it at the `build` line, with a `jobrun resume` that could not help."""
