@@ -135,6 +135,47 @@ def test_console_log_has_what_resume_said_before_it_went_on(tmp_path):
     assert set(said) <= set(log[:resumed]), log
 
 
+@pytest.mark.slow
+def test_console_log_has_what_a_resume_under_torchrun_said_before_it_went_on(tmp_path):
+    # As the test above, the ranks started by torchrun: rank 0 printed the skipped epoch
+    # and the override, and console.log did not have them.
+    from runner_util import jobrun
+
+    plan, run = tmp_path / "plan.yaml", tmp_path / "run"
+    plan.write_text(COUNTER)
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    (run / "ckpt" / "local.3" / "rank-0" / "COMMIT").unlink()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                        "-m", "jobrun", "resume", str(run), "max_epochs=4"], capture_output=True, text=True,
+                       timeout=HANG_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    said = [line for line in p.stderr.splitlines() if line.startswith(("warning:", "resuming with"))]
+    assert len(said) == 2 and said[0].startswith("warning: skipping checkpoint epoch 3"), said
+    log = (run / "console.log").read_text().splitlines()
+    resumed = log.index("resumed from checkpoint epoch 2")
+    assert log[resumed - 2:resumed] == said, log
+
+
+def test_console_log_has_the_epochs_a_restarted_rank_skipped(tmp_path, capsys):
+    # A rank restarted by the elastic agent picks its epoch as resume does; the epochs it
+    # skipped were printed and not in console.log.
+    from runner_util import jobrun
+
+    from jobrun.runner.rundir import RunDir
+    from jobrun.runner.workers import Launch, _restarted
+
+    plan, run = tmp_path / "plan.yaml", tmp_path / "run"
+    plan.write_text(COUNTER)
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    (run / "ckpt" / "local.3" / "rank-0" / "COMMIT").unlink()
+    before = (run / "console.log").read_text().splitlines()
+    launch = _restarted(Launch(run, tmp_path, "cpu", None, 1), RunDir(run).plan(), 0, 1, 1)
+    assert launch.resume_epoch == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(said) == 1 and said[0].startswith("warning: skipping checkpoint epoch 3"), said
+    assert (run / "console.log").read_text().splitlines() == [*before, *said]
+
+
 def _start(d, key, i, n):
     """A loop at iteration i, as the executor writes it (the display's entry, and the
     epoch's loops by key)."""

@@ -47,6 +47,7 @@ from jobrun.runner.launch import (
     restarts_of,
     resume_plan,
     resuming,
+    to_console_log,
 )
 from jobrun.runner.pick import pick_epoch
 from jobrun.runner.planchanges import beyond_extending
@@ -108,6 +109,7 @@ class _Lead:
         self.run: RunDir | None = None
         self.plan: ir.Plan | None = None  # compiled from the user's file: messages point there
         self.after_pick: Any = None
+        self.said: list[str] = []  # what it printed before the run went on: console.log's too
 
     def publish(self, rdzv: Any, settle: Any) -> dict[str, Any]:
         """The settings ``settle`` makes, published for the other ranks; a refusal is
@@ -164,7 +166,7 @@ class _Lead:
         run = RunDir(Path(run_dir)) if run_dir else RunDir.latest()
         run.info()  # a directory that is not a run is refused before anything is written
         self.held.enter_context(run.lock())
-        plan, changes, stored = resume_plan(run, sets)
+        plan, changes, stored = resume_plan(run, sets, self.said)
         run.metrics_lines()  # a damaged line is refused before anything changes
         ckpt_dir = checkpoints_of(run, plan)
         self.held.enter_context(run.lock_checkpoints(ckpt_dir))
@@ -178,8 +180,8 @@ class _Lead:
         restarts = restarts_of(info, plan, max_restarts)
         text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()
         self.run, self.plan = run, plan
-        self.after_pick = lambda e, saved: resuming(e, sets, changes, stored, world, saved, restarts,
-                                                    newer_epochs(ckpt_dir, e, epoch))
+        self.after_pick = lambda e, saved: resuming(plan, e, sets, changes, stored, world, saved, restarts,
+                                                    newer_epochs(ckpt_dir, e, epoch), self.said)
         settings = _settings(run, plan, text, str(info.device or plan.device), world, restarts,
                              epoch=epoch, resume=True)
         settings["change_ok"] = replicas is not None
@@ -243,9 +245,11 @@ def _go(held: ExitStack, settings: dict[str, Any], lead: _Lead | None, run_dir: 
                 store.clean(checkpoints_of(run, plan))  # this host's own leftovers
             group.gather(None)  # nobody lists checkpoints while they are cleaned
             epoch, saved = pick_epoch(checkpoints_of(run, plan), plan, world, settings["epoch"],
-                                      change_ok=settings["change_ok"], rank=rank, gather=group.gather)
+                                      change_ok=settings["change_ok"], rank=rank, gather=group.gather,
+                                      said=lead.said if lead else None)
             if lead is not None:
                 record = lead.after_pick(epoch, saved)  # written by the job once it restored
+                to_console_log(lead.run, lead.said)
     except JobrunError as e:
         if lead is None:
             raise SystemExit(e.exit_code) from None  # every rank found it; rank 0 says it

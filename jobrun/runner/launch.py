@@ -135,9 +135,8 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
                                                 profile=profile), plan, said)
             e.hint = _train_again(run, info) or e.hint
             raise
-        record = resuming(epoch, sets, changes, stored, n, saved, restarts,
+        record = resuming(plan, epoch, sets, changes, stored, n, saved, restarts,
                           newer_epochs(ckpt_dir, epoch, asked), said)
-        _warn_restored(changes, stored, plan, epoch, said)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
                         force=force or beyond_extending(changes), profile=profile, resuming=record)
@@ -316,15 +315,16 @@ def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
     return plan.max_restarts if info.max_restarts is None else info.max_restarts
 
 
-def resuming(epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any, replicas: int,
-             saved: int, restarts: int, newer: list[int] = (),  # type: ignore[assignment]
+def resuming(plan: ir.Plan, epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
+             replicas: int, saved: int, restarts: int, newer: list[int] = (),  # type: ignore[assignment]
              said: list[str] | None = None) -> Resuming:
-    """What the resume will record once its checkpoint is restored (jobrun.runner.resuming);
-    what it changes is said now (and added to ``said``), and which later epochs it trains
-    again (``newer``)."""
+    """What the resume of ``plan`` will record once its checkpoint is restored
+    (jobrun.runner.resuming); what it changes is said now (and added to ``said``), and
+    which later epochs it trains again (``newer``)."""
     said = [] if said is None else said
     if changes:
         _warn_changes(changes, said)
+        _warn_restored(changes, stored, plan, epoch, said)
     if newer:
         what = f"epoch {newer[0]} is" if len(newer) == 1 else f"epochs {newer[0]}-{newer[-1]} are"
         _say(said, f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "

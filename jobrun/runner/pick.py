@@ -42,17 +42,19 @@ def pick_epoch(ckpt_dir: Path, plan: ir.Plan, replicas: int, epoch: int | None, 
                change_ok: bool = False, rank: int | None = None,
                gather: Gather | None = None, said: list[str] | None = None) -> tuple[int, int]:
     """(epoch, the number of ranks that wrote it): ``epoch``, or else the newest usable
-    one (each newer one skipped with a warning, also added to ``said``).
+    one (each newer one skipped with a warning, also added to ``said``; with ``rank``,
+    rank 0 says them).
 
     ``replicas``: the ranks of the run that resumes; a checkpoint written by another
     number is refused unless ``change_ok``. ``rank`` None: this process checks every
     rank. Otherwise it checks the files ``rank`` restores and ``gather`` (an all-gather
     over the processes) shares what each found.
     """
-    nodes = list(plan.nodes)
+    nodes, said = list(plan.nodes), [] if said is None else said
     if rank is None:
-        return _pick_alone(ckpt_dir, nodes, replicas, epoch, change_ok, [] if said is None else said)
-    return _pick_together(ckpt_dir, nodes, replicas, epoch, change_ok, rank, gather or (lambda x: [x]))
+        return _pick_alone(ckpt_dir, nodes, replicas, epoch, change_ok, said)
+    return _pick_together(ckpt_dir, nodes, replicas, epoch, change_ok, rank, gather or (lambda x: [x]),
+                          said)
 
 
 def replicas_text(n: int) -> str:
@@ -77,10 +79,6 @@ def _no_checkpoint(ckpt_dir: Path) -> CheckpointError:
 
 def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | None,
                 change_ok: bool, said: list[str]) -> tuple[int, int]:
-    def warn(line: str) -> None:
-        said.append(line)
-        print(line, file=sys.stderr)  # where every other warning goes
-
     def saved(e: int) -> int:
         return store.saved_world_size(ckpt_dir, nodes, e) or replicas
 
@@ -105,7 +103,7 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
         latest, skipped = store.latest_complete_epoch(ckpt_dir, nodes, None, verify_hashes=False,
                                                       before=before)
         for e, why in skipped:
-            warn(f"warning: skipping checkpoint epoch {e}: {why}")
+            _warn(said, f"warning: skipping checkpoint epoch {e}: {why}")
         if latest is None:
             raise _no_checkpoint(ckpt_dir)
         if saved(latest) != replicas and not change_ok:
@@ -113,8 +111,13 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
         bad = problems(latest)
         if bad is None:
             return latest, saved(latest)
-        warn(f"warning: skipping checkpoint epoch {latest}: node {bad[0]!r}: {'; '.join(bad[1])}")
+        _warn(said, f"warning: skipping checkpoint epoch {latest}: node {bad[0]!r}: {'; '.join(bad[1])}")
         before = latest
+
+
+def _warn(said: list[str], line: str) -> None:
+    said.append(line)
+    print(line, file=sys.stderr)  # where every other warning goes
 
 
 def _unusable(ckpt_dir: Path, nodes: list[str], epoch: int, why: str) -> CheckpointError:
@@ -128,7 +131,7 @@ def _unusable(ckpt_dir: Path, nodes: list[str], epoch: int, why: str) -> Checkpo
 
 
 def _pick_together(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | None,
-                   change_ok: bool, rank: int, gather: Gather) -> tuple[int, int]:
+                   change_ok: bool, rank: int, gather: Gather, said: list[str]) -> tuple[int, int]:
     say = rank == 0
 
     def local_epochs() -> list[int]:
@@ -167,5 +170,5 @@ def _pick_together(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int |
         if epoch is not None:
             raise _unusable(ckpt_dir, nodes, e, problems[0])
         if say:
-            print(f"warning: skipping checkpoint epoch {e}: {'; '.join(problems)}", file=sys.stderr)
+            _warn(said, f"warning: skipping checkpoint epoch {e}: {'; '.join(problems)}")
     raise _no_checkpoint(ckpt_dir)

@@ -436,6 +436,7 @@ def _restarted(launch: Launch, plan: ir.Plan, rank: int, world: int, restart: in
     run = RunDir(launch.run_dir, plan)
     ckpt = run.checkpoints
     epoch = saved = None
+    said: list[str] = []  # rank 0's skipped epochs: console.log's too, as a resume's
     if ckpt is not None:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             store.clean(ckpt)  # what the killed saves left
@@ -444,12 +445,15 @@ def _restarted(launch: Launch, plan: ir.Plan, rank: int, world: int, restart: in
             gather(None)  # nobody lists the checkpoints while they are cleaned
         try:
             epoch, saved = pick_epoch(ckpt, plan, world, None, change_ok=True,
-                                      rank=rank if gather else None, gather=gather)
+                                      rank=rank if gather else None, gather=gather, said=said)
         except CheckpointError as e:
             if "no complete checkpoint" not in e.message:
                 raise
     if rank == 0:
         run.truncate_metrics(-1 if epoch is None else epoch)
+        from jobrun.runner.launch import to_console_log
+
+        to_console_log(run, said)
     return replace(launch, resume_epoch=epoch, resume_world=saved)
 
 
