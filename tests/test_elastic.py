@@ -203,6 +203,22 @@ def test_a_last_save_that_fails_on_another_rank_fails_the_run_on_every_rank(refe
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
+def test_ranks_that_failed_to_save_different_epochs_name_the_newest_epoch_both_saved(tmp_path):
+    # Rank 0's save of epoch 3 fails, rank 1's of epoch 4 (the last): the error named
+    # epoch 3 (rank 1's newest) as the one a resume goes on from; rank 0 lacks it.
+    fail = '      - call: {{fn: "jobrun_test_helpers:fail_saves_on_rank", rank: {}, at: {}}}\n'
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("job: saves\nmax_epochs: 4\ncheckpoint: {dir: ckpt}\ninit:\n  - task: setup\n    do:\n"
+                    "      - const: {out: n, value: 0}\n" + fail.format(0, 3) + fail.format(1, 4) +
+                    "epoch:\n  - task: count\n    do: [{add: {in: [n, 1], out: n}}]\n")
+    run = tmp_path / "run"
+    r = jobrun_proc("train", plan, "--run-dir", run, "--replicas", "2", timeout=HANG_S)
+    assert r.code == 1 and "Traceback" not in r.text, r.text
+    said = ("error: the checkpoint of epoch 4, the last, was NOT saved by rank 1 of 2: [Errno 28] No space left "
+            "on device; the run has not finished (its newest checkpoint is epoch 2)")
+    assert said in r.err, r.err
+
+
 # -- Ctrl-C with replicas --------------------------------------------------------------------------
 
 

@@ -359,22 +359,26 @@ class JobRunner(Checkpoints):
         e = self._save_error
         mine = None if self._last_saved == self.completed else {
             "why": e.message if isinstance(e, JobrunError) else said(e) if e is not None else "see the warnings above",
-            "fix": e.hint if isinstance(e, JobrunError) and e.hint else f"make {self.ckpt_dir} writable",
-            "newest": self._last_saved}
-        world = self.cfg.world_size
-        if world > 1:
-            from jobrun.runner.group import gather
+            "fix": e.hint if isinstance(e, JobrunError) and e.hint else f"make {self.ckpt_dir} writable"}
+        from jobrun.runner import group
 
-            every = gather(mine)
-        else:
-            every = [mine]
+        world = self.cfg.world_size
+        gather = group.gather if world > 1 else (lambda x: [x])
+        every = gather(mine)
         failed = [(rank, f) for rank, f in enumerate(every) if f is not None]
         if not failed:
             return
         rank, first = failed[0]
         who = "" if world == 1 else f" by rank {rank} of {world}" if len(failed) == 1 \
             else f" by {len(failed)} of {world} ranks (rank {rank}'s reason)"
-        newest_saved = min(f["newest"] if f is not None else self.completed for f in every)
+        # What a resume goes on from: the newest epoch every rank saved, which is not the
+        # oldest of each rank's newest when the ranks failed to save different epochs.
+        try:
+            kept = store.saved_by(self.ckpt_dir, list(self.nodes), self.rank, world)
+        except (CheckpointError, OSError):
+            kept = [self._last_saved]  # what this rank knows it wrote
+        saved = gather(kept)
+        newest_saved = max(set(saved[0]).intersection(*saved[1:]), default=-1)
         if newest_saved >= 0:
             newest = f"its newest checkpoint is epoch {newest_saved}"
             how = f"`{self.run_dir.resume_command()}` trains again from there"
