@@ -239,6 +239,19 @@ def test_runs_tells_a_killed_run_from_a_running_one_and_counts_its_epochs(here):
     assert "run runs/killed (the latest" in jobrun("ckpt", "list").err
 
 
+def test_runs_names_the_checkpoint_a_failed_run_resumes_from_when_it_is_older(here):
+    # A run whose last save failed: EPOCHS said 2 (trained), as if epoch 2 could be
+    # resumed from; `jobrun resume` goes on from epoch 1.
+    assert jobrun("train", "plan.yaml", "--run-dir", "runs/failed").code == 0
+    info = json.loads((here / "runs/failed/run.json").read_text())
+    (here / "runs/failed/run.json").write_text(json.dumps({**info, "status": "failed"}))
+    (here / "runs/failed/ckpt/local.2/rank-0/COMMIT").unlink()  # what a failed save leaves
+    (row,) = json.loads(jobrun("runs", "--json").out)
+    assert (row["status"], row["epochs"], row["last_checkpoint"]) == ("failed", 2, 1)
+    assert re.search(r"failed +2 \(ckpt 1\) ", jobrun("runs").out), jobrun("runs").out
+    assert "resumed from checkpoint epoch 1" in jobrun("resume").out
+
+
 def test_a_run_of_the_old_layout_is_left_alone_and_listed(here):
     """runs/<job> itself a run (made before runs were numbered, or by --run-dir): new runs
     go beside it, never inside it, and the old one is found as the others are."""

@@ -52,19 +52,17 @@ class _Run:
     def epoch(self, epoch: Epoch) -> int:
         if epoch == "best":
             return best_epoch(self.infos(), self.nodes, self.plan, str(self.path))
-        if epoch == "latest":  # as resume picks it, without reading the checksums
+        if epoch == "latest":
             infos = self.infos()
-            complete = store.complete_epochs(self.ckpt_dir, self.nodes) if infos else []
-            if self.hosts and not complete:  # no shared disk: an epoch whose ranks here are
-                complete = store.intact_epochs(self.nodes, infos)  # intact (rank 0's hold a DDP model)
-            if not complete:
+            latest = latest_complete(self.ckpt_dir, self.nodes, self.hosts, infos)
+            if latest is None:
                 raise CheckpointError(f"no complete checkpoint in {self.ckpt_dir}",
                                       hint="`jobrun ckpt list` shows what is there")
             newest = max(info.epoch for info in infos)
-            if newest > complete[-1]:  # said: the newest one is what the user expects
+            if newest > latest:  # said: the newest one is what the user expects
                 print(f"note: epoch {newest} is not complete (see `jobrun ckpt list`); the latest "
-                      f"complete one is epoch {complete[-1]}", file=sys.stderr)
-            return complete[-1]
+                      f"complete one is epoch {latest}", file=sys.stderr)
+            return latest
         return int(epoch)
 
     @property
@@ -95,6 +93,16 @@ class _Run:
                      for r in range(store.read_manifest(self.ckpt_dir, node, epoch)["world_size"])]
             blobs = shards.whole(trees)
         return blobs
+
+
+def latest_complete(ckpt_dir: Path, nodes: list[str], hosts: bool,
+                    infos: list[store.EpochInfo]) -> int | None:
+    """The newest complete epoch of ``infos`` (store.list_checkpoints of ``ckpt_dir``), as
+    resume picks it without reading the checksums; ``hosts``: a run on several hosts."""
+    complete = store.complete_epochs(ckpt_dir, nodes) if infos else []
+    if hosts and not complete:  # no shared disk: an epoch whose ranks here are
+        complete = store.intact_epochs(nodes, infos)  # intact (rank 0's hold a DDP model)
+    return complete[-1] if complete else None
 
 
 def epoch_of(run_dir: str | None, epoch: Epoch) -> int:

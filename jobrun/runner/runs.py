@@ -126,6 +126,9 @@ class Summary:
     best_epoch: int | None
     started: float | None
     overrides: list[str]
+    # The newest complete checkpoint (what `jobrun resume` goes on from) of a run that
+    # failed, died or was interrupted, where it may be older than its last epoch.
+    last_checkpoint: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -152,7 +155,24 @@ def summarize(run: RunDir) -> Summary:
                 best, best_epoch = value, epoch
     # run.json is checked by its schema (records_schema.RUN_INFO): the fields have their types.
     return Summary(str(run.path), str(info.job), status, epochs, monitor, best, best_epoch,
-                   None if info.started is None else float(info.started), list(info.sets or []))
+                   None if info.started is None else float(info.started), list(info.sets or []),
+                   _last_checkpoint(run) if status in ("failed", "died", "interrupted") else None)
+
+
+def _last_checkpoint(run: RunDir) -> int | None:
+    """The newest complete checkpoint epoch, as `jobrun export` picks it by default
+    (None: none, or the plan writes none or cannot be compiled: a listing never fails)."""
+    from jobrun import store
+    from jobrun.runner.inspect import latest_complete
+
+    try:
+        ckpt_dir = run.checkpoints
+        if ckpt_dir is None or not ckpt_dir.is_dir():
+            return None
+        infos = store.list_checkpoints(ckpt_dir)
+        return latest_complete(ckpt_dir, list(run.plan().nodes), run.several_hosts(), infos)
+    except (JobrunError, OSError):
+        return None
 
 
 def _monitor(run: RunDir) -> tuple[str | None, str]:
@@ -211,8 +231,10 @@ def runs_text(as_json: bool, root: Path = ROOT) -> str:
     for s in summaries:
         best = "-" if s.best is None else f"{s.monitor}={s.best:.4g} (epoch {s.best_epoch})"
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.started)) if s.started else "-"
-        rows.append((s.path, s.job, s.status, "-" if s.epochs is None else str(s.epochs), best, started,
-                     " ".join(s.overrides) or "-"))
+        epochs = "-" if s.epochs is None else str(s.epochs)
+        if s.last_checkpoint is not None and s.last_checkpoint != s.epochs:
+            epochs += f" (ckpt {s.last_checkpoint})"  # what a resume goes on from
+        rows.append((s.path, s.job, s.status, epochs, best, started, " ".join(s.overrides) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1]
                      for r in rows)
