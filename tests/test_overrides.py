@@ -250,6 +250,14 @@ def test_a_name_that_fits_several_steps_lists_them_with_index_paths() -> None:
         ("epoch.train.inner=3", "epoch.train.inner is a step, not a value", "epoch.train.inner.loop=..."),
         ("epoch.train.sub=3", "epoch.train.sub is a step, not a value", "epoch.train.sub."),
         ("epoch.train=3", "epoch.train is a task, not a value", "epoch.train.task=..."),
+        # A path into an op step, wrong: the hint said "its steps: none" (an op step has none).
+        ("epoch.0.do.2.ad.out=c", "epoch.0.do.2 has no key or step named 'ad'", "did you mean 'epoch.0.do.2.add'?"),
+        ("epoch.0.do.2.nope=1", "epoch.0.do.2 has no key or step named 'nope'",
+         "epoch.0.do.2 is the step `add`; its keys: add, id; `add`'s arguments go under it (epoch.0.do.2.add."),
+        ("epoch.0.do.1.parallel.0.do.0.value=3", "has no key or step named 'value'",
+         "did you mean 'epoch.0.do.1.parallel.0.do.0.fill.value'? (an op's arguments go under its name)"),
+        ("epoch.train.dox.0=1", "epoch.train has no key or step named 'dox'", "did you mean 'epoch.train.do'?"),
+        ("epoch.0.do.-1.add.out=c", "epoch.0.do has no step named '-1'", "or give the step's index (0 to 2)"),
     ],
 )
 def test_bad_names(item: str, message: str, hint: str) -> None:

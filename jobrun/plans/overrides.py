@@ -241,15 +241,8 @@ class _Override:
         if not matches:
             if quiet:
                 return None
-            names = sorted({str(m[ID_KEY]) for _, m in steps if ID_KEY in m}
-                           | {_op_name(m) for _, m in steps if _step_kind(m) == "op"})
-            where = self.path(depth)
-            own = [k for k in self.known(at) if k not in at.node] if isinstance(at.node, dict) else []
-            raise self.fail(
-                f"{where} has no {'key or ' if own else ''}step named {part!r}", at.pos,
-                _then(_close(part, [*names, *own], f"{where}.")
-                      or f"its steps: {', '.join(names) or 'none'} (by id or op name)", ""),
-            )
+            raise self.fail(f"{self.path(depth)} has no {'key or ' if isinstance(at.node, dict) else ''}step "
+                            f"named {part!r}", at.pos, self.no_step_hint(at, steps))
         if len(matches) > 1:
             shown = "; ".join(f"{'.'.join([*at.trail, *t, _op_name(m) if _step_kind(m) == 'op' else ''])}"
                               .rstrip(".") + f" ({_step_pos(m)})" for t, m in matches)
@@ -273,6 +266,29 @@ class _Override:
             m[op] = PMap(self.where)
             self.placed(m, op)
         return _At(m[op], "args", end, [*trail, op], _own_pos(m[op], _step_pos(m)), op=op)
+
+    def no_step_hint(self, at: _At, steps: list[tuple[list[str], dict]]) -> str:
+        """What a task, a step or a list of steps has that the next part may have meant:
+        its keys (an op step's: its op, whose arguments go under it), its steps, or an
+        index."""
+        where, part, node = self.path(at.depth), self.parts[at.depth], at.node
+        names = sorted({str(m[ID_KEY]) for _, m in steps if ID_KEY in m}
+                       | {_op_name(m) for _, m in steps if _step_kind(m) == "op"})
+        keys = [*map(str, node), *(k for k in self.known(at) if k not in node)] if isinstance(node, dict) else []
+        op = _op_name(node) if _step_kind(node) == "op" else None
+        if op is not None and part in _op_keys(op):  # an argument written without its op
+            return f"did you mean '{where}.{op}.{part}'? (an op's arguments go under its name)"
+        close = _close(part, [*names, *keys], f"{where}.")
+        if close:
+            return close
+        if op is not None:
+            return (f"{where} is the step `{op}`; its keys: {', '.join(keys)}; `{op}`'s arguments go "
+                    f"under it ({where}.{op}.{_some_key(_At(node[op], 'args', 0, [], at.pos, op))}=...)")
+        said = [*([f"its keys: {', '.join(keys)}"] if keys else []),
+                f"its steps: {', '.join(names) or 'none'} (by id or op name)"]
+        if isinstance(node, list) and node:
+            said.append(f"or give the step's index (0 to {len(node) - 1})")
+        return "; ".join(said)
 
     # -- setting -------------------------------------------------------------------------
     def set_key(self, at: _At, part: str) -> None:
