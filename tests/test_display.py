@@ -156,6 +156,20 @@ def test_console_log_has_what_a_resume_under_torchrun_said_before_it_went_on(tmp
     assert log[resumed - 2:resumed] == said, log
 
 
+@pytest.mark.slow
+def test_a_train_under_torchrun_says_the_plans_warnings_and_keeps_them_in_console_log(tmp_path):
+    # A plain `jobrun train` printed analyze's warnings; under torchrun they were dropped.
+    plan, run = tmp_path / "plan.yaml", tmp_path / "run"
+    plan.write_text(COUNTER.replace("    do: [{log: {in: [n], msg: final}}]", "    do: []"))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                        "-m", "jobrun", "train", str(plan), "--run-dir", str(run)], capture_output=True,
+                       text=True, timeout=HANG_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    said = [line for line in p.stderr.splitlines() if "has no steps" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: {plan}:16:5: task 'bye'"), p.stderr
+    assert said[0] in (run / "console.log").read_text().splitlines()
+
+
 def test_console_log_has_the_epochs_a_restarted_rank_skipped(tmp_path, capsys):
     # A rank restarted by the elastic agent picks its epoch as resume does; the epochs it
     # skipped were printed and not in console.log.

@@ -44,6 +44,7 @@ from jobrun.runner.launch import (
     compile_for_run,
     new_run_info,
     newer_epochs,
+    print_warnings,
     restarts_of,
     resume_plan,
     resuming,
@@ -129,7 +130,8 @@ class _Lead:
 
     def train(self, plan_path: str, run_dir: str | None, sets: tuple[str, ...], device: str | None,
               overwrite: bool, max_restarts: int | None, world: int) -> dict[str, Any]:
-        plan, stored = compile_for_run(plan_path, sets, run_dir)
+        warnings: list[Any] = []
+        plan, stored = compile_for_run(plan_path, sets, run_dir, warnings=warnings)
         run = RunDir(Path(run_dir) if run_dir else Path("runs") / plan.job, plan)
         if restart_count() and run.info_file.is_file():
             return self._existing(RunDir(run.path))  # torchrun restarted the ranks: go on
@@ -148,6 +150,7 @@ class _Lead:
             run.clear(keep=src)
         text = yaml.safe_dump(stored, sort_keys=False)
         run.start(text, new_run_info(plan, src, sets, launch))
+        to_console_log(run, print_warnings(warnings))  # once, now that the plan runs
         self.run, self.plan = run, plan
         return _settings(run, plan, text, launch.device, world, restarts, epoch=None, resume=False)
 
