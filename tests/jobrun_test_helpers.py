@@ -360,3 +360,16 @@ def ema_update(ema, model) -> None:
     """An EMA's step, as a script writes it: ``AveragedModel.update_parameters``."""
     ema.update_parameters(model)
 
+
+
+def spoil_own_checkpoint(rank: int, world_size: int, ckpt: str = "", which: int = 0, on: int = 1) -> None:
+    """On rank `on`: flip the last byte of its own tensor files of checkpoint `which` (their
+    checksums then fail when they are read)."""
+    from pathlib import Path
+
+    if rank != on:
+        return
+    for path in Path(ckpt).glob(f"*.{which}/rank-{on}/*.safetensors"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))

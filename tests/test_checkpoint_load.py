@@ -154,6 +154,22 @@ def test_replicas_each_load_the_best_epoch(tmp_path):
         assert _equal(_tested(run), blobs["model"].state)
 
 
+def test_a_rank_whose_own_files_fail_stops_every_replica(tmp_path):
+    """Rank 1's checkpoint files failed their checksum in checkpoint.load: rank 1 stopped,
+    rank 0 loaded, ran the rest of exit and recorded the run finished while the launcher
+    exited 1. Every rank now stops with one message, and the run is recorded failed."""
+    run = tmp_path / "run"
+    spoil = f'      - call: {{fn: "jobrun_test_helpers:spoil_own_checkpoint", ckpt: {str(run / "ckpt")!r}, which: 2}}\n'
+    text = PLAN.replace("      - checkpoint.load: {in: model, epoch: best}\n",
+                        spoil + "      - checkpoint.load: {in: model, epoch: best}\n")
+    r = jobrun_proc("train", _plan(tmp_path, text), "--run-dir", run, "--replicas", "2")
+    assert r.code == 1, r.text
+    assert r.err.count("checkpoint.load of epoch 2 failed on rank 1:") == 1, r.text
+    assert "loaded model" not in r.out and "finished" not in r.out, r.text
+    assert json.loads((run / "run.json").read_text())["status"] == "failed"
+    assert not (run / "test.json").exists()
+
+
 def test_fsdp_replicas_load_their_slices_of_the_best_epoch(tmp_path):
     text = PLAN.replace("job: best\n", "job: best\nparallel: fsdp\ndevice: cpu\n").replace(
         "exit:\n  - task: test\n    do:\n      - checkpoint.load: {in: model, epoch: best}\n",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobrun import store
-from jobrun.errors import CheckpointError, Interrupted, UsageError
+from jobrun.errors import CheckpointError, Interrupted, JobrunError, UsageError
 from jobrun.plans import ir
 from jobrun.runner import fingerprint, restore, rng
 from jobrun.runner.display import human_size
@@ -254,10 +254,25 @@ class Checkpoints:
                 raise CheckpointError(*error)
             epoch = found
         saved = store.saved_world_size(self.ckpt_dir, nodes, epoch)
-        loaded, _ = restore.read(self.ckpt_dir, [node.name], epoch, rank=self.rank,
-                                 world_size=self.cfg.world_size, saved_world=saved, hashes=True,
-                                 check_init=lambda *_: None)
-        restore.named(node, loaded[node.name][0], live, epoch)
+        try:
+            loaded, _ = restore.read(self.ckpt_dir, [node.name], epoch, rank=self.rank,
+                                     world_size=self.cfg.world_size, saved_world=saved, hashes=True,
+                                     check_init=lambda *_: None)
+            restore.named(node, loaded[node.name][0], live, epoch)
+            failed = None
+        except (JobrunError, OSError) as e:
+            if self.cfg.world_size == 1:
+                raise
+            failed = (e.message, e.hint) if isinstance(e, JobrunError) else (f"{e.strerror or e}: {e.filename}", None)
+        if self.cfg.world_size > 1:  # a rank's own files failed: every rank stops, none goes on
+            from jobrun.runner.group import gather
+
+            bad = [(r, why) for r, why in enumerate(gather(failed)) if why is not None]
+            if bad:
+                error = CheckpointError(f"checkpoint.load of epoch {epoch} failed on rank {bad[0][0]}: "
+                                        f"{bad[0][1][0]}", hint=bad[0][1][1])
+                error.every_rank = True
+                raise error
         best = self.watch.best
         why = f" (the best by {best.monitor.name.name})" if which == "best" and best is not None else ""
         on = f" on node {node.name!r}" if len(self.nodes) > 1 else ""

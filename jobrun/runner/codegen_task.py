@@ -77,6 +77,7 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
     from jobrun.runner import usertrace
 
     error = OpFailed(message, pos, hint or usertrace.hint_for(cause))
+    error.every_rank = getattr(cause, "every_rank", False)  # raised by every rank at once
     found = usertrace.of(cause)
     if found is not None:
         error.trace = found.text
@@ -84,7 +85,6 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
             head, newline, rest = message.partition("\n")
             error.message = f"{head} (in {found.function}){newline}{rest}"
     return error
-
 
 
 def _stored(task: ir.Task) -> set[str]:
