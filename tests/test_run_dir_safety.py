@@ -496,6 +496,20 @@ def test_resume_from_an_older_epoch_says_which_epochs_it_trains_again(trained):
     assert r.code == 0 and "trained again" not in r.err, r.text
 
 
+def test_resume_from_an_epoch_kept_as_the_best_counts_the_pruned_epochs_it_trains_again(tmp_path):
+    """keep: 2 pruned epoch 2, the best (1) and 3-4 stay: going on from 1 trains 2-4 again."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("max_epochs: 2", "max_epochs: 4").replace(
+        "{dir: ckpt}", "{dir: ckpt, keep: 2, best: {monitor: total, mode: min}}"))
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    r = jobrun("resume", "--run-dir", run, "--epoch", "best")
+    assert r.code == 0, r.text
+    assert "note: going on from epoch 1 of a run saved up to epoch 4: epochs 2-4 are trained again" \
+        in r.err, r.text
+    assert "removed the checkpoints of epochs 3-4, which this resume trains again" in r.out
+
+
 def test_resume_says_that_an_edited_plan_file_is_not_used(trained):
     plan, run = trained
     plan.write_text(PLAN.replace("max_epochs: 2", "max_epochs: 9"))

@@ -326,7 +326,8 @@ def resuming(plan: ir.Plan, epoch: int, sets: tuple[str, ...], changes: list[str
         _warn_changes(changes, said)
         _warn_restored(changes, stored, plan, epoch, said)
     if newer:
-        what = f"epoch {newer[0]} is" if len(newer) == 1 else f"epochs {newer[0]}-{newer[-1]} are"
+        # Every epoch after `epoch` is trained again, also those `keep` pruned before.
+        what = f"epoch {newer[-1]} is" if newer[-1] == epoch + 1 else f"epochs {epoch + 1}-{newer[-1]} are"
         _say(said, f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "
                    f"trained again; the checkpoints after epoch {epoch} are removed once it is restored, "
                    "and the metrics lines and files they saved are replaced (copy the run directory "
