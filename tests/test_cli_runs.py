@@ -309,6 +309,20 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_trai
     assert "epoch 3/3" in again.out and json.loads((here / "runs/early/run.json").read_text())["status"] == "finished"
 
 
+def test_resume_of_a_run_whose_every_checkpoint_is_damaged_names_the_train_that_starts_it_anew(here):
+    # It said "train again with `jobrun train`": which plan, with which overrides?
+    assert jobrun("train", "plan.yaml", "max_epochs=2", "--run-dir", "runs/a").code == 0
+    for commit in (here / "runs/a/ckpt").glob("local.*/rank-0/COMMIT"):
+        commit.unlink()
+    r = jobrun("resume", "runs/a", "max_epochs=3")
+    assert r.code == 1 and "no complete checkpoint" in r.err and "Traceback" not in r.err, r.text
+    command = re.search(r"train it again in a new run directory with `([^`]+)`", r.err)
+    assert command, r.err
+    words = command.group(1).split()
+    assert words[:2] == ["jobrun", "train"] and Path(words[2]) == here / "plan.yaml"
+    assert words[3:] == ["max_epochs=2"]
+
+
 def test_ckpt_verify_finds_a_damaged_file(here):
     assert jobrun("train", "plan.yaml").code == 0
     assert jobrun("ckpt", "verify").code == 0

@@ -360,12 +360,17 @@ def _start_again(run: RunDir, launch: Launch, plan: ir.Plan, said: list[str]) ->
 
 def _train_again(run: RunDir, info: RunInfo) -> str | None:
     """The command that starts a run that stopped before its first checkpoint again, in
-    its own directory (a run without checkpoints may be trained over)."""
-    if not info.source or info.last_epoch:  # epochs ran: their checkpoints are gone or damaged
+    its own directory (a run without checkpoints may be trained over); when epochs ran and
+    their checkpoints are gone or damaged, in a new directory (the damaged ones stay)."""
+    if not info.source:
         return None
     import shlex
 
-    args = ["jobrun", "train", info.source, *(info.sets or []), "--run-dir", str(run.path)]
+    args = ["jobrun", "train", info.source, *(info.sets or [])]
+    if info.last_epoch:
+        return (f"no checkpoint of the {info.last_epoch} epoch(s) it ran is usable (`jobrun ckpt verify {run.path}` says why): "
+                f"train it again in a new run directory with `{shlex.join(args)}`")
+    args += ["--run-dir", str(run.path)]
     return f"it stopped before its first checkpoint: start it again with `{shlex.join(args)}`"
 
 
