@@ -323,6 +323,17 @@ def test_resume_of_a_run_whose_every_checkpoint_is_damaged_names_the_train_that_
     assert words[3:] == ["max_epochs=2"]
 
 
+def test_resume_that_moves_checkpoint_dir_says_the_checkpoints_are_where_it_was(here):
+    # It said to train again from the start, though the run's checkpoints were intact.
+    assert jobrun("train", "plan.yaml", "--run-dir", "runs/a").code == 0
+    r = jobrun("resume", "runs/a", "checkpoint.dir=elsewhere", "max_epochs=3")
+    assert r.code == 1 and "no complete checkpoint" in r.err and "Traceback" not in r.err, r.text
+    assert ('this resume moves checkpoint.dir (checkpoint.dir: "ckpt" -> "elsewhere") and the run\'s '
+            "checkpoints are not there: resume without that override") in r.err, r.err
+    assert "jobrun train" not in r.err
+    assert jobrun("resume", "runs/a", "max_epochs=3").code == 0
+
+
 def test_ckpt_verify_finds_a_damaged_file(here):
     assert jobrun("train", "plan.yaml").code == 0
     assert jobrun("ckpt", "verify").code == 0

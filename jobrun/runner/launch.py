@@ -133,7 +133,12 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
             if asked is None and not sets and _never_saved(info, ckpt_dir):
                 return _start_again(run, Launch(run.path, run.plan_dir, device, None, n, restarts,
                                                 profile=profile), plan, said)
-            e.hint = _train_again(run, info) or e.hint
+            moved = [c for c in changes if c.startswith("checkpoint.dir:")]
+            if moved:  # the run's checkpoints are where it was
+                e.hint = (f"this resume moves checkpoint.dir ({moved[0]}) and the run's checkpoints are "
+                          "not there: resume without that override, or copy them into it first")
+            else:
+                e.hint = _train_again(run, info) or e.hint
             raise
         record = resuming(plan, epoch, sets, changes, stored, n, saved, restarts,
                           newer_epochs(ckpt_dir, epoch, asked), said)
