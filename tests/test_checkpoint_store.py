@@ -639,18 +639,22 @@ def test_a_save_whose_empty_epoch_directory_another_rank_removed_goes_on(tmp_pat
     assert racing.done and files_of(tmp_path / "n.1") == {"rank-1"}
 
 
-def test_permission_denied(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("code, what", [(errno.EACCES, "permission denied"),
+                                        (errno.EROFS, "read-only file system")])
+def test_permission_denied(tmp_path: Path, monkeypatch, code, what) -> None:
     real = os.mkdir
 
     def denied(path, *args, **kwargs):
         if ".tmp-rank-" in str(path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            raise OSError(code, os.strerror(code), str(path))
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", denied)
     with pytest.raises(CheckpointError) as info:
         ck.save({"a": 1}, {}, tmp_path, "n", 0)
-    assert "permission denied" in info.value.message and "writable" in info.value.hint
+    # A read-only checkpoint directory of a run that resumes cannot just move: its
+    # checkpoints are there. The hint names the directory to make writable first.
+    assert what in info.value.message and f"make {tmp_path}" in info.value.hint, info.value.hint
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores chmod")

@@ -420,7 +420,7 @@ def write_error(e: OSError, target: Path, where: Path) -> CheckpointError:
     elif e.errno in (errno.EACCES, errno.EPERM):
         what, hint = "permission denied", f"make {where} writable, or set checkpoint.dir"
     elif e.errno == errno.EROFS:
-        what, hint = "read-only file system", "set checkpoint.dir to a writable directory"
+        what, hint = "read-only file system", f"make {where} writable, or set checkpoint.dir"
     elif e.errno == errno.EEXIST:  # a damaged checkpoint of that epoch, or the user's files
         what = f"{e.strerror or e}"
         hint = (f"a damaged checkpoint (see `jobrun ckpt list`) or files of yours are in the way: "
