@@ -249,6 +249,7 @@ def test_resume_of_a_run_on_a_read_only_disk_is_one_clear_message(trained, monke
     monkeypatch.setattr(safefs, "open_lock", read_only)
     r = jobrun("resume", "--run-dir", run, "--epoch", "1")
     assert r.code == 2 and "Read-only file system" in r.err
+    assert f"hint: make {run} writable" in r.err, r.err  # another --run-dir cannot resume it
     _no_traceback(r)
 
 

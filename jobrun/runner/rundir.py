@@ -538,7 +538,7 @@ def _write_error(path: Path, e: OSError) -> JobrunError:
                           hint="remove it; jobrun writes only regular files of its own in a run directory")
     why = e.strerror or str(e)
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        hint = "choose a writable --run-dir"
+        hint = f"make {path if path.is_dir() else path.parent} writable (a new run can also take another --run-dir)"
     elif e.errno == errno.ENOSPC:
         hint = "free some disk space"
     else:
