@@ -182,6 +182,37 @@ def test_a_signal_during_checkpoint_0_stops_after_it_and_offers_resume(tmp_path,
     assert "during init" not in r.text and f"jobrun resume {run}" in r.text
 
 
+def test_a_signal_during_an_epochs_save_records_that_epoch_before_it_stops(tmp_path, monkeypatch):
+    """Ctrl-C while epoch 1 is saved: the save finished, but the stop came before the
+    epoch's line, its metrics.jsonl record and the trackers' values, which the resume
+    (going on with epoch 2) never wrote: missing for good."""
+    from runner_util import jobrun
+
+    from jobrun.runner.checkpoints import Checkpoints
+
+    write_all = Checkpoints._write_all
+
+    def signalled_while_writing(self, epoch, prepared):
+        if epoch == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler defers it: a save is running
+        return write_all(self, epoch, prepared)
+
+    monkeypatch.setattr(Checkpoints, "_write_all", signalled_while_writing)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", "")
+                    .replace("max_epochs: 2", "max_epochs: 2\nloggers: [csv]")
+                    .replace("do: [{const: {out: x, value: 1}}]",
+                             "do: [{const: {out: x, value: 1}}]\n    outputs: [x]"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 130 and list(run.glob("ckpt/local.1/rank-0/COMMIT")), r.text
+    assert "epoch 1/2" in r.out and f"jobrun resume {run}" in r.err, r.text
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in records if m.get("event") == "epoch"] == [1]
+    assert "epoch/t/x,1.0" in (run / "metrics.csv").read_text()
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+
+
 def test_a_signal_as_a_finished_job_closes_leaves_it_finished_and_says_so(tmp_path, monkeypatch):
     """Ctrl-C just after "job ... finished": it said "interrupted during start-up ...
     nothing was written" (the start-up handler was back), or "stopped by SIGINT" with a

@@ -91,13 +91,22 @@ class Checkpoints:
             self._writer = Writer(epoch, lambda: self._write_all(epoch, prepared))
             size = sum(p.tensor_bytes for p in prepared.values())
             return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
+        except BaseException:
+            self._saving = False
+            self._stop_if_signalled(epoch)  # a signal came too: the stop is what to say
+            raise
         finally:
             self._saving = False
-            if self._pending_signal is not None:
-                self._wait_for_writer()
-                if epoch == 0 and self._failed_save != 0:
-                    self._resumable = True  # checkpoint 0 is saved: the stop offers resume
-                raise Interrupted(self._pending_signal)
+
+    def _stop_if_signalled(self, epoch: int) -> None:
+        """Stop for a signal that came during the save of `epoch` (which it let finish),
+        once the caller recorded the epoch: its line, its metrics record and the trackers'
+        values would otherwise be missing for good, as the resume goes on after it."""
+        if self._pending_signal is not None:
+            self._wait_for_writer()
+            if epoch == 0 and self._failed_save != 0:
+                self._resumable = True  # checkpoint 0 is saved: the stop offers resume
+            raise Interrupted(self._pending_signal)
 
     def _fingerprint_init(self) -> None:
         """Describe what init built that checkpoints do not hold, and the random state it

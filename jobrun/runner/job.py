@@ -240,6 +240,7 @@ class JobRunner(Checkpoints):
         resume = self.cfg.resume_epoch
         if resume is None:
             self._save(0, stop=False)
+            self._stop_if_signalled(0)
             self._resumable = True
             self._agree_on_stop()
             self._restarted(None)
@@ -287,6 +288,8 @@ class JobRunner(Checkpoints):
                 self.trackers.epoch(epoch, outputs, result.rates)
         if early is not None:
             self.display.line(f"stopping early after epoch {epoch}: {early}")
+        if saving:
+            self._stop_if_signalled(epoch)
         self._agree_on_stop()
         if saving:
             self._prune_together()
