@@ -182,22 +182,32 @@ def test_a_signal_during_checkpoint_0_stops_after_it_and_offers_resume(tmp_path,
     assert "during init" not in r.text and f"jobrun resume {run}" in r.text
 
 
-def test_a_signal_during_an_epochs_save_records_that_epoch_before_it_stops(tmp_path, monkeypatch):
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_signal_during_an_epochs_save_records_that_epoch_before_it_stops(tmp_path, monkeypatch, twice):
     """Ctrl-C while epoch 1 is saved: the save finished, but the stop came before the
     epoch's line, its metrics.jsonl record and the trackers' values, which the resume
-    (going on with epoch 2) never wrote: missing for good."""
+    (going on with epoch 2) never wrote: missing for good. A second Ctrl-C as the epoch
+    is recorded waits for it too."""
     from runner_util import jobrun
 
     from jobrun.runner.checkpoints import Checkpoints
+    from jobrun.runner.display import Display
 
     write_all = Checkpoints._write_all
+    epoch_line = Display.epoch_line
 
     def signalled_while_writing(self, epoch, prepared):
         if epoch == 1:
             os.kill(os.getpid(), signal.SIGINT)  # the handler defers it: a save is running
         return write_all(self, epoch, prepared)
 
+    def signalled_again(self, result, *args):
+        if twice and result.epoch == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return epoch_line(self, result, *args)
+
     monkeypatch.setattr(Checkpoints, "_write_all", signalled_while_writing)
+    monkeypatch.setattr(Display, "epoch_line", signalled_again)
     plan = tmp_path / "plan.yaml"
     plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", "")
                     .replace("max_epochs: 2", "max_epochs: 2\nloggers: [csv]")

@@ -481,8 +481,9 @@ class JobRunner(Checkpoints):
             # unless none comes within its grace.
             if self.cfg.world_size > 1 and not signals.request(signum):
                 return
-            if self._saving:
-                self._pending_signal = signum  # finish the save first: never a half checkpoint
+            if self._saving or self._pending_signal is not None:
+                # finish the save first (never a half checkpoint), and record its epoch
+                self._pending_signal = self._pending_signal or signum
                 return
             if self.status == "finished":  # as the finished job closes: it stays finished
                 raise Interrupted(signum, during=signals.CLOSING)
