@@ -370,6 +370,7 @@ def test_export_takes_the_latest_epoch_by_default(here):
     # a rank the run never had: asked for wrongly, not a checkpoint "that can be deleted"
     r = jobrun("ckpt", "show", "--rank", "5", "--blob", "total")
     assert r.code == 2 and "saved by 1 rank(s): there is no rank 5" in r.err and "deleted" not in r.err, r.err
+    assert "hint: leave --rank out (rank 0)" in r.err, r.err
 
 
 def test_no_runs_hint_names_real_commands(here):

@@ -84,7 +84,8 @@ class _Run:
             world = None
         if isinstance(world, int) and not 0 <= rank < world:  # asked for, not lost
             raise UsageError(f"epoch {epoch} of node {node!r} was saved by {world} rank(s): there is no "
-                             f"rank {rank}", hint=f"give --rank 0 to {world - 1}")
+                             f"rank {rank}", hint="leave --rank out (rank 0)" if world == 1
+                             else f"give --rank 0 to {world - 1}")
         blobs, _meta = store.load(self.ckpt_dir, node, epoch, rank=rank, as_numpy=True)
         blobs.pop("jobrun:rng", None)
         if shards.holds_shards(blobs):  # parallel: fsdp: every rank's part makes the whole
