@@ -979,3 +979,28 @@ def test_a_checkpoint_pruned_while_it_is_read_is_one_message(tmp_path: Path, mon
     with pytest.raises(CheckpointError, match="cannot read .*no such file"):
         ck.load(tmp_path, "a", 1, blobs=["w"])
     assert not (rdir / "tensors.safetensors").exists()
+
+
+def test_a_signal_while_waiting_for_a_background_write_is_raised_once_it_is_done() -> None:
+    """A second Ctrl-C while the run waited for its async save ended the process in the
+    middle of the write: "FATAL: exception not rethrown", SIGABRT, the epoch half written."""
+    import threading
+
+    from jobrun.runner.saves import Writer
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    done = threading.Event()
+    old = signal.signal(signal.SIGUSR2, stop)
+    try:
+        writer = Writer(3, lambda: (time.sleep(0.5), done.set()))
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(Stop):
+            writer.wait()
+        assert done.is_set()
+    finally:
+        signal.signal(signal.SIGUSR2, old)

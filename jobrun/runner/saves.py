@@ -17,18 +17,31 @@ class Writer:
     def __init__(self, epoch: int, fn):
         self.epoch = epoch
         self.error: BaseException | None = None
+        self.done = threading.Event()  # not join's state: an interrupted join marks a running thread stopped
 
         def run() -> None:
             try:
                 fn()
             except (CheckpointError, OSError) as e:
                 self.error = e
+            finally:
+                self.done.set()
 
         self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
         self.thread.start()
 
     def wait(self) -> BaseException | None:
-        self.thread.join()
+        """Its error (or None) once the write is done. A signal that comes meanwhile (a
+        second Ctrl-C as the run stops) is raised after it: leaving at once, the process
+        was aborted in the middle of the write (SIGABRT), its checkpoint half written."""
+        stopped: BaseException | None = None
+        while not self.done.is_set():
+            try:
+                self.done.wait()
+            except BaseException as e:  # noqa: BLE001 - jobrun's Interrupted, KeyboardInterrupt
+                stopped = stopped or e
+        if stopped is not None:
+            raise stopped
         return self.error
 
 
