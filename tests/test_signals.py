@@ -223,6 +223,53 @@ def test_a_signal_during_an_epochs_save_records_that_epoch_before_it_stops(tmp_p
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
 
 
+def test_a_second_signal_while_the_stop_waits_for_an_async_save_lets_it_finish(tmp_path, monkeypatch):
+    """Ctrl-C twice while checkpoint 0 is written in the background: the second one,
+    during the stop's wait for the write, ended the process mid-write ("FATAL: exception
+    not rethrown", SIGABRT, the epoch half written); and once the write was waited for,
+    it skipped closing the run's files (TensorBoard's last scalars, the trackers' last
+    batch) and its hint lost the run directory."""
+    pytest.importorskip("tensorboard")
+    import threading
+
+    from runner_util import jobrun
+
+    from jobrun.runner.checkpoints import Checkpoints
+
+    write_all = Checkpoints._write_all
+    written: list[int] = []
+    main = threading.main_thread().ident
+
+    def signalled_twice(self, epoch, prepared):
+        if epoch == 0:  # in the writer's thread: the main thread stops, then waits for it here
+            time.sleep(0.5)  # epoch 1 logged its value and sleeps
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.3)
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.3)
+        done = write_all(self, epoch, prepared)
+        written.append(epoch)
+        return done
+
+    monkeypatch.setattr(Checkpoints, "_write_all", signalled_twice)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", "")
+                    .replace("checkpoint: {dir: ckpt}", "checkpoint: {dir: ckpt, async: true}")
+                    .replace("do: [{const: {out: x, value: 1}}]",
+                             "do: [{const: {out: x, value: 1}}, {log: {in: [x]}}, "
+                             "{call: {fn: \"jobrun_test_helpers:sleep\", seconds: 3}}]"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert written == [0], r.text  # it left once checkpoint 0 was written
+    assert r.code == 130 and list(run.glob("ckpt/local.0/rank-0/COMMIT")), r.text
+    assert "Traceback" not in r.err and f"jobrun resume {run}" in r.err, r.text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("t/x")] == [1.0], r.text  # closed: its last values written
+
+
 def test_a_signal_as_a_finished_job_closes_leaves_it_finished_and_says_so(tmp_path, monkeypatch):
     """Ctrl-C just after "job ... finished": it said "interrupted during start-up ...
     nothing was written" (the start-up handler was back), or "stopped by SIGINT" with a

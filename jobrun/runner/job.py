@@ -199,7 +199,12 @@ class JobRunner(Checkpoints):
                 self._record("failed", RunError(f"{type(e).__name__}: {said(e)}"))
                 raise
             finally:
-                self._wait_for_writer()  # a background save in flight completes first
+                try:
+                    self._wait_for_writer()  # a background save in flight completes first
+                except Interrupted:
+                    if self.status == "finished":
+                        raise
+                    # A second signal while the run stops: the stop goes on, closing its files.
                 if self.profile is not None and self.main_rank:
                     self.profile.report(self.display, self.run_dir.path)
                 self.metrics.close()
