@@ -7,6 +7,7 @@ shares (position, passes, shuffled order, rank parts, look-ahead, state) is
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -90,14 +91,16 @@ class TensorReader(Reader):
         """The next batch as (*fields, done); see the `read` op.
 
         Every training step runs this. A plain reader (see `_plain_fields`) takes the
-        next batch of its pass from `_plain_pass`. Other readers hand out the batch the
+        next batch of its pass from `_plain_pass`, which holds the reader by a weak
+        reference: a reader dropped mid-pass is freed at once, with the fields it holds
+        (not by the cyclic collector, epochs later). Other readers hand out the batch the
         last read prepared and prepare the next one of the pass (look-ahead, see the
         module docstring).
         """
         if self._plain:
             batches = self._batches
             if batches is None:
-                batches = self._batches = self._plain_pass()
+                batches = self._batches = TensorReader._plain_pass(weakref.proxy(self))
             batch = next(batches, None)
             if batch is not None:
                 return batch
@@ -125,7 +128,8 @@ class TensorReader(Reader):
         gathered where they are used, on the CPU, so nothing is prepared ahead. A
         generator, so that a step reads its locals, not the reader's attributes; the
         reader's state is still its `position`, and loading a state drops the generator.
-        Records of one shape: a record's tokens (jobrun.ops.batches) are learnt once."""
+        `self` is a weak proxy of the reader (see `read`). Records of one shape: a
+        record's tokens (jobrun.ops.batches) are learnt once."""
         if self.passes and self.pass_index >= self.passes:
             return
         fields, tally, starts = self.fields, self.tally, range(self.position, self._pass_end, self.batch_size)
