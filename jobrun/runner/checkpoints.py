@@ -64,7 +64,8 @@ class Checkpoints:
         Synchronous by default. With `async: true` the training thread only copies the
         state to host memory; a background thread writes the files with the same
         `store.write` (still atomic and checksummed), and the next save, the end of the
-        job or a signal waits for it.
+        job or a signal waits for it. A signal waits from the save's start until the
+        caller recorded the epoch (`_stop_if_signalled`).
         """
         if self.ckpt_dir is None:
             return ""
@@ -92,16 +93,15 @@ class Checkpoints:
             size = sum(p.tensor_bytes for p in prepared.values())
             return f"ckpt {human_size(size)} async ({blocked * 1000:.0f} ms blocked)"
         except BaseException:
-            self._saving = False
             self._stop_if_signalled(epoch)  # a signal came too: the stop is what to say
             raise
-        finally:
-            self._saving = False
 
     def _stop_if_signalled(self, epoch: int) -> None:
-        """Stop for a signal that came during the save of `epoch` (which it let finish),
-        once the caller recorded the epoch: its line, its metrics record and the trackers'
-        values would otherwise be missing for good, as the resume goes on after it."""
+        """Stop for a signal that came during the save of `epoch` (which it let finish)
+        or as the caller recorded the epoch, once it is recorded: its line, its metrics
+        record and the trackers' values would otherwise be missing for good, as the
+        resume goes on after it. From here on a signal stops the run where it comes."""
+        self._saving = False
         if self._pending_signal is not None:
             self._wait_for_writer()
             if epoch == 0 and self._failed_save != 0:

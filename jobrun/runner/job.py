@@ -282,19 +282,21 @@ class JobRunner(Checkpoints):
         result = EpochResult(epoch, outputs, seconds, rates=rates.finish(seconds), step=self.step)
         ck = self.plan.checkpoint
         saving = ck is not None and (epoch % ck.every == 0 or stop)
-        if saving:
+        if saving:  # a signal from here on waits until the epoch is recorded
             result.ckpt = self._save(epoch, stop=stop, outputs=outputs)
-        self.display.epoch_line(result, self.plan.max_epochs, self.plan.max_steps)
-        if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
-            self.metrics.write({"epoch": epoch, "step": result.step, "event": "epoch",
-                                "seconds": round(result.seconds, 6), **result.rates,
-                                "outputs": {t: {k: short(v) for k, v in o.items()} for t, o in outputs.items()}})
-            if self.trackers is not None:
-                self.trackers.epoch(epoch, outputs, result.rates)
-        if early is not None:
-            self.display.line(f"stopping early after epoch {epoch}: {early}")
-        if saving:
-            self._stop_if_signalled(epoch)
+        try:
+            self.display.epoch_line(result, self.plan.max_epochs, self.plan.max_steps)
+            if self.main_rank:  # the epoch's outputs, for plots and anyone reading the metrics
+                self.metrics.write({"epoch": epoch, "step": result.step, "event": "epoch",
+                                    "seconds": round(result.seconds, 6), **result.rates,
+                                    "outputs": {t: {k: short(v) for k, v in o.items()} for t, o in outputs.items()}})
+                if self.trackers is not None:
+                    self.trackers.epoch(epoch, outputs, result.rates)
+            if early is not None:
+                self.display.line(f"stopping early after epoch {epoch}: {early}")
+        finally:
+            if saving:
+                self._stop_if_signalled(epoch)
         self._agree_on_stop()
         if saving:
             self._prune_together()
