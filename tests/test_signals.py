@@ -224,6 +224,41 @@ def test_a_signal_during_an_epochs_save_records_that_epoch_before_it_stops(tmp_p
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
 
 
+def test_a_signal_after_a_deferred_one_stopped_the_run_still_interrupts_its_close(tmp_path, monkeypatch):
+    """Once a signal deferred by a save had stopped the run, every later one was ignored
+    for good: a close that hangs (a tracker's) could only be left with kill -9."""
+    from runner_util import jobrun
+
+    from jobrun.runner.checkpoints import Checkpoints
+    from jobrun.runner.records import Metrics
+
+    write_all, close = Checkpoints._write_all, Metrics.close
+    waited: list[float] = []
+
+    def signalled_while_writing(self, epoch, prepared):
+        if epoch == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # deferred: the save finishes, then the run stops
+        return write_all(self, epoch, prepared)
+
+    def hangs(self):
+        if not waited:
+            t0 = time.monotonic()
+            waited.append(0.0)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the user's second Ctrl-C
+                time.sleep(20)
+            finally:
+                waited[0] = time.monotonic() - t0
+        return close(self)
+
+    monkeypatch.setattr(Checkpoints, "_write_all", signalled_while_writing)
+    monkeypatch.setattr(Metrics, "close", hangs)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", ""))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 130 and waited and waited[0] < 10, (waited, r.text)
+
+
 def test_a_second_signal_while_the_stop_waits_for_an_async_save_lets_it_finish(tmp_path, monkeypatch):
     """Ctrl-C twice while checkpoint 0 is written in the background: the second one,
     during the stop's wait for the write, ended the process mid-write ("FATAL: exception

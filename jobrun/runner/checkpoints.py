@@ -106,7 +106,8 @@ class Checkpoints:
             self._wait_for_writer()
             if epoch == 0 and self._failed_save != 0:
                 self._resumable = True  # checkpoint 0 is saved: the stop offers resume
-            raise Interrupted(self._pending_signal)
+            signum, self._pending_signal = self._pending_signal, None  # a later one stops the stop
+            raise Interrupted(signum)
 
     def _fingerprint_init(self) -> None:
         """Describe what init built that checkpoints do not hold, and the random state it
@@ -272,7 +273,8 @@ class Checkpoints:
         except (JobrunError, OSError) as e:
             if self.cfg.world_size == 1:
                 raise
-            failed = (e.message, e.hint) if isinstance(e, JobrunError) else (f"{e.strerror or e}: {e.filename}", None)
+            failed = (e.message, e.hint) if isinstance(e, JobrunError) else (
+                f"{e.filename}: {e.strerror or e}" if e.filename else str(e), None)
         if self.cfg.world_size > 1:  # a rank's own files failed: every rank stops, none goes on
             from jobrun.runner.group import gather
 
