@@ -93,6 +93,7 @@ class Reader:
     """
 
     field_count = 1  # fields of a batch (the outputs of `read` before `done`)
+    _batches: Any = None  # a plain tensor reader's pass (jobrun.ops.tensor_reader), dropped by a load
 
     def __init__(
         self,

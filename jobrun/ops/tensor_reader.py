@@ -64,7 +64,6 @@ class TensorReader(Reader):
         self._move = any(isinstance(f, torch.Tensor) and f.device != self.device for f in self.fields)
         self._threaded = self._move and self._to_device.cuda
         self._plain = self._plain_fields()
-        self._batches: Iterator[tuple[Any, ...]] | None = None  # a plain reader's pass
 
     def _plain_fields(self) -> bool:
         """True when batches can skip rank slices, moves and per-field type checks.
