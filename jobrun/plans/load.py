@@ -63,6 +63,8 @@ _MAP_TAGS = (None, "!", _MAP)
 _SEQ_TAGS = (None, "!", _SEQ)
 _SCALAR_TYPES = {_INT: "an integer", _FLOAT: "a number", _BOOL: "a boolean", _NULL: "null"}
 
+# A plain value with ${var}s in it, as it stands in a line of a flow collection.
+_VAR_REF = re.compile(r"(?:\$\{[^{}\[\],]*\}|[^\s{}\[\],])+")
 # Characters YAML refuses (C0 controls but tab/newline/CR, DEL, C1 but NEL, surrogates,
 # U+FFFE/U+FFFF). Checked up front so that the error has a line and column: libyaml only
 # reports a byte offset for them.
@@ -225,6 +227,12 @@ class _Builder:
         if kind and ("expected ','" in what or "stream end" in what):
             what = f"{what} to close the {kind} at line {cm.line + 1}, column {cm.column + 1}"
             hint = "close it, or separate its items with commas"
+            if mark is not None and mark.column > 0 and line[mark.column - 1 : mark.column + 1] == "${":
+                # In [...] and {...} YAML reads the `{` of an unquoted ${var} as a new mapping.
+                start = max(line.rfind(c, 0, mark.column) for c in " ,[{") + 1
+                ref = _VAR_REF.match(line, start)
+                value = ref.group() if ref and "${" in ref.group() else "${...}"
+                hint = f'quote it: "{value}" (a ${{...}} inside [...] or {{...}} must be quoted)'
         elif e.context and "quoted scalar" in e.context and cm is not None:
             return PlanError(
                 "invalid YAML: the quoted string that starts here is never closed",
