@@ -103,7 +103,7 @@ class _Override:
         if plusses > 2 or key.startswith("+"):
             bare = written.lstrip("+ ")
             raise PlanError(
-                f"--set key {written!r} starts with {written[:len(written) - len(bare)]!r}: only + or ++ may",
+                f"--set key {written!r} starts with {written[:len(written) - len(bare)]!r}: only + or ++ may start a key",
                 self.where, f"+KEY adds a new key, ++KEY adds or changes one: e.g. ++{bare}=...",
             )
         try:
