@@ -41,6 +41,30 @@ class Pos:
         return f"{self.file}:{self.line}:{self.col}"
 
 
+class SetPos(Pos):
+    """A place in the plan whose value an override gave through a var (`batch_size:
+    ${batch}` with `vars.batch=0`): messages point at the plan and say where the value
+    came from, so that the user does not look for the fault in a line that looks right.
+
+    ``sets``: the overrides, as written (`vars.batch=0`)."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self, pos: Pos, sets: list[str]):
+        super().__init__(pos.file, pos.line, pos.col)
+        self.sets = sets
+
+
+def with_origin(hint: str | None, pos: Pos | None) -> str | None:
+    """`hint`, saying which override gave the value at `pos` when one did (once)."""
+    if not isinstance(pos, SetPos):
+        return hint
+    note = f"the value here came from {' and '.join(f'`{s}`' for s in pos.sets)} on the command line"
+    if not hint or note in hint:
+        return hint or note
+    return f"{hint}{'' if hint.endswith(('.', '?')) else '.'} {note[0].upper()}{note[1:]}"
+
+
 class _Reported:
     """What every error shown to a user has: a message, maybe a position and a hint,
     and the exit code the CLI should use."""
@@ -51,7 +75,7 @@ class _Reported:
         super().__init__(message)
         self.message = message
         self.pos = pos
-        self.hint = hint
+        self.hint = with_origin(hint, pos)
 
     def format_message(self) -> str:
         head = f"{self.pos}: error: {self.message}" if self.pos else f"error: {self.message}"

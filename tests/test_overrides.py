@@ -376,3 +376,39 @@ epoch:
             "'opt' with its saved state")
     assert said in r.err and said in (run / "console.log").read_text(), r.err
     assert "max_epochs: 1 -> 2 has no effect" not in r.err
+
+
+VARS_PLAN = """\
+job: demo
+vars: {batch: 8, epochs: 2, half: "${batch}", loss: cross_entropy}
+max_epochs: "${epochs}"
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2}
+      - reader: {in: [x, y], out: data, batch_size: "${half}"}
+      - model.mlp: {out: model, sizes: [4, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - read: {in: data, out: [xb, yb, end]}
+      - train.step: {in: [model, opt, xb, yb], out: loss, loss: "${loss}"}
+    outputs: [loss]
+"""
+
+
+@pytest.mark.parametrize(("item", "line"), [
+    ("vars.batch=0", 8),  # through `half: ${batch}`
+    ("vars.loss=seq_los", 15),
+    ("vars.epochs=2.5", 3),  # refused by the compiler, not the analyzer
+])
+def test_a_bad_value_a_var_override_gave_names_the_override(plan_file, tmp_path: Path, item: str, line: int) -> None:
+    # The message points at the plan line holding `${...}`, which looks right: the hint
+    # says the value came from the override.
+    path = plan_file(VARS_PLAN)
+    for r in (jobrun("analyze", path, item), jobrun("train", path, "--run-dir", tmp_path / "run", item)):
+        assert r.code in (1, 2) and f"{path}:{line}:" in r.text, r.text  # analyze: 1 for its findings
+        assert f"The value here came from `{item}` on the command line" in r.text, r.text
+    r = jobrun("analyze", path, "vars.batch=4", "vars.loss=seq_los")  # only where it was used
+    assert "vars.batch=4" not in r.text and "`vars.loss=seq_los`" in r.text, r.text

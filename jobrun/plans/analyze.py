@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jobrun.errors import Pos, did_you_mean
+from jobrun.errors import Pos, did_you_mean, with_origin
 from jobrun.ops.spec import OpSpec
 from jobrun.plans import analyze_data, ir, precision
 from jobrun.plans.compare import Kinds
@@ -37,6 +37,9 @@ class Diagnostic:
     message: str
     code: str
     hint: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hint", with_origin(self.hint, self.pos))
 
     def format(self) -> str:
         text = f"{self.pos}: {self.severity}: {self.message}"

@@ -2,7 +2,8 @@
 :mod:`jobrun.plans.overrides`).
 
 It works on the positioned data of :mod:`jobrun.plans.load`, so a value that came from a
-variable still points at a place the user can find.
+variable still points at a place the user can find; where an override gave the var
+(`vars.batch=0`), that place is a :class:`SetPos` that says so.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from jobrun.errors import PlanError, Pos, did_you_mean
+from jobrun.errors import PlanError, Pos, SetPos, did_you_mean
 from jobrun.plans import arith
 from jobrun.plans.load import (
     MAX_ALIAS_NODES,
@@ -40,6 +41,7 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
     the built-ins and vars defined above them. Works in place and returns `tree`.
     """
     env: dict[str, Any] = dict(builtins)
+    sets: dict[str, list[str]] = {}
     budget = [MAX_ALIAS_NODES]
     raw_vars = tree.get("vars")
     if raw_vars is not None:
@@ -62,26 +64,50 @@ def substitute(tree: PMap, builtins: dict[str, str]) -> PMap:
                 raise PlanError(
                     f"var {name!r} is built in and cannot be redefined", kpos, "rename your var"
                 )
-            ctx = _Ctx(env, budget, later, name)
+            ctx = _Ctx(env, budget, later, name, sets)
             resolved = _subst(value, ctx, _at(raw_vars, name), 3)
             raw_vars[name] = env[name] = resolved
-    ctx = _Ctx(env, budget, [], None)
+            given = _set_by(_at(raw_vars, name))
+            if given or (ctx.used and value.__class__ is str):  # `b: ${a}` passes vars.a=0 on
+                sets[name] = [given] if given else ctx.used
+    ctx = _Ctx(env, budget, [], None, sets)
     for key, value in tree.items():
         if key != "vars":  # each top-level value is at depth 2 (the plan itself is 1)
             tree[key] = _subst(value, ctx, _at(tree, key), 2)
+            _mark(tree, key, ctx)
     return tree
+
+
+def _set_by(pos: Pos) -> str | None:
+    """The override (`vars.batch=0`) that gave the value at `pos`, if one did."""
+    return pos.file.removeprefix("--set ") if pos.line == 0 and pos.file.startswith("--set ") else None
+
+
+def _mark(container: Any, key: Any, ctx: _Ctx) -> None:
+    """The value at `key` was just substituted: where overrides gave its vars, its
+    position says so."""
+    if ctx.used and isinstance(container, PMap | PList):
+        pos = SetPos(container.at(key), ctx.used)
+        if isinstance(container, PMap):
+            container.val_pos[key] = pos
+        elif key < len(container.item_pos):
+            container.item_pos[key] = pos
+    ctx.used = []
 
 
 class _Ctx:
     """What a substitution may use: the vars so far, the clone budget, for hints."""
 
-    __slots__ = ("env", "budget", "later", "defining")
+    __slots__ = ("env", "budget", "later", "defining", "sets", "used")
 
-    def __init__(self, env: dict[str, Any], budget: list[int], later: list[str], defining: str | None):
+    def __init__(self, env: dict[str, Any], budget: list[int], later: list[str], defining: str | None,
+                 sets: dict[str, list[str]]):
         self.env = env
         self.budget = budget
         self.later = later  # vars defined below the one being defined
         self.defining = defining
+        self.sets = sets  # var name: the overrides that gave its value
+        self.used: list[str] = []  # the overrides the last substituted string used
 
 
 def _at(container: Any, key: Any) -> Pos:
@@ -104,6 +130,7 @@ def _subst(value: Any, ctx: _Ctx, pos: Pos, depth: int) -> Any:
             if v.__class__ is str:
                 if "${" in v:
                     value[k] = _subst_str(v, ctx, _at(value, k), depth + 1)
+                    _mark(value, k, ctx)
             elif isinstance(v, list | dict):
                 _subst(v, ctx, _at(value, k), depth + 1)
     elif isinstance(value, list):
@@ -111,6 +138,7 @@ def _subst(value: Any, ctx: _Ctx, pos: Pos, depth: int) -> Any:
             if v.__class__ is str:
                 if "${" in v:
                     value[i] = _subst_str(v, ctx, _at(value, i), depth + 1)
+                    _mark(value, i, ctx)
             elif isinstance(v, list | dict):
                 _subst(v, ctx, _at(value, i), depth + 1)
     return value
@@ -166,6 +194,9 @@ def _value(text: str, ctx: _Ctx, pos: Pos) -> Any:
 def _lookup(name: str, ctx: _Ctx, pos: Pos) -> Any:
     name = name.strip()
     if name in ctx.env:
+        for given in ctx.sets.get(name, ()):
+            if given not in ctx.used:
+                ctx.used.append(given)
         return ctx.env[name]
     if name == ctx.defining:
         hint = f"a var cannot use itself; give {name!r} a value"
