@@ -142,21 +142,38 @@ class Interrupted(_Reported, BaseException):
         self.exit_code = 128 + signum
 
 
-def did_you_mean(word: str, choices, most: int = 1) -> str | None:
+def did_you_mean(word: str, choices, most: int = 1, near=()) -> str | None:
     """A 'did you mean' hint, or None when nothing is close.
 
     Names every candidate as close as the closest one (`ad`: 'add' or 'and'), then, up to
-    `most` in all, the next closest (`epochs`: 'epoch' or 'max_epochs').
+    `most` in all, the next closest (`epochs`: 'epoch' or 'max_epochs'). `near`: the
+    choices made close to where `word` is written (a blob of the same task); one a typo
+    away from it comes first, though difflib finds short names little alike (`yy` read
+    after `yb` was made: 'yb' or 'y').
     """
     import difflib
 
+    first = sorted(c for c in near if _one_typo(word, c))
     close = difflib.get_close_matches(word, list(choices), n=max(most, 5), cutoff=0.6)
-    if not close:
+    if not close and not first:
         return None
     score = {c: difflib.SequenceMatcher(None, c, word).ratio() for c in close}
     best = sorted(c for c in close if score[c] == score[close[0]])
     rest = [c for c in close if c not in best][: max(0, most - len(best))]
-    return "did you mean " + " or ".join(repr(c) for c in best + rest) + "?"
+    return "did you mean " + " or ".join(repr(c) for c in dict.fromkeys(first + best + rest)) + "?"
+
+
+def _one_typo(word: str, name: str) -> bool:
+    """`name` is `word` with one letter changed, added or dropped, or two next to each
+    other swapped (names of two letters or more: any one-letter names are a typo apart)."""
+    if min(len(word), len(name)) < 2 or word == name or abs(len(word) - len(name)) > 1:
+        return False
+    if len(word) != len(name):
+        short, long = sorted((word, name), key=len)
+        return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+    diff = [i for i, (a, b) in enumerate(zip(word, name, strict=True)) if a != b]
+    return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1
+                              and word[diff[0]] == name[diff[1]] and word[diff[1]] == name[diff[0]])
 
 
 MAX_SAID = 2000  # characters of an exception's text a message shows

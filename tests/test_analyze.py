@@ -332,6 +332,36 @@ def test_undefined_blob_suggests_a_close_name() -> None:
     assert only(text, "undefined-blob").hint == "did you mean 'total'?"
 
 
+MISSPELT_BATCH = """\
+job: t
+max_epochs: 1
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 64, features: 4, classes: 2}
+      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
+      - model.mlp: {out: model, sizes: [4, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, READ], out: loss}
+    outputs: [loss]
+"""
+
+
+@pytest.mark.parametrize(("read", "hint"), [
+    ("yy", "did you mean 'yb' or 'y'?"),  # difflib alone: 'y', the whole data set of init
+    ("by", "did you mean 'yb' or 'y'?"),  # two letters swapped
+])
+def test_undefined_blob_suggests_first_a_typo_of_a_blob_its_task_made(read: str, hint: str) -> None:
+    assert only(MISSPELT_BATCH.replace("READ", read), "undefined-blob").hint == hint
+
+
 def test_blobs_of_another_node_are_not_visible() -> None:
     text = CLEAN.replace("  - task: final\n", "  - task: final\n    node: other\n")
     d = only(text, "undefined-blob")

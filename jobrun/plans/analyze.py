@@ -506,10 +506,13 @@ class _Analyzer(Visitor):
             self.first_defs = Definitions()
             self.first_defs.visit(self.plan)
         return self.first_defs.hint(read) or self._suggest(read.name, self.first_defs.found.get(
-            read.task.node, {})) or f"define {read.name!r} first, e.g. with an op's `out` in `init`"
+            read.task.node, {}), read.task) or f"define {read.name!r} first, e.g. with an op's `out` in `init`"
 
-    def _suggest(self, name: str, names: Mapping[str, Any]) -> str | None:
+    def _suggest(self, name: str, names: Mapping[str, Any], task: ir.Task | None = None) -> str | None:
+        """`task`: where `name` is read (`names` say where each was first made): a typo
+        of a blob that task made is suggested first."""
         if self.suggestions >= _MAX_SUGGESTIONS:
             return None
         self.suggestions += 1
-        return did_you_mean(name, names)
+        near = [n for n, (_, by, _) in names.items() if by is task] if task is not None else ()
+        return did_you_mean(name, names, near=near)
