@@ -337,3 +337,64 @@ def test_a_signal_as_a_finished_job_closes_leaves_it_finished_and_says_so(tmp_pa
     signals.end_start_up()
     with pytest.raises(Interrupted, match="during start-up"):
         signals._raise(signal.SIGINT, None)
+
+
+@pytest.mark.parametrize(("first", "background"), [("record", False), ("record", True), ("epoch", False)])
+def test_two_quick_signals_as_a_run_stops_leave_the_stop_recorded(tmp_path, monkeypatch, first, background):
+    """Ctrl-C just after epoch 1's save returned (an async write goes on), before its
+    line and metrics record, or during the epoch; then again while the stop was recorded
+    (`resume_command` scans ./runs, slow with many runs): the epoch record was lost,
+    run.json stayed "running" (`jobrun runs` said died) and the hint lost the run
+    directory. A third Ctrl-C, as the run closes (a tracker may take minutes), still
+    gets out at once, saying how to go on."""
+    from runner_util import jobrun
+
+    from jobrun.runner.display import Display
+    from jobrun.runner.monitor import Watch
+    from jobrun.runner.records import Metrics
+    from jobrun.runner.rundir import RunDir
+
+    epoch_line, after_epoch = Display.epoch_line, Watch.after_epoch
+    resume_command, close = RunDir.resume_command, Metrics.close
+    closing: list[str] = []
+
+    def signalled(self, result, *args):
+        if result.epoch == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the save returned: nothing defers it yet
+        return epoch_line(self, result, *args)
+
+    def signalled_in_the_epoch(self, outputs, epoch):
+        if epoch == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return after_epoch(self, outputs, epoch)
+
+    def signalled_again(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return resume_command(self)
+
+    def signalled_as_it_closes(self):
+        closing.append("metrics")
+        close(self)
+        os.kill(os.getpid(), signal.SIGINT)
+        closing.append("not left")
+
+    if first == "record":
+        monkeypatch.setattr(Display, "epoch_line", signalled)
+    else:
+        monkeypatch.setattr(Watch, "after_epoch", signalled_in_the_epoch)
+    monkeypatch.setattr(RunDir, "resume_command", signalled_again)
+    monkeypatch.setattr(Metrics, "close", signalled_as_it_closes)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", "")
+                    .replace("checkpoint: {dir: ckpt}", f"checkpoint: {{dir: ckpt, async: {str(background).lower()}}}")
+                    .replace("do: [{const: {out: x, value: 1}}]",
+                             "do: [{const: {out: x, value: 1}}]\n    outputs: [x]"))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 130 and f"jobrun resume {run}" in r.err, r.text
+    saved = [1] if first == "record" else []
+    assert [p.parent.parent.name for p in run.glob("ckpt/local.1/rank-0/COMMIT")] == [f"local.{e}" for e in saved]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in records if m.get("event") == "epoch"] == saved, r.text
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    assert closing == ["metrics"], r.text  # the third signal: out, not waiting for the rest

@@ -100,6 +100,7 @@ class JobRunner(Checkpoints):
         self._failed_save: int | None = None  # this rank's failed save since the ranks last agreed
         self._save_error: BaseException | None = None
         self._pending_signal: int | None = None
+        self._stop: Interrupted | None = None  # the stop, once run.json says so
         self._resumable = cfg.resume_epoch is not None  # a checkpoint of this run exists
         self._writer: Writer | None = None
         self._buffers: dict[str, store.Prepared] = {}  # per node: the last async save's copy
@@ -215,9 +216,13 @@ class JobRunner(Checkpoints):
         return 0
 
     def _stopped(self, signum: int) -> NoReturn:
+        """Record the stop (run.json, console.log): a signal meanwhile waits for it, one
+        after it leaves the run's close (a tracker may take minutes) with this message."""
+        self._pending_signal = self._pending_signal or signum
         stopped = self._interrupted(signum)
         self._record("interrupted", stopped)
         self.display.to_log(stopped.format_message())
+        self._stop, self._pending_signal = stopped, None
         raise stopped from None
 
     def _peer_lost(self, error: JobrunError) -> bool:
@@ -494,6 +499,8 @@ class JobRunner(Checkpoints):
                 return
             if self.status == "finished":  # as the finished job closes: it stays finished
                 raise Interrupted(signum, during=signals.CLOSING)
+            if self._stop is not None:  # out of the stop's close, saying how to go on
+                raise self._stop
             raise Interrupted(signum)
 
         signals.reset()
