@@ -252,11 +252,16 @@ def test_a_reader_state_out_of_range_names_the_epoch_and_blob_and_the_epoch_befo
     assert jobrun("resume", run, "--epoch", "2", "max_epochs=4").code == 0
 
 
-def test_a_damaged_epoch_in_the_way_of_its_save_again_says_to_move_it(run):
+def test_a_damaged_epoch_in_the_way_of_its_save_again_is_moved_aside_and_kept(run):
     # Resumed from the epoch before, the run saves this epoch again; the damaged files are
-    # not jobrun's by its records, so they stay: the warning said "check the disk".
+    # not jobrun's by its records, so they stay, moved aside (its save failed, before).
     (_rank(run, 3) / "MANIFEST.json").unlink()
+    tensors = (_rank(run, 3) / "tensors.safetensors").read_bytes()
     r = jobrun("resume", run, "max_epochs=4")
     assert r.code == 0 and "resumed from checkpoint epoch 2" in r.out, r.text
-    assert "checkpoint of epoch 3 was NOT saved" in r.err and "a damaged checkpoint" in r.err, r.err
-    assert f"move {_rank(run, 3)} away" in r.err and "check the disk" not in r.err
+    assert "NOT saved" not in r.err and "check the disk" not in r.err, r.err
+    kept = list((run / "ckpt").glob(".deleting-local.3-*/rank-0"))
+    assert [(p / "tensors.safetensors").read_bytes() for p in kept] == [tensors]
+    assert f"{kept[0].parent.name}/rank-0/; look at it, then delete it" in r.err, r.err
+    rows = jobrun("ckpt", "list", run, "--verify").out.splitlines()
+    assert next(row for row in rows if row.split()[0] == "3").endswith("ok")  # saved again

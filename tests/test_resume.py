@@ -253,6 +253,25 @@ def test_corrupt_latest_checkpoint_is_skipped(reference, tmp_path):
     assert _final(run) == _final(reference)
 
 
+def test_a_skipped_epoch_whose_manifest_is_garbage_is_moved_aside_and_saved_again(reference, tmp_path):
+    """Its rank directory no longer says it is jobrun's, so its save could not replace it
+    (the last epoch's save failed, exit 1): the resume moves it aside, deleting nothing."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    _unfinished(run)
+    (run / "ckpt" / "local.6" / "rank-0" / "MANIFEST.json").write_text("garbage")
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert "warning: skipping checkpoint epoch 6: node 'local'" in r.err
+    assert "resumed from checkpoint epoch 5" in r.out
+    assert "NOT saved" not in r.text
+    assert _final(run) == _final(reference)
+    kept = [p for p in (run / "ckpt").glob(".deleting-local.6-*/rank-0/MANIFEST.json")]
+    assert [p.read_text() for p in kept] == ["garbage"]
+    assert kept[0].parent.parent.name in r.err and "look at it, then delete it" in r.err
+    assert "Traceback" not in r.text
+
+
 @pytest.mark.parametrize("damage", ["truncate", "missing-file", "missing-marker"])
 def test_resume_named_bad_epoch_fails_clearly(reference, tmp_path, damage):
     run = tmp_path / "run"

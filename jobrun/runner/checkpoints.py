@@ -22,6 +22,7 @@ from jobrun.runner import fingerprint, restore, rng
 from jobrun.runner.display import human_size
 from jobrun.runner.executor import NodeRuntime
 from jobrun.runner.saves import Writer, prune_together
+from jobrun.safedel import say_kept
 from jobrun.store import UnsupportedValue
 
 if TYPE_CHECKING:
@@ -332,14 +333,21 @@ class Checkpoints:
         old = [e for e in resuming.drops if e > epoch and all(
             _older(store.epoch_dir(self.ckpt_dir, n, e), resuming.started) for n in nodes)]
         try:
-            store.delete_epochs(self.ckpt_dir, nodes, old)
+            kept = store.delete_epochs(self.ckpt_dir, nodes, old)
         except (CheckpointError, OSError) as e:
             self._warn(f"the checkpoints after epoch {epoch} were not removed: {e}; `jobrun resume` "
                        f"without --epoch may take one of them for the newest")
             return
-        if old:
-            what = f"epoch {old[0]}" if len(old) == 1 else f"epochs {old[0]}-{old[-1]}"
-            self.display.line(f"removed the checkpoints of {what}, which this resume trains again")
+        if not old:
+            return
+        what = f"epoch {old[0]}" if len(old) == 1 else f"epochs {old[0]}-{old[-1]}"
+        done = f"removed the checkpoints of {what}, which this resume trains again"
+        if kept:  # a damaged manifest, or files of the user's: moved aside, never deleted
+            self._warn(f"{done}, but for what jobrun cannot tell it wrote (a damaged manifest, or files "
+                       f"of yours), moved aside in {self.ckpt_dir}: {say_kept(kept)}; look at it, then "
+                       "delete it")
+        else:
+            self.display.line(done)
 
 
 def _older(path: Path, started: float) -> bool:

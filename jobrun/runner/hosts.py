@@ -184,7 +184,8 @@ class _Lead:
         text = yaml.safe_dump(stored, sort_keys=False) if changes else run.plan_text()
         self.run, self.plan = run, plan
         self.after_pick = lambda e, saved: resuming(plan, e, sets, changes, stored, world, saved, restarts,
-                                                    newer_epochs(ckpt_dir, e, epoch), self.said)
+                                                    newer_epochs(ckpt_dir, e, epoch, list(plan.nodes)), self.said,
+                                                    went_back=epoch is not None)
         settings = _settings(run, plan, text, str(info.device or plan.device), world, restarts,
                              epoch=epoch, resume=True)
         settings["change_ok"] = replicas is not None

@@ -141,7 +141,8 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
                 e.hint = _train_again(run, info) or e.hint
             raise
         record = resuming(plan, epoch, sets, changes, stored, n, saved, restarts,
-                          newer_epochs(ckpt_dir, epoch, asked), said)
+                          newer_epochs(ckpt_dir, epoch, asked, list(plan.nodes)), said,
+                          went_back=asked is not None)
         # A plan changed on purpose may make init build other things: warned, not refused.
         launch = Launch(run.path, run.plan_dir, device, epoch, n, restarts, resume_world=saved,
                         force=force or beyond_extending(changes), profile=profile, resuming=record)
@@ -291,13 +292,14 @@ def best_or(epoch: int | str | None, ckpt_dir: Path, plan: ir.Plan, run: RunDir,
     return best_epoch(infos, nodes, plan, str(run.path), here)
 
 
-def newer_epochs(ckpt_dir: Path, epoch: int, asked: Any) -> list[int]:
+def newer_epochs(ckpt_dir: Path, epoch: int, asked: Any, nodes: list[str]) -> list[int]:
     """The epochs saved after the one a resume goes on from, when the user asked for that
     one (--epoch): the resume trains them again. Going on from the newest usable epoch,
-    the newer ones are damaged or incomplete, and `pick_epoch` said so."""
-    if asked is None:
-        return []
-    return [info.epoch for info in store.list_checkpoints(ckpt_dir) if info.epoch > epoch]
+    the newer ones are damaged or incomplete, and `pick_epoch` said so: a save of the
+    epoch replaces them, but for a damaged save it may not write over (store.in_the_way),
+    which is moved aside (kept) too."""
+    newer = [info.epoch for info in store.list_checkpoints(ckpt_dir) if info.epoch > epoch]
+    return newer if asked is not None else store.in_the_way(ckpt_dir, nodes, newer)
 
 
 def already_finished(run: RunDir, epoch: int | None, changes: list[str], plan: ir.Plan) -> bool:
@@ -322,15 +324,16 @@ def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
 
 def resuming(plan: ir.Plan, epoch: int, sets: tuple[str, ...], changes: list[str], stored: Any,
              replicas: int, saved: int, restarts: int, newer: list[int] = (),  # type: ignore[assignment]
-             said: list[str] | None = None) -> Resuming:
+             said: list[str] | None = None, went_back: bool = True) -> Resuming:
     """What the resume of ``plan`` will record once its checkpoint is restored
     (jobrun.runner.resuming); what it changes is said now (and added to ``said``), and
-    which later epochs it trains again (``newer``)."""
+    which later epochs it trains again (``newer``; ``went_back``: intact ones, which --epoch
+    chose to train again, else the damaged ones pick_epoch skipped, and said so)."""
     said = [] if said is None else said
     if changes:
         _warn_changes(changes, said)
         _warn_restored(changes, stored, plan, epoch, said)
-    if newer:
+    if newer and went_back:
         # Every epoch after `epoch` is trained again, also those `keep` pruned before.
         what = f"epoch {newer[-1]} is" if newer[-1] == epoch + 1 else f"epochs {epoch + 1}-{newer[-1]} are"
         _say(said, f"note: going on from epoch {epoch} of a run saved up to epoch {newer[-1]}: {what} "

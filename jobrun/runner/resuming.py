@@ -31,9 +31,10 @@ class Resuming:
     replicas: int
     saved: int  # the replicas that wrote the checkpoint
     restarts: int
-    # The epochs saved after `epoch` that the resume trains again (`--epoch` went back):
-    # removed once the checkpoint is restored (JobRunner._drop_replaced), so that none of
-    # them is taken for the newest when the new ones stop short of them.
+    # The epochs saved after `epoch` that the resume trains again (`--epoch` went back, or
+    # they are damaged): removed once the checkpoint is restored (JobRunner._drop_replaced),
+    # so that none of them is taken for the newest when the new ones stop short of them,
+    # and none stands in the way of its new save.
     drops: tuple[int, ...] = ()
     started: float = field(default_factory=lambda: round(time.time(), 6))
 

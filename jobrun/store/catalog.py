@@ -29,6 +29,7 @@ from jobrun.store.files import (
     check_count,
     check_node,
     checkpoint_dir_shape,
+    damaged_save,
     epoch_dir,
     make_dirs,
     missing_rank,
@@ -291,12 +292,20 @@ def intact_epochs(nodes: list[str], infos: list[EpochInfo]) -> list[int]:
     return [i.epoch for i in infos if nodes and all(n in i.nodes and i.nodes[n].intact_here for n in nodes)]
 
 
-def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> None:
+def in_the_way(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> list[int]:
+    """Of ``epochs``, those holding a damaged save (files.damaged_save) of one of ``nodes``,
+    which a save of the epoch could not write over."""
+    return [e for e in epochs if any(damaged_save(epoch_dir(ckpt_dir, n, e) / f"rank-{r}")
+                                     for n in nodes for r in ranks_in(epoch_dir(ckpt_dir, n, e)))]
+
+
+def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Collection[int]) -> list[str]:
     """Delete ``nodes``' saves of ``epochs`` here (those this directory holds), each renamed
     away first, so that a crash never leaves half of one visible. Only what a save writes
     is deleted (jobrun.safedel): a file someone added to an epoch stays, in the renamed
-    directory."""
-    shape = checkpoint_dir_shape(nodes)
+    directory, and so does a rank whose manifest does not say it is jobrun's (damaged).
+    Returns what stayed, relative to ``ckpt_dir``."""
+    shape, kept = checkpoint_dir_shape(nodes), []
     for epoch in epochs:
         for node in nodes:
             path = epoch_dir(ckpt_dir, node, epoch)
@@ -311,10 +320,11 @@ def delete_epochs(ckpt_dir: str | os.PathLike[str], nodes: list[str], epochs: Co
                     hint=f"check the permissions of {ckpt_dir}",
                 ) from e
             with contextlib.suppress(OSError):
-                remove_in(Path(ckpt_dir), shape, [gone.name])
+                kept += remove_in(Path(ckpt_dir), shape, [gone.name])
     # Not inside epochs: the other ranks may be writing this very epoch while rank 0
     # prunes, and their files in progress are no leftovers.
     clean(ckpt_dir, inside_epochs=False)
+    return kept
 
 
 # What a save or a prune leaves behind when it is killed (see files.place_dir and prune):

@@ -405,6 +405,21 @@ def _replaceable_dir(final: Path) -> bool:
         os.close(fd)
 
 
+def damaged_save(final: Path) -> bool:
+    """Whether the rank directory ``final`` is one a save may not replace (its manifest
+    does not say it is jobrun's) although it holds only files a save writes, all regular:
+    a save of jobrun's whose manifest was damaged. A resume that trains its epoch again
+    moves it aside first, kept; a directory holding any other name is the user's and
+    stays where it is (the save then fails, naming it)."""
+    if _replaceable_dir(final):
+        return False
+    try:
+        with os.scandir(final) as entries:
+            return all(RANK_SHAPE.owns_file(e.name) and e.is_file(follow_symlinks=False) for e in entries)
+    except OSError:
+        return False
+
+
 def _discard(path: Path | None) -> None:
     if path is not None:
         with contextlib.suppress(OSError):
