@@ -292,6 +292,17 @@ def test_resume_named_bad_epoch_fails_clearly(reference, tmp_path, damage):
     assert ckpt_values(run, 6) == _final(reference)  # nothing else touched
 
 
+def test_resume_from_an_epoch_that_is_not_there_is_bad_input(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    r = jobrun("resume", "--run-dir", run, "--epoch", "7")
+    assert r.code == 2, r.text  # commands.md: 2, bad input refused before anything ran
+    assert f"error: no checkpoint of epoch 7 in {run / 'ckpt'}" in r.err
+    assert "give one of the complete epochs: 0, 1, 2, 3, 4, 5, 6" in r.err
+    assert "Traceback" not in r.text
+    assert ckpt_values(run, 6) == _final(reference)
+
+
 def _flip_last_byte(path: Path) -> None:
     """Damage a file so that only its checksum can tell (same size, same header)."""
     data = bytearray(path.read_bytes())
@@ -778,7 +789,7 @@ def test_ckpt_list_show_export(reference, tmp_path):
     r = jobrun("ckpt", "show", reference, "--epoch", "6", "--blob", "steps")
     assert r.code == 0 and "steps = 18" in r.out
     r = jobrun("ckpt", "show", reference, "--epoch", "99")
-    assert r.code == 1 and "no checkpoint of epoch 99" in r.err and "0, 1, 2, 3, 4, 5, 6" in r.err
+    assert r.code == 2 and "no checkpoint of epoch 99" in r.err and "0, 1, 2, 3, 4, 5, 6" in r.err
     r = jobrun("ckpt", "show", reference, "--epoch", "6", "--blob", "nope")
     assert r.code == 2 and "has no blob 'nope'" in r.err
     assert "add one init made and nothing changes to `checkpoint.include`" in r.err  # why it may be missing

@@ -74,7 +74,7 @@ class _Run:
             raise UsageError(f"the job has no node {node!r}", hint=f"nodes: {', '.join(self.nodes)}")
         if not (self.ckpt_dir / f"{node}.{epoch}").exists():
             epochs = sorted({i.epoch for i in self.infos()})
-            raise CheckpointError(
+            raise UsageError(
                 f"no checkpoint of epoch {epoch} for node {node!r}",
                 hint=f"epochs present: {', '.join(map(str, epochs)) if epochs else 'none'}",
             )

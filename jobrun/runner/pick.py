@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jobrun import store
-from jobrun.errors import CheckpointError
+from jobrun.errors import CheckpointError, UsageError
 from jobrun.plans import ir
 from jobrun.runner import rng
 
@@ -92,6 +92,8 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
         return None
 
     if epoch is not None:
+        if not any(store.epoch_dir(ckpt_dir, n, epoch).exists() for n in nodes):
+            raise _missing(ckpt_dir, nodes, epoch)
         bad = problems(epoch)
         if bad:
             raise _unusable(ckpt_dir, nodes, epoch, bad[1][0])
@@ -118,6 +120,16 @@ def _pick_alone(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | No
 def _warn(said: list[str], line: str) -> None:
     said.append(line)
     print(line, file=sys.stderr)  # where every other warning goes
+
+
+def _missing(ckpt_dir: Path, nodes: list[str], epoch: int) -> UsageError:
+    """The named epoch was never saved here, or `keep` deleted it: bad input (exit 2); one
+    that is there but damaged is a failure (exit 1, _unusable)."""
+    done = store.complete_epochs(ckpt_dir, nodes)
+    hint = (f"give one of the complete epochs: {', '.join(map(str, done))}" if done
+            else f"no epoch in {ckpt_dir} is complete")
+    return UsageError(f"no checkpoint of epoch {epoch} in {ckpt_dir}",
+                      hint=f"{hint} (`jobrun ckpt list` shows them all)")
 
 
 def _unusable(ckpt_dir: Path, nodes: list[str], epoch: int, why: str) -> CheckpointError:
