@@ -334,6 +334,33 @@ def test_resume_that_moves_checkpoint_dir_says_the_checkpoints_are_where_it_was(
     assert jobrun("resume", "runs/a", "max_epochs=3").code == 0
 
 
+def test_a_resume_refused_for_another_checkpoint_dir_leaves_nothing_there(here, monkeypatch):
+    # Its checkpoint lock was left there (with the directories made for it), outside the run.
+    assert jobrun("train", "plan.yaml", "--run-dir", "runs/a").code == 0
+    (here / "empty").mkdir()
+    for elsewhere in (here / "new" / "deep", here / "empty"):
+        r = jobrun("resume", "runs/a", f"checkpoint.dir={elsewhere}", "max_epochs=3")
+        assert r.code == 1 and "no complete checkpoint" in r.err, r.text
+    assert not (here / "new").exists() and list((here / "empty").iterdir()) == []
+
+    # The lock file is removed as it is let go: a run that opened it just before still
+    # gets a lock of its own, never the removed file's.
+    from jobrun import safefs
+    from jobrun.runner.locks import hold_dir_lock, hold_lock, holder
+
+    lock, busy = here / "ck" / ".lock", RuntimeError
+    with hold_dir_lock(lock, "first", busy):
+        stale = [safefs.open_lock(lock)]
+    assert not lock.parent.exists()
+    lock.parent.mkdir()
+    opened = safefs.open_lock
+    monkeypatch.setattr(safefs, "open_lock", lambda path: stale.pop() if stale else opened(path))
+    with hold_lock(lock, "second", busy):
+        assert holder(lock) is None and lock.read_text() == "second"  # held by this process, at the path
+        with pytest.raises(RuntimeError, match="second"), hold_lock(lock, "third", busy):
+            pass
+
+
 def test_ckpt_verify_finds_a_damaged_file(here):
     assert jobrun("train", "plan.yaml").code == 0
     assert jobrun("ckpt", "verify").code == 0

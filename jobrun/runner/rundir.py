@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobrun import records_schema, safedel, safefs
 from jobrun.errors import JobrunError, UsageError
-from jobrun.runner.locks import hold_lock, holder
+from jobrun.runner.locks import hold_dir_lock, hold_lock, holder
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -398,14 +398,8 @@ class RunDir:
         if checkpoint_dir is None or _inside(checkpoint_dir, self.path):
             yield
             return
-        try:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            yield  # no checkpoint can be written there: each save says so, training goes on
-            return
         me = f"run {self.path.resolve()} (pid {os.getpid()})"
-        with hold_lock(checkpoint_dir / LOCK_FILE, me, lambda who: _checkpoints_busy(checkpoint_dir, who),
-                       optional=True):
+        with hold_dir_lock(checkpoint_dir / LOCK_FILE, me, lambda who: _checkpoints_busy(checkpoint_dir, who)):
             yield
 
     def truncate_metrics(self, after_epoch: int) -> None:
