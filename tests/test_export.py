@@ -10,6 +10,8 @@ import torch
 from runner_util import jobrun
 from torch import nn
 
+from jobrun import store
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -60,16 +62,72 @@ def test_several_blobs_keep_their_names_as_prefixes(mlp_run: Path, tmp_path: Pat
     from safetensors.numpy import load_file
 
     out = tmp_path / "both.safetensors"
+    r = jobrun("export", mlp_run, "--epoch", "1", "--blob", "model", "--blob", "y", "-o", out)
+    assert r.code == 0, r.text
+    assert sorted(load_file(out)) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight",
+                                      "model.4.bias", "model.4.weight", "y"]
+    # with an optimizer: .pt only (below), as `blob.key` when it is not alone
+    out = tmp_path / "both.pt"
     r = jobrun("export", mlp_run, "--epoch", "1", "--blob", "model", "--blob", "opt", "-o", out)
     assert r.code == 0, r.text
-    keys = sorted(load_file(out))
-    assert keys[:6] == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight", "model.4.bias",
-                        "model.4.weight"]
-    assert keys[6:] and all(k.startswith("opt.state.") for k in keys[6:])
-    # one blob that is not a module (an optimizer's state nests) keeps the prefixes too
-    out = tmp_path / "opt.safetensors"
-    assert jobrun("export", mlp_run, "--epoch", "1", "--blob", "opt", "-o", out).code == 0
-    assert sorted(load_file(out))[0] == "opt.state.0.momentum_buffer"
+    keys = sorted(torch.load(out, weights_only=True))
+    assert keys[:7] == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight", "model.4.bias",
+                        "model.4.weight", "opt.param_groups"]
+    assert keys[7:] and all(k.startswith("opt.state.") for k in keys[7:])
+
+
+def test_an_exported_optimizer_loads_into_plain_pytorch_as_resume_restores_it(tmp_path: Path) -> None:
+    """`export --blob opt -o opt.pt` writes the optimizer's own state_dict (int keys,
+    param_groups, Adam's step tensors), so a hand loop goes on from it; a .safetensors or
+    .json file, which would lose part of it, is refused, naming .pt."""
+    plan = tmp_path / "adamw.yaml"
+    plan.write_text("""\
+job: adamw
+seed: 0
+max_epochs: 2
+checkpoint: {}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 128, features: 8, classes: 3, seed: 0}
+      - reader: {in: [x, y], out: data, batch_size: 32, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [8, 16, 3]}
+      - optimizer: {in: model, out: opt, target: torch.optim.AdamW, lr: 0.01}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: data, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+""")
+    run = tmp_path / "run"
+    assert jobrun("train", plan, "--run-dir", run).code == 0
+    out = tmp_path / "opt.pt"
+    r = jobrun("export", run, "--blob", "opt", "-o", out)
+    assert r.code == 0, r.text
+
+    def fresh() -> torch.optim.AdamW:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    exported = fresh()
+    exported.load_state_dict(torch.load(out, weights_only=True))
+    resumed = fresh()  # what `jobrun resume` loads into the optimizer init built again
+    store.restore(resumed, store.load(run / "checkpoints", "local", 2)[0]["opt"])
+    got, want = exported.state_dict(), resumed.state_dict()
+    assert got["param_groups"] == want["param_groups"] and sorted(got["state"]) == [0, 1, 2, 3]
+    for i, state in want["state"].items():
+        assert sorted(got["state"][i]) == ["exp_avg", "exp_avg_sq", "step"]
+        assert all(torch.equal(got["state"][i][k], v) for k, v in state.items())
+    assert got["state"][0]["step"] == 8  # 2 epochs of 4 steps: trained, not a fresh state
+    for suffix in (".safetensors", ".json"):
+        r = jobrun("export", run, "--blob", "opt", "-o", tmp_path / f"opt{suffix}")
+        assert r.code == 2 and "Traceback" not in r.text
+        assert f"blob 'opt' holds the state of a torch.optim.adamw.AdamW: a {suffix} file would lose" in r.err
+        assert "export it alone to a .pt file: `jobrun export --blob opt -o opt.pt`" in r.err
+        assert not (tmp_path / f"opt{suffix}").exists()
 
 
 def test_ckpt_show_gives_dtypes_and_shapes_and_values_on_request(mlp_run: Path) -> None:

@@ -69,7 +69,10 @@ class _Run:
     def best(self) -> ir.Best | None:
         return self.plan.checkpoint.best if self.plan.checkpoint is not None else None
 
-    def load(self, epoch: int, node: str, rank: int) -> dict[str, Any]:
+    def load(self, epoch: int, node: str, rank: int, *, as_numpy: bool = True,
+             only: list[str] | None = None) -> dict[str, Any]:
+        """The blobs of a rank (``only`` these, from a rank already read whole), tensors as
+        numpy arrays, or as the torch tensors a resume restores without ``as_numpy``."""
         if node not in self.nodes:
             raise UsageError(f"the job has no node {node!r}", hint=f"nodes: {', '.join(self.nodes)}")
         if not (self.ckpt_dir / f"{node}.{epoch}").exists():
@@ -86,10 +89,10 @@ class _Run:
             raise UsageError(f"epoch {epoch} of node {node!r} was saved by {world} rank(s): there is no "
                              f"rank {rank}", hint="leave --rank out (rank 0)" if world == 1
                              else f"give --rank 0 to {world - 1}")
-        blobs, _meta = store.load(self.ckpt_dir, node, epoch, rank=rank, as_numpy=True)
+        blobs, _meta = store.load(self.ckpt_dir, node, epoch, rank=rank, as_numpy=as_numpy, blobs=only)
         blobs.pop("jobrun:rng", None)
         if shards.holds_shards(blobs):  # parallel: fsdp: every rank's part makes the whole
-            trees = [blobs if r == rank else store.load(self.ckpt_dir, node, epoch, rank=r, as_numpy=True,
+            trees = [blobs if r == rank else store.load(self.ckpt_dir, node, epoch, rank=r, as_numpy=as_numpy,
                                                          blobs=list(blobs))[0]
                      for r in range(store.read_manifest(self.ckpt_dir, node, epoch)["world_size"])]
             blobs = shards.whole(trees)
@@ -274,8 +277,10 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
     """Write blobs of one checkpoint to a .safetensors, .pt or .json file.
 
     One blob that holds a module's state is written with the module's own state_dict
-    keys (`0.weight`), so plain PyTorch loads it with `model.load_state_dict(...)`;
-    several blobs keep the blob name as a prefix of each key (`model.0.weight`).
+    keys (`0.weight`), so plain PyTorch loads it with `model.load_state_dict(...)`; one
+    that holds an optimizer's (a scheduler's) state goes to .pt as that state_dict, for
+    `opt.load_state_dict(...)` (.safetensors and .json would lose part of an optimizer's:
+    refused); several blobs keep the blob name as a prefix of each key (`model.0.weight`).
     """
     run = _Run(run_dir)
     e = run.epoch(epoch)
@@ -290,8 +295,20 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
     if suffix not in SAVE_SUFFIXES:
         raise UsageError(f"cannot export to {suffix or 'a file without suffix'!r}",
                          hint="use -o FILE.safetensors, FILE.json or FILE.pt")
+    optimizer = next((name for name, v in blobs.items() if _is_optimizer_state(v)), None)
+    if optimizer is not None and suffix != ".pt":
+        lost = "its param_groups" if suffix == ".safetensors" else "its int keys and tensors (as strings and lists)"
+        raise UsageError(
+            f"blob {optimizer!r} holds the state of a {blobs[optimizer].type_name}: a {suffix} file would "
+            f"lose {lost}, so `load_state_dict` could not take it back",
+            hint=f"export it alone to a .pt file: `jobrun export --blob {optimizer} -o {optimizer}.pt`, then "
+                 f"`opt.load_state_dict(torch.load('{optimizer}.pt', weights_only=True))`")
     only = next(iter(blobs.values())) if len(blobs) == 1 else None
     tensors = dict(only.state) if _is_module_state(only) else _flatten(blobs)
+    own = None
+    if suffix == ".pt" and isinstance(only, SavedState) and not _is_module_state(only):
+        # an optimizer's (a scheduler's) own state_dict, decoded as resume decodes it
+        own = run.load(e, n, 0, as_numpy=False, only=list(blobs))[next(iter(blobs))].state
     if suffix == ".safetensors":
         for name in blobs:
             if not any(k == name or k.startswith(name + ".") for k, v in _flatten(blobs).items() if _is_tensor(v)):
@@ -300,11 +317,12 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
     if not out.parent.is_dir():
         raise UsageError(f"cannot write {out}: directory {out.parent} does not exist",
                          hint="create it first, or give another -o")
-    _write(out, suffix, blobs, tensors)
+    _write(out, suffix, blobs, tensors, own)
     return out
 
 
-def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any]) -> None:
+def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any], own: Any) -> None:
+    """``own``: for .pt, an object's state_dict to write as it is instead of ``tensors``."""
     try:
         if suffix == ".safetensors":
             import numpy as np
@@ -319,7 +337,8 @@ def _write(out: Path, suffix: str, blobs: dict[str, Any], tensors: dict[str, Any
         else:
             import torch
 
-            state = {k: torch.from_numpy(v.copy()) if _is_tensor(v) else v for k, v in tensors.items()}
+            state = own if own is not None else {
+                k: torch.from_numpy(v.copy()) if _is_tensor(v) else v for k, v in tensors.items()}
             safefs.write_with(out, lambda f: torch.save(state, f))
     except safefs.UnsafeFile as e:
         raise UsageError(f"refusing to write {out}: {e.strerror}", hint="remove it, or give another -o") from None
@@ -334,6 +353,12 @@ def _is_module_state(value: Any) -> bool:
     a reader's holds numbers)."""
     return isinstance(value, SavedState) and isinstance(value.state, dict) and bool(value.state) and all(
         isinstance(k, str) and _is_tensor(v) for k, v in value.state.items())
+
+
+def _is_optimizer_state(value: Any) -> bool:
+    """A torch optimizer's state_dict: per-parameter state under int keys, and param_groups."""
+    return isinstance(value, SavedState) and isinstance(value.state, dict) and set(value.state) == {
+        "state", "param_groups"}
 
 
 def _kind(value: Any) -> str:
