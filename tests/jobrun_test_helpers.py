@@ -356,6 +356,13 @@ def wait_while(path: str, seconds: float = 120) -> None:
         time.sleep(0.02)
 
 
+def start_method() -> str:
+    """How this process starts child processes, a DataLoader's workers among them."""
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
 def ema_update(ema, model) -> None:
     """An EMA's step, as a script writes it: ``AveragedModel.update_parameters``."""
     ema.update_parameters(model)
