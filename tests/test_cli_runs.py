@@ -657,6 +657,22 @@ def test_an_optimizer_key_its_class_would_refuse_or_misread_is_refused_before_th
         assert "did you mean 'momentum'?" in r.err
 
 
+def test_a_key_a_torch_scheduler_does_not_take_is_refused_before_the_run_with_a_did_you_mean(tmp_path):
+    """StepLR's `step_sise` failed in init, after the run directory was made, with only
+    "check the arguments given in the plan against its signature"."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "job: typo\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
+        "      - model.mlp: {out: model, sizes: [2, 1]}\n"
+        "      - optimizer: {in: model, out: opt, lr: 0.1}\n"
+        "      - scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_sise: 2}\n"
+        "epoch:\n  - task: go\n    do:\n      - scheduler.step: {in: sched}\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "Traceback" not in r.err, r.text
+    assert f"{plan}:8:94: error: scheduler: StepLR takes no argument 'step_sise'" in r.err, r.err
+    assert "did you mean 'step_size'?" in r.err and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name, value", [("JOBRUN_PROGRESS_SECONDS", "abc"), ("JOBRUN_PROGRESS_SECONDS", "nan"),
                                          ("JOBRUN_DIST_TIMEOUT", "-1")])
 def test_a_bad_seconds_setting_in_the_environment_is_one_message_before_anything_is_written(

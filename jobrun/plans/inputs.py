@@ -153,8 +153,8 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
                 resolve(path, step.op, key)
             except RunError as e:
                 _refuse_if_missing(e, step.pos_of(where))
-        if step.op == "optimizer":
-            _check_optimizer_args(step)
+        if step.op in ("optimizer", "scheduler"):
+            _check_constructor_args(step)
     for path in plan.fsdp_layers if plan.parallel == "fsdp" else ():  # a typo failed on every rank
         try:
             resolve(path, "fsdp_layers", "class")
@@ -170,35 +170,43 @@ def _refuse_if_missing(e: RunError, pos: Pos) -> None:
         raise PlanError(e.message, pos, e.hint) from None
 
 
-def _check_optimizer_args(step: ir.OpCall) -> None:
-    """The optimizer's own keys against its constructor: one it does not take failed in
-    init (`momentum` left when `class` became Adam), and a flag given as anything but a
-    bool was taken as true (`nesterov: "false"` turned Nesterov on)."""
+def _check_constructor_args(step: ir.OpCall) -> None:
+    """An optimizer's, or a torch scheduler's (`scheduler` with a `target`), own keys
+    against its constructor: one it does not take failed in init (`momentum` left when
+    `class` became Adam, StepLR's `step_sise`), and a flag given as anything but a bool
+    was taken as true (`nesterov: "false"` turned Nesterov on)."""
     import inspect
 
     from jobrun.errors import did_you_mean
     from jobrun.ops.imports import resolve
     from jobrun.ops.optim import optimizer_class
+    from jobrun.ops.schedule import SCHEDULE_ARGS
 
+    if step.op == "optimizer":
+        path, first, own = optimizer_class(step.kwargs.get("class"), step.kwargs.get("target")), "params", ("groups",)
+    elif isinstance(step.kwargs.get("target"), str):
+        path, first, own = step.kwargs["target"], "optimizer", SCHEDULE_ARGS  # those are refused beside it
+    else:
+        return  # jobrun's own schedule: its arguments are checked with the op's
     try:
-        cls = resolve(optimizer_class(step.kwargs.get("class"), step.kwargs.get("target")), "optimizer", "class")
-        params = {k: p for k, p in inspect.signature(cls).parameters.items() if k not in ("self", "params")}
+        cls = resolve(path, step.op, "class")
+        params = {k: p for k, p in inspect.signature(cls).parameters.items() if k not in ("self", first)}
     except (RunError, TypeError, ValueError):
         return  # refused above, left to the run, or without a signature to check
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     for key, value in step.args:
-        if key in ("class", "target", "groups"):
+        if key in ("class", "target", *own):
             continue
         if key not in params:
-            raise PlanError(f"optimizer: {cls.__name__} takes no argument {key!r}", step.pos_of(key),
+            raise PlanError(f"{step.op}: {cls.__name__} takes no argument {key!r}", step.pos_of(key),
                             did_you_mean(key, params) or f"its arguments: {', '.join(params)}")
         if isinstance(params[key].default, bool) and not isinstance(value, bool):
-            raise PlanError(f"optimizer: {key} must be true or false, got {value!r}", step.pos_of(key),
+            raise PlanError(f"{step.op}: {key} must be true or false, got {value!r}", step.pos_of(key),
                             f"write `{key}: true` or `{key}: false`, unquoted")
         numbers = value if isinstance(value, list | tuple) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):  # an lr of .inf: NaN weights
-            raise PlanError(f"optimizer: {key} must be finite, got {value!r}", step.pos_of(key))
+            raise PlanError(f"{step.op}: {key} must be finite, got {value!r}", step.pos_of(key))
 
 
 def _named_code(step: ir.OpCall) -> Iterator[tuple[str, str, str]]:
