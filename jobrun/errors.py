@@ -60,7 +60,7 @@ def with_origin(hint: str | None, pos: Pos | None) -> str | None:
     if not isinstance(pos, SetPos):
         return hint
     note = f"the value here came from {' and '.join(f'`{s}`' for s in pos.sets)} on the command line"
-    if not hint or note in hint:
+    if not hint or note[1:] in hint:  # once: a message made again from one keeps its note
         return hint or note
     return f"{hint}{'' if hint.endswith(('.', '?')) else '.'} {note[0].upper()}{note[1:]}"
 

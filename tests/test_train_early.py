@@ -100,7 +100,7 @@ def test_a_batch_size_of_0_on_the_command_line_is_refused_at_the_plans_value(tmp
     where = _at(tmp_path, '"${batch}"')
     assert r.err.splitlines() == [
         f"{plan}:{where}: error: argument `batch_size` of `reader` is 0; expected an integer >= 1",
-        "  hint: give `batch_size` an integer >= 1"]
+        "  hint: give `batch_size` an integer >= 1. The value here came from `vars.batch=0` on the command line"]
     assert not (tmp_path / "runs").exists()
 
 
