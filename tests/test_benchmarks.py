@@ -142,5 +142,5 @@ def test_bytecode_counts_name_jobruns_own_work_per_step() -> None:
     # the step and the read, bound to their call site (jobrun/ops/bound.py), and the reader
     assert beyond.get("bound.py:step", 0) > 0 and beyond.get("bound.py:read", 0) > 0, p.stdout
     # a plain reader (CPU tensors, one process) reads its pass through a generator
-    assert beyond.get("tensor_reader.py:_plain_pass", 0) > 0 and "train.py:train_step" not in beyond, p.stdout
+    assert beyond.get("tensor_reader.py:read", 0) > 0 and "train.py:train_step" not in beyond, p.stdout
     assert any(fn.endswith(":do") and fn.startswith("<jobrun task 'train'") for fn in beyond), p.stdout

@@ -104,9 +104,8 @@ def test_a_checkpoint_taken_while_a_batch_is_prepared_resumes_bit_for_bit(kind, 
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("at", [0, 1, 3, 4, 6])
 def test_a_plain_reader_prepares_nothing_and_resumes_from_any_read_bit_for_bit(shuffle, at):
-    """A plain reader's batches come from a generator of its pass; the state is its
-    position, and loading one (into a fresh reader or the same one, mid-pass or at a
-    pass's end) drops the generator."""
+    """A plain reader gathers each batch when `read` runs; the state is its position,
+    loaded into a fresh reader or the same one, mid-pass or at a pass's end."""
     args = dict(batch_size=4, shuffle=shuffle, passes=0)
     r = _tensor_reader(**args)
     assert r._plain
@@ -127,9 +126,9 @@ def test_a_plain_reader_prepares_nothing_and_resumes_from_any_read_bit_for_bit(s
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_plain_reader_dropped_mid_pass_frees_its_fields_at_once(shuffle):
-    """The generator of a plain reader's pass held the reader: a cycle, so a reader made
-    every epoch and left mid-pass (a loop of N steps) kept its data (52 MB an epoch)
-    until the cyclic collector ran, epochs later."""
+    """A plain reader's pass once held the reader (a generator of it): a cycle, so a
+    reader made every epoch and left mid-pass (a loop of N steps) kept its data (52 MB an
+    epoch) until the cyclic collector ran, epochs later."""
     import gc
     import weakref
 

@@ -93,7 +93,6 @@ class Reader:
     """
 
     field_count = 1  # fields of a batch (the outputs of `read` before `done`)
-    _batches: Any = None  # a plain tensor reader's pass (jobrun.ops.tensor_reader), dropped by a load
 
     def __init__(
         self,
@@ -296,7 +295,6 @@ class Reader:
         self.position = values["position"]
         self.seed = values["seed"]
         self._order_pass = -1  # recompute the permutation lazily
-        self._batches = None  # a plain reader's batches from the position left
         self._prepared(-1)  # prepared for the position left: dropped (once its thread is done)
 
     def __repr__(self) -> str:

@@ -6,8 +6,6 @@ shares (position, passes, shuffled order, rank parts, look-ahead, state) is
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -15,7 +13,6 @@ import numpy as np
 import torch
 
 from jobrun.errors import RunError
-from jobrun.ops.batches import counts
 from jobrun.ops.reader import Reader
 from jobrun.ops.split import mark_records
 
@@ -89,21 +86,11 @@ class TensorReader(Reader):
     def read(self) -> tuple[Any, ...]:
         """The next batch as (*fields, done); see the `read` op.
 
-        Every training step runs this. A plain reader (see `_plain_fields`) takes the
-        next batch of its pass from `_plain_pass`, which holds the reader by a weak
-        reference: a reader dropped mid-pass is freed at once, with the fields it holds
-        (not by the cyclic collector, epochs later). Other readers hand out the batch the
-        last read prepared and prepare the next one of the pass (look-ahead, see the
-        module docstring).
+        Every training step runs this. A plain reader (see `_plain_fields`) gathers its
+        batch when `read` runs: on the CPU nothing travels, so nothing is prepared ahead.
+        Other readers hand out the batch the last read prepared and prepare the next one
+        of the pass (look-ahead, see the module docstring).
         """
-        if self._plain:
-            batches = self._batches
-            if batches is None:
-                batches = self._batches = TensorReader._plain_pass(weakref.proxy(self))
-            batch = next(batches, None)
-            if batch is not None:
-                return batch
-            self._batches = None
         start, end = self.position, self._pass_end
         if start >= end or (self.passes and self.pass_index >= self.passes):
             return self._end_of_pass()
@@ -111,6 +98,16 @@ class TensorReader(Reader):
         if stop > end:
             stop = end
         self.position = stop
+        if self._plain:
+            if self.shuffle:
+                idx = self._pass_order()[start:stop]
+                fields = self.fields
+                batch = (fields[0].index_select(0, idx), fields[1].index_select(0, idx), False) \
+                    if len(fields) == 2 else (*self._select(idx), False)
+            else:
+                batch = (*self._take(start, stop, None), False)
+            self._handed(batch, stop - start, stop - start)
+            return batch
         order = self._pass_order() if self.shuffle else None
         ahead = self._prepared(start)
         fields = self._land(self._take(start, stop, order) if ahead is None else ahead)
@@ -122,44 +119,13 @@ class TensorReader(Reader):
         self._handed(fields, hi - lo, stop - start)
         return (*fields, False)
 
-    def _plain_pass(self) -> Iterator[tuple[Any, ...]]:
-        """The batches of a plain reader from its position to its pass's end, counted:
-        gathered where they are used, on the CPU, so nothing is prepared ahead. A
-        generator, so that a step reads its locals, not the reader's attributes; the
-        reader's state is still its `position`, and loading a state drops the generator.
-        `self` is a weak proxy of the reader (see `read`). Records of one shape: a
-        record's tokens (jobrun.ops.batches) are learnt once."""
-        if self.passes and self.pass_index >= self.passes:
-            return
-        fields, tally, starts = self.fields, self.tally, range(self.position, self._pass_end, self.batch_size)
-        if self._width is None:
-            self._width = counts(self._as_handed(tuple([f[:1] for f in fields])))[1]
-        width = self._width
-        spans = zip(starts, itertools.chain(starts[1:], (self._pass_end,)))
-        if not self.shuffle:
-            for start, stop in spans:
-                self.position = stop
-                tally[0] += stop - start
-                tally[1] += (stop - start) * width
-                yield (*[f[start:stop] for f in fields], False)
-            return
-        order, (first, second) = self._pass_order(), (fields if len(fields) == 2 else (None, None))
-        for start, stop in spans:
-            self.position = stop
-            idx = order[start:stop]
-            batch = (first.index_select(0, idx), second.index_select(0, idx), False) \
-                if second is not None else (*self._select(idx), False)
-            tally[0] += stop - start
-            tally[1] += (stop - start) * width
-            yield batch
-
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         for start in range(0, self.pass_end, self.batch_size):
             yield self._land(self._take(start, min(start + self.batch_size, self.pass_end), None))
 
     def _take(self, start: int, stop: int, order: torch.Tensor | None) -> Any:
         """The batch [start, stop) of a pass (this rank's part), sent to the device."""
-        if self._plain and order is None:  # full_pass (`read` has `_plain_pass`)
+        if self._plain and order is None:  # slices of CPU tensors (shuffled: `read`)
             return tuple([f[start:stop] for f in self.fields])
         if self.batch_size == 1:
             # An unbatched record cannot be split: every rank reads the same one.
