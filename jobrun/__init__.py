@@ -1,7 +1,7 @@
 """jobrun: run PyTorch training jobs described by declarative YAML plans.
 
 For your own code (a `call`'s function): :func:`batch_rows`; for a hand loop that draws
-what a plan draws: :func:`node_seed`, and reads in a shuffled reader's order: :func:`reader_order`.
+what a plan draws: :func:`node_seed` and :func:`replica_seed`, and reads in a shuffled reader's order: :func:`reader_order`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,23 @@ def node_seed(seed: int, node: str = "local") -> int:
     from jobrun.ops.context import node_seed as seed_of
 
     return seed_of(seed, node)
+
+
+def replica_seed(seed: int, rank: int) -> int:
+    """The seed of replica ``rank``'s global generators (torch's, numpy's, Python's) in a
+    plan with ``seed: SEED`` and replicas: every replica runs init on the streams
+    ``SEED`` starts, then each replica but 0 reseeds them with this, so that dropout and
+    other draws of the epochs differ between replicas. A hand-written DDP loop that must
+    draw the same numbers does, once its models are built::
+
+        if rank > 0:
+            torch.manual_seed(replica_seed(SEED, rank))  # and random.seed, np.random.seed
+
+    (numpy's takes the seed modulo 2**32.)
+    """
+    from jobrun.runner.rng import replica_seed as seed_of
+
+    return seed_of(seed, rank)
 
 
 _ORDER_ARGS = {"n": "the number of records (windows for a window reader), a whole number >= 0",

@@ -380,3 +380,19 @@ def spoil_own_checkpoint(rank: int, world_size: int, ckpt: str = "", which: int 
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
+
+
+def record_draws(epoch: int, path: str) -> None:
+    """Draw from the global streams (torch's, numpy's, Python's), as dropout and a user's
+    own code do, and append them as one JSON line {rank, world, epoch, torch, numpy, python}."""
+    import json
+    import random
+
+    import numpy as np
+    import torch
+
+    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "world": int(os.environ.get("WORLD_SIZE", 1)),
+                       "epoch": int(epoch), "torch": torch.rand(3).tolist(), "numpy": np.random.rand(2).tolist(),
+                       "python": random.random()})
+    with _lock, open(path, "a") as f:
+        f.write(line + "\n")

@@ -236,6 +236,8 @@ class Checkpoints:
             if self.main_rank:
                 self.metrics.write({"epoch": epoch, "event": "checkpoint_load", "node": name,
                                     "rank": self.rank, "seconds": round(seconds, 6)})
+        if self.rank >= (c.resume_world or c.world_size):  # it restored rank 0's streams
+            rng.seed_replica(self.plan.seed, self.rank, epoch)
         return meta
 
     def _load_named(self, node: NodeRuntime, live: dict[str, Any], which: int | str) -> None:

@@ -30,7 +30,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, s
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
-from jobrun.runner import clock, fingerprint, profile, trackers
+from jobrun.runner import clock, fingerprint, profile, rng, trackers
 from jobrun.runner.checkpoints import Checkpoints, held_blobs, short
 from jobrun.runner.codegen_task import shared_names
 from jobrun.runner.concurrency import run_concurrently
@@ -249,6 +249,7 @@ class JobRunner(Checkpoints):
                 name, frozenset())} for name, node in self.nodes.items()})
         resume = self.cfg.resume_epoch
         if resume is None:
+            rng.seed_replica(self.plan.seed, self.rank)  # after init's fingerprint: it is the same on every rank
             self._save(0, stop=False)
             self._stop_if_signalled(0)
             self._resumable = True

@@ -134,3 +134,26 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def replica_seed(seed: int, rank: int, epoch: int | None = None) -> int:
+    """The seed replica `rank` (> 0) gives its global generators once init is done
+    (`jobrun.replica_seed`); ``epoch``: a replica that a resume onto more replicas adds
+    after that epoch, which has no streams of its own to restore."""
+    from jobrun.ops.reader import _mix
+
+    return _mix(seed, "replica", rank) if epoch is None else _mix(seed, "replica", rank, "resumed", epoch)
+
+
+def seed_replica(seed: int, rank: int, epoch: int | None = None) -> None:
+    """Give replica `rank` streams of its own: init drew alike on every replica (so each
+    built the same models), the epochs' draws in the forward (dropout) and in the user's
+    code must not. Replica 0 keeps the streams init left, those of a run of one process."""
+    import torch
+
+    if rank == 0:
+        return
+    value = replica_seed(seed, rank, epoch)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)  # and every GPU's generator
