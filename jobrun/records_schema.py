@@ -356,6 +356,8 @@ class MetricsRecord:
     values: dict[str, Any]
     outputs: dict[str, dict[str, Any]]
     step: int | None = None  # a log record's step (`jobrun plot --x step`)
+    task: str | None = None  # the task whose `log` wrote it
+    time: float | None = None  # when it was written (seconds since 1970)
 
 
 def metrics_line(line: str, where: str) -> MetricsRecord | None:
@@ -375,7 +377,7 @@ def metrics_line(line: str, where: str) -> MetricsRecord | None:
     except Invalid as e:
         raise Invalid(f"{where}: field {e.where}", e.what) from None
     return MetricsRecord(r.get("epoch"), r.get("group"), r.get("event"), r.get("values") or {},
-                         r.get("outputs") or {}, r.get("step"))
+                         r.get("outputs") or {}, r.get("step"), r.get("task"), r.get("time"))
 
 
 # ------------------------------------------------------------------- checkpoint manifests

@@ -57,3 +57,57 @@ def test_no_thread_without_tensorboard_values(tmp_path):
     tb.write("train", 1, {"done": False, "name": "x"})
     assert tb.thread is None
     tb.close()
+
+
+FAILS_IN_EPOCH_3 = """\
+job: tb
+max_epochs: 4
+vars: {mark: 1}
+checkpoint: {dir: ckpt, every: 2}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}
+      - model.mlp: {out: model, sizes: [2, 1]}
+      - optimizer: {in: model, out: opt, lr: 0.01}
+      - const: {out: epoch_no, value: 0}
+epoch:
+  - task: t
+    do:
+      - add: {in: [epoch_no, 1], out: epoch_no}
+      - loop: 2
+        do:
+          - train.step: {in: [model, opt, x, y], out: loss, loss: mse}
+          - log: {in: [loss]}
+      - train.step: {in: [model, opt, x, y], out: val, loss: mse}
+      - const: {out: mark, value: "${mark}"}
+      - log: {in: [val, mark]}
+      - eq: {in: [epoch_no, 3], out: third}
+      - if: third
+        then: [{call: {fn: "jobrun_test_helpers:fail_once", path: "FAILED"}}]
+"""
+
+
+def test_a_resume_replaces_the_points_logged_after_its_checkpoint(tmp_path):
+    """A run that failed in epoch 3 had written epoch 3's scalars; its resume from
+    checkpoint 2 logs them again: TensorBoard shows each step once, the resume's value,
+    and keeps the points of the checkpoint's own step (epoch 2's last, at step 6)."""
+    pytest.importorskip("tensorboard")
+    from runner_util import jobrun, metrics
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(FAILS_IN_EPOCH_3.replace("FAILED", str(tmp_path / "failed")))
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 1 and "bad luck" in r.err, r.text
+    before = _scalars(run / "tensorboard")
+    assert [s for s, _, _ in before["t/mark"]] == [3, 6, 9]  # epoch 3 logged before it failed
+    r = jobrun("resume", "--run-dir", run, "vars.mark=2")
+    assert r.code == 0 and "resumed from checkpoint epoch 2" in r.out, r.text
+    got = {tag: [(s, v) for s, v, _ in points] for tag, points in _scalars(run / "tensorboard").items()}
+    assert got["t/mark"] == [(3, 1.0), (6, 1.0), (9, 2.0), (12, 2.0)]
+    logged = [(m["step"], m["values"]) for m in metrics(run) if "values" in m]
+    for tag in ("loss", "val"):  # each step once, as metrics.jsonl holds it
+        assert got[f"t/{tag}"] == [(s, pytest.approx(v[tag])) for s, v in logged if tag in v]
+    assert [s for s, _ in got["t/loss"]] == [0, 1, 3, 4, 6, 7, 9, 10]
+    assert [s for s, _ in got["t/val"]] == [3, 6, 9, 12]

@@ -30,6 +30,7 @@ from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, s
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
 from jobrun.plans import ir, precision
+from jobrun.records_schema import MetricsRecord
 from jobrun.runner import clock, fingerprint, profile, rng, trackers
 from jobrun.runner.checkpoints import Checkpoints, held_blobs, short
 from jobrun.runner.codegen_task import shared_names
@@ -254,6 +255,8 @@ class JobRunner(Checkpoints):
             self._stop_if_signalled(0)
             self._resumable = True
             self._agree_on_stop()
+            if self.cfg.restart is not None:  # metrics.jsonl was emptied: so is TensorBoard
+                self.tensorboard.restart(0, self._logged)
             self._restarted(None)
             return False
         meta = self._restore(resume)
@@ -263,6 +266,7 @@ class JobRunner(Checkpoints):
         if self.cfg.resuming is not None and self.main_rank:
             self.cfg.resuming.record(self.run_dir)  # the run's own from now on (runner/resuming.py)
             self.metrics.reopen()  # the file it appended to was replaced, without the later epochs
+        self.tensorboard.restart(min(node.ctx.step for node in self.nodes.values()), self._logged)
         self._unrecorded = False
         self._restarted(resume)
         early = self._restore_watch(meta)
@@ -316,6 +320,10 @@ class JobRunner(Checkpoints):
         if reason is not None:
             self.display.line(f"stopping early (as after epoch {self.epoch}): {reason}")
         return reason is not None
+
+    def _logged(self) -> list[MetricsRecord]:
+        """metrics.jsonl's records (a resume cut them at its checkpoint)."""
+        return [record for _, record in self.run_dir.metrics_lines() or ()]
 
     @property
     def step(self) -> int:

@@ -7,11 +7,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobrun import safefs
 from jobrun.runner.trackers import FLUSH_S
+
+if TYPE_CHECKING:
+    from jobrun.records_schema import MetricsRecord
 
 
 class Metrics:
@@ -76,12 +80,17 @@ class TensorBoard:
     (add_scalar's protobuf, then the CRC of its record in tensorboard's pure Python),
     three an epoch 0.9 % of the MLP example's epoch when written as each `log` ran.
     TensorBoard's own writer flushes its file every 120 s: a killed run loses no more.
+
+    A run that goes on from a checkpoint (a resume, a restart) calls `restart`: the points
+    the earlier run logged past it are hidden, and the resume's own take their place.
     """
 
     def __init__(self, run_dir: Path | None):
-        self.writer = None
+        self.writer: Any = None
+        self.log_dir: Path | None = None
         self.pending: list[tuple[str, Any, int, float]] = []  # (tag, value, step, wall time)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the pending list
+        self.writing = threading.Lock()  # the writer (`restart` replaces it)
         self.closing = threading.Event()
         self.thread: threading.Thread | None = None
         if run_dir is None:
@@ -98,19 +107,40 @@ class TensorBoard:
             print(f"warning: no TensorBoard scalars: {log_dir} is a link or a file, not a directory "
                   "jobrun made", file=sys.stderr, flush=True)
             return
+        self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def write(self, task: str, step: int, values: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self._add(_scalars(task, step, values, time.time()))
+
+    def restart(self, step: int, logged: Callable[[], Iterable[MetricsRecord]]) -> None:
+        """Go on from a checkpoint at global step `step` (the least any node had taken):
+        from here on TensorBoard shows none of the points at `step` or later that the
+        event files hold (torch's `purge_step`: a new event file starts with a
+        SessionLog.START at `step`, and TensorBoard drops what it read before at that step
+        or later), and the run's records at those steps are written again after it:
+        `logged()` gives metrics.jsonl's, which the resume cut at its checkpoint (an epoch
+        saved at step S logged its last values at S too; a value of a step before `step`
+        stays as it was)."""
         if self.writer is None:
             return
-        now = time.time()
-        scalars = [(f"{task}/{name}", value, step, now) for name, value in values.items()
-                   if isinstance(value, int | float) and not isinstance(value, bool)]
-        if not scalars:
-            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        kept = [s for r in logged() if r.event is None and r.task is not None and r.step is not None
+                and r.step >= step for s in _scalars(r.task, r.step, r.values, r.time or time.time())]
+        with self.writing:
+            self._flush_now()  # before the purge: the run's own values at later steps are in `kept`
+            self.writer.close()
+            self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step)
+        with self.lock:
+            self.pending[:0] = kept
+        self._add([])
+
+    def _add(self, scalars: list[tuple[str, Any, int, float]]) -> None:
         with self.lock:
             self.pending += scalars
-            if self.thread is None:
+            if self.thread is None and self.pending:
                 self.thread = threading.Thread(target=self._work, name="tensorboard", daemon=True)
                 self.thread.start()
 
@@ -119,10 +149,14 @@ class TensorBoard:
             self._flush()
 
     def _flush(self) -> None:
+        with self.writing:
+            self._flush_now()
+
+    def _flush_now(self) -> None:
         with self.lock:
             scalars, self.pending = self.pending, []
         for tag, value, step, wall in scalars:
-            self.writer.add_scalar(tag, value, global_step=step, walltime=wall)  # type: ignore[union-attr]
+            self.writer.add_scalar(tag, value, global_step=step, walltime=wall)
 
     def close(self) -> None:
         if self.writer is None:
@@ -132,3 +166,9 @@ class TensorBoard:
             self.thread.join()
         self._flush()
         self.writer.close()
+
+
+def _scalars(task: str, step: int, values: dict[str, Any], wall: float) -> list[tuple[str, Any, int, float]]:
+    """The TensorBoard scalars of one `log` call: its numbers, tagged `<task>/<name>`."""
+    return [(f"{task}/{name}", value, step, wall) for name, value in values.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)]
