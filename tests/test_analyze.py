@@ -880,7 +880,7 @@ def test_output_clash_between_epoch_tasks() -> None:
 
 def test_output_clash_says_what_the_run_does_with_the_two_values() -> None:
     # The runner keeps both: stop_when tests each, early_stop takes the first task's, the
-    # epoch line shows the last task's (runner/job.py, monitor.py, display.py).
+    # epoch line shows both, named by task (runner/job.py, monitor.py, display.py).
     text = (
         "job: j\nmax_epochs: 3\nstop_when: [done]\nearly_stop: {monitor: done, mode: max}\nepoch:\n"
         "  - task: a\n    do: [{const: {out: done, value: false}}]\n    outputs: [done]\n"
@@ -890,21 +890,22 @@ def test_output_clash_says_what_the_run_does_with_the_two_values() -> None:
     assert d.message == (
         "output 'done' of task 'b' is also an output of task 'a' (line 6): stop_when stops the "
         "job when any of them is truthy, early_stop monitors the value of task 'a' (the first), "
-        "the epoch line shows the value of task 'b'"
+        "the epoch line shows each with its task's name (a.done=... b.done=...)"
     )
     assert "keeps one value" not in (d.hint or "") and "metrics.jsonl keeps each" in (d.hint or "")
 
 
-def test_output_clash_of_three_tasks_names_the_one_the_epoch_line_shows() -> None:
-    # The epoch line shows the last task's value: the warning at the second task said
-    # the second's.
+def test_output_clash_of_three_tasks_names_the_three_the_epoch_line_shows() -> None:
+    # The epoch line shows every task's value: the warning at the second task names the
+    # third's too.
     text = "job: j\nmax_epochs: 3\nepoch:\n" + "".join(
         f"  - task: {t}\n    do: [{{const: {{out: acc, value: 1}}}}]\n    outputs: [acc]\n" for t in "abc")
     said = [d.message for d in analyze(compile_text(text, "p.yaml")) if d.code == "output-clash"]
     assert [m.split(":")[0] for m in said] == [
         "output 'acc' of task 'b' is also an output of task 'a' (line 4)",
         "output 'acc' of task 'c' is also an output of task 'a' (line 4)"]
-    assert all(m.endswith("the epoch line shows the value of task 'c'") for m in said), said
+    assert all(m.endswith("the epoch line shows each with its task's name (a.acc=... b.acc=... c.acc=...)")
+               for m in said), said
 
 
 # -- unused --------------------------------------------------------------------------------

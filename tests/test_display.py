@@ -312,3 +312,53 @@ def _running(task, i, n):
     for _ in range(i + 1):
         next(iterator)
     return task, iterator, n, time.perf_counter()
+
+
+TWO_TASKS = """\
+job: two
+max_epochs: 3
+loggers: [csv]
+init:
+  - task: setup
+    do: [{const: {out: epoch_no, value: 0}}]
+epoch:
+  - task: train
+    do:
+      - const: {out: loss, value: 0.25}
+      - log: {in: [loss]}
+  - task: finetune
+    do:
+      - add: {in: [epoch_no, 1], out: epoch_no}
+      - const: {out: loss, value: 0.5}
+      - const: {out: acc, value: 0.75}
+      - eq: {in: [epoch_no, 2], out: second}
+      - if: second
+        then: [{log: {in: [loss]}}]
+    outputs: [acc]
+"""
+
+
+def test_a_name_two_epoch_tasks_give_is_shown_once_for_each_with_its_task(tmp_path):
+    """The epoch line merged every task's values by name: finetune's loss hid train's
+    (or the other way round, whichever thread logged last)."""
+    import csv
+
+    from runner_util import jobrun, logged
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TWO_TASKS)
+    run = tmp_path / "run"
+    r = jobrun("train", plan, "--run-dir", run)
+    assert r.code == 0, r.text
+    assert [line.split("  ")[:2] for line in r.out.splitlines() if line.startswith("epoch ")] == [
+        ["epoch 1/3", "loss=0.25 acc=0.75"],  # one task gave it
+        ["epoch 2/3", "train.loss=0.25 finetune.loss=0.5 acc=0.75"],  # in the plan's order of tasks
+        ["epoch 3/3", "train.loss=0.25 acc=0.75"],  # named by task from then on
+    ]
+    # metrics.jsonl and the trackers keep both already, by task
+    assert [(x["_epoch"], x["_task"], x["loss"]) for x in logged(run)
+            if x["_epoch"] == 2] in ([(2, "train", 0.25), (2, "finetune", 0.5)],
+                                     [(2, "finetune", 0.5), (2, "train", 0.25)])
+    with open(run / "metrics.csv") as f:
+        rows = {(row["epoch"], row["name"], row["value"]) for row in csv.DictReader(f)}
+    assert {("2", "train/loss", "0.25"), ("2", "finetune/loss", "0.5")} <= rows, rows

@@ -57,13 +57,14 @@ def _clashes(plan: ir.Plan) -> Iterator[Problem]:
 
 def _clash(plan: ir.Plan, name: str, task: ir.Task, tasks: list[ir.Task]) -> str:
     """The warning at `task`'s output `name`, which `tasks` (all of them) give."""
-    first, shown = tasks[0], tasks[-1]  # the epoch line shows the last task's (display.py)
+    first = tasks[0]
     best = plan.checkpoint.best if plan.checkpoint is not None else None
     said = ["stop_when stops the job when any of them is truthy"] if name in {
         r.name for r in plan.stop_when} else []
     said += [f"{what} monitors the value of task {first.name!r} (the first)" for what, watch
              in (("early_stop", plan.early_stop), ("checkpoint.best", best))
              if watch is not None and watch.monitor.name.name == name]
-    said.append(f"the epoch line shows the value of task {shown.name!r}")
+    said.append("the epoch line shows each with its task's name ("  # runner/display.py
+                + " ".join(f"{t.name}.{name}=..." for t in tasks) + ")")
     return (f"output {name!r} of task {task.name!r} is also an output of task {first.name!r} "
             f"(line {first.pos.line}): " + ", ".join(said))

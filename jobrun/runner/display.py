@@ -76,8 +76,9 @@ class Display:
         self._what = "starting"
         self._t0 = time.monotonic()
         self._epoch_t0 = time.monotonic()
-        self._values: dict[str, Any] = {}  # logged in the running epoch, latest first
+        self._values: dict[tuple[str, str], Any] = {}  # (task, name): logged in the running epoch
         self._columns: dict[str, None] = {}  # the epoch lines' names, in the order first shown
+        self._shared: set[str] = set()  # names two tasks gave in one epoch: shown as task.name
         self._counts: dict[str, int] = {}  # steps of each loop (by key) in the last epoch
         self._last_beat = time.monotonic()
         self._feed_start = (0, 0)  # records and tokens read when the running group started
@@ -127,7 +128,7 @@ class Display:
         progress bar; in the other groups each call is a line of its own."""
         if group == "epoch":
             with self._lock:
-                self._values.update(values)
+                self._values.update({(task, k): v for k, v in values.items()})
             return
         shown = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
         self.line(f"[{group} {task}] {msg + ': ' if msg else ''}{shown}")
@@ -139,19 +140,31 @@ class Display:
         step = getattr(result, "step", None)
         steps = f"step {step}/{max_steps}" if max_steps and step is not None else ""
         values = dict(self._values)
-        for task in result.outputs.values():
-            values.update(task)
+        for task, outputs in result.outputs.items():
+            values.update({(task, k): v for k, v in outputs.items()})
+        order = {task: i for i, task in enumerate(result.outputs)}  # the plan's (tasks log in any order)
+        values = dict(sorted(values.items(), key=lambda item: order.get(item[0][0], len(order))))
+        newly = _shared(values) - self._shared
+        self._shared |= newly
+        labelled = {self._label(task, k): (k, v) for (task, k), v in values.items()}
         # A name keeps its place from one epoch line to the next (the `log` that runs first
-        # may differ between epochs: `every: N`), new names after the others.
-        self._columns.update(dict.fromkeys(values))
-        values = {k: values[k] for k in self._columns if k in values}
-        outs = " ".join(f"{k}={_fmt(v)}" for k, v in values.items()
+        # may differ between epochs: `every: N`), new names after the others; a name two
+        # tasks now give is shown as each task's in its place.
+        self._columns = dict.fromkeys(c for column in self._columns for c in (
+            [label for label, (k, _) in labelled.items() if k == column] if column in newly else [column]))
+        self._columns.update(dict.fromkeys(labelled))
+        outs = " ".join(f"{label}={_fmt(v)}" for label, (k, v) in
+                        ((label, labelled[label]) for label in self._columns if label in labelled)
                         if not (k in self.quiet and not _true(v)))
         from jobrun.runner.throughput import epoch_text
 
         rates = epoch_text(getattr(result, "rates", {}), result.seconds, human_size)
         parts = [f"epoch {result.epoch}{of}", steps, outs, f"{result.seconds:.2f}s", rates, result.ckpt]
         self.line("  ".join(p for p in parts if p))
+
+    def _label(self, task: str, name: str) -> str:
+        """A value's name on the epoch line: `task.name` once two tasks gave that name."""
+        return f"{task}.{name}" if name in self._shared else name
 
     # -- lines ----------------------------------------------------------------------------
     def line(self, text: str) -> None:
@@ -212,7 +225,10 @@ class Display:
     def _refresh(self) -> None:
         loop = self.progress.get("loop")
         step = self._step(loop)
-        values = " ".join(f"{k}={_fmt(v)}" for k, v in list(self._values.items())[-4:])
+        latest = dict(self._values)
+        shared = self._shared | _shared(latest)
+        values = " ".join(f"{f'{task}.' if k in shared else ''}{k}={_fmt(v)}"
+                          for (task, k), v in list(latest.items())[-4:])
         now = time.monotonic()
         samples = self._samples(now)
         if self._progress_bar is not None:
@@ -328,3 +344,11 @@ def human_size(n: float) -> str:
         n /= 1024
         i += 1
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _shared(values: dict[tuple[str, str], Any]) -> set[str]:
+    """The names that more than one task gave (logged or output) among `values`."""
+    tasks: dict[str, set[str]] = {}
+    for task, name in values:
+        tasks.setdefault(name, set()).add(task)
+    return {name for name, given in tasks.items() if len(given) > 1}
