@@ -673,6 +673,60 @@ def test_a_key_a_torch_scheduler_does_not_take_is_refused_before_the_run_with_a_
     assert "did you mean 'step_size'?" in r.err and not (tmp_path / "run").exists()
 
 
+TYPO_MODEL = """\
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, features: int, hidden: int = 8, act: nn.Module | None = None):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features, hidden), act or nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def scaled(x, factor: float = 1.0):
+    return x * factor
+"""
+
+
+@pytest.mark.parametrize("step, said, at, hint", [
+    ("{build: {out: model, target: typo_net_model.Net, features: 2, hiden: 4}}",
+     "build: Net takes no argument 'hiden'", "4}}", "did you mean 'hidden'?"),
+    ("{build: {out: model, target: typo_net_model.Net, features: 2, act: {target: torch.nn.LeakyReLU, "
+     "negative_slop: 0.1}}}", "build: LeakyReLU takes no argument 'negative_slop'", "{target: torch",
+     "did you mean 'negative_slope'?"),
+    ("{call: {fn: \"typo_net_model:scaled\", in: [model], out: model, factr: 2}}",
+     "call: scaled takes no argument 'factr'", "2}}", "did you mean 'factor'?"),
+])
+def test_a_keyword_the_code_a_plan_calls_does_not_take_is_refused_before_the_run(tmp_path, step, said, at, hint):
+    """`build`'s `hiden: 4` for `hidden` failed in init, after the run directory was made,
+    with "check the arguments given in the plan against its signature"; so did a nested
+    target's key and a `call`'s."""
+    (tmp_path / "typo_net_model.py").write_text(TYPO_MODEL)
+    good = ("{build: {out: model, target: typo_net_model.Net, features: 2, hidden: 4, "
+            "act: {target: torch.nn.LeakyReLU, negative_slope: 0.1}}}")
+    text = ("job: typo\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
+            "      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}\n"
+            f"      - {good}\n      - {{call: {{fn: \"typo_net_model:scaled\", in: [x], out: x, factor: 2}}}}\n"
+            "      - optimizer: {in: model, out: opt, lr: 0.1}\n"
+            "epoch:\n  - task: go\n    do:\n      - train.step: {in: [model, opt, x, y], out: loss, loss: mse}\n"
+            "    outputs: [loss]\n")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "good")
+    assert r.code == 0, r.text  # the keys the code takes
+    plan.write_text(text.replace(good, step) if step.startswith("{build") else
+                    text.replace("      - optimizer:", f"      - {step}\n      - optimizer:"))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    line = 7 if step.startswith("{build") else 9
+    col = plan.read_text().splitlines()[line - 1].index(at) + 1  # the key's value (or the argument holding it)
+    assert r.code == 2 and "Traceback" not in r.err, r.text
+    assert f"{plan}:{line}:{col}: error: {said}" in r.err and hint in r.err, r.err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name, value", [("JOBRUN_PROGRESS_SECONDS", "abc"), ("JOBRUN_PROGRESS_SECONDS", "nan"),
                                          ("JOBRUN_DIST_TIMEOUT", "-1")])
 def test_a_bad_seconds_setting_in_the_environment_is_one_message_before_anything_is_written(

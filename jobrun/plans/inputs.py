@@ -11,7 +11,8 @@ plugin, running earlier or at the same time). Nothing here imports torch.
 The code a plan names (`build`'s and nested `target`s, `call`'s `fn`, the optimizer's
 `class`, a loss or `collate_fn` given by import path) is imported by
 :func:`check_code` once torch is, still before the run directory is made: a module that
-is not found or a misspelt name is refused at its argument's file:line.
+is not found, a misspelt name, or a keyword argument the code's signature does not have is
+refused at its argument's file:line.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
                 _refuse_if_missing(e, step.pos_of(where))
         if step.op in ("optimizer", "scheduler"):
             _check_constructor_args(step)
+        _check_target_keys(step)
     for path in plan.fsdp_layers if plan.parallel == "fsdp" else ():  # a typo failed on every rank
         try:
             resolve(path, "fsdp_layers", "class")
@@ -175,10 +177,6 @@ def _check_constructor_args(step: ir.OpCall) -> None:
     against its constructor: one it does not take failed in init (`momentum` left when
     `class` became Adam, StepLR's `step_sise`), and a flag given as anything but a bool
     was taken as true (`nesterov: "false"` turned Nesterov on)."""
-    import inspect
-
-    from jobrun.errors import did_you_mean
-    from jobrun.ops.imports import resolve
     from jobrun.ops.optim import optimizer_class
     from jobrun.ops.schedule import SCHEDULE_ARGS
 
@@ -188,25 +186,86 @@ def _check_constructor_args(step: ir.OpCall) -> None:
         path, first, own = step.kwargs["target"], "optimizer", SCHEDULE_ARGS  # those are refused beside it
     else:
         return  # jobrun's own schedule: its arguments are checked with the op's
-    try:
-        cls = resolve(path, step.op, "class")
-        params = {k: p for k, p in inspect.signature(cls).parameters.items() if k not in ("self", first)}
-    except (RunError, TypeError, ValueError):
-        return  # refused above, left to the run, or without a signature to check
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    found = _keywords(path, step.op, first)
+    if found is None:
         return
+    name, params = found
     for key, value in step.args:
         if key in ("class", "target", *own):
             continue
-        if key not in params:
-            raise PlanError(f"{step.op}: {cls.__name__} takes no argument {key!r}", step.pos_of(key),
-                            did_you_mean(key, params) or f"its arguments: {', '.join(params)}")
+        _known(step, name, params, key, step.pos_of(key))
         if isinstance(params[key].default, bool) and not isinstance(value, bool):
             raise PlanError(f"{step.op}: {key} must be true or false, got {value!r}", step.pos_of(key),
                             f"write `{key}: true` or `{key}: false`, unquoted")
         numbers = value if isinstance(value, list | tuple) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):  # an lr of .inf: NaN weights
             raise PlanError(f"{step.op}: {key} must be finite, got {value!r}", step.pos_of(key))
+
+
+# The keys of an op that are its own, not keyword arguments of the code it calls.
+OWN_KEYS = {"build": ("target", "args", "fork_rng", "compile"), "call": ("fn", "mutates", "pure")}
+
+
+def _check_target_keys(step: ir.OpCall) -> None:
+    """The keyword arguments a plan gives to user code against its signature: `build`'s
+    `target`, `call`'s `fn`, and the nested `{target: ...}` mappings of `build`,
+    `optimizer` and `scheduler`. A misspelt one (`hiden: 64`) failed when the run called
+    it, in init, after the run directory was made."""
+    own = OWN_KEYS.get(step.op)
+    if own is not None and isinstance(step.kwargs.get(own[0]), str):
+        found = _keywords(step.kwargs[own[0]], step.op, None)
+        for key, _ in step.args if found is not None else ():
+            if key not in own:
+                _known(step, *found, key, step.pos_of(key))
+    if step.op in NESTING:
+        for arg, value in step.args:
+            for target, keys in _nested(value):
+                found = _keywords(target, step.op, None)
+                for key in keys if found is not None else ():
+                    _known(step, *found, key, step.pos_of(arg))
+
+
+def _nested(value: Any) -> Iterator[tuple[str, list[str]]]:
+    """(target, the keyword arguments it is given) of each nested mapping in a value."""
+    if isinstance(value, dict):
+        if isinstance(value.get("target"), str):
+            named = value.get("in")
+            yield value["target"], [k for k in value if k not in ("target", "args", "in")] + (
+                list(named) if isinstance(named, dict) else [])
+        for v in value.values():
+            yield from _nested(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _nested(v)
+
+
+def _keywords(path: str, op: str, first: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The name of the code at `path` and the parameters a keyword can fill (less `first`,
+    which the op gives); None when any keyword may do (`**kwargs`), or when there is no
+    signature to check (code not found is refused by check_code; an import that raises
+    is left to the run)."""
+    import inspect
+
+    from jobrun.ops.imports import resolve
+
+    try:
+        code = resolve(path, op, "target")
+        params = inspect.signature(code).parameters
+    except (RunError, TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return getattr(code, "__name__", path), {k: p for k, p in params.items() if k not in ("self", first)
+                                              and p.kind is not p.POSITIONAL_ONLY}
+
+
+def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Pos) -> None:
+    """Refuse `key` when `name` has no parameter of that name."""
+    if key not in params:
+        from jobrun.errors import did_you_mean
+
+        raise PlanError(f"{step.op}: {name} takes no argument {key!r}", pos,
+                        did_you_mean(key, params) or f"its arguments: {', '.join(params) or 'none'}")
 
 
 def _named_code(step: ir.OpCall) -> Iterator[tuple[str, str, str]]:
