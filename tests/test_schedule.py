@@ -204,3 +204,24 @@ def test_optimizer_lr_of_a_schedule_by_step_points_at_its_optimizer(tmp_path):
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
     assert r.code != 0 and "optimizer.rate expects an optimizer, got a StepSchedule" in r.err, r.text
     assert "the scheduler's `in`" in r.err and "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("target, step, message, hint", [
+    # StepLR.step(epoch) took val_loss as the epoch number: the rate stayed 0.1 for good
+    ("StepLR, step_size: 1", "in: [sched, loss]", "StepLR takes no metric, but scheduler.step gives it one",
+     "remove the second input: `scheduler.step: {in: sched}`"),
+    ("ReduceLROnPlateau", "in: sched", "ReduceLROnPlateau steps on a metric, and scheduler.step gives it none",
+     "`scheduler.step: {in: [sched, val_loss]}`"),
+])
+def test_a_metric_a_torch_scheduler_does_not_take_or_lacks_is_refused_before_the_run(
+        tmp_path, target, step, message, hint):
+    """A metric given to StepLR set the rate of 'epoch' val_loss in closed form, silently
+    (the rate never fell); ReduceLROnPlateau without one failed after the first epoch with
+    torch's TypeError and no hint."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(LR_PLAN.format(lr="in: opt, out: lr").replace(
+        "ReduceLROnPlateau, patience: 0", target).replace("in: [sched, 1.0]", step))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "Traceback" not in r.text, r.text
+    assert f"{plan}:15:9: error: scheduler.step: {message}" in r.err and hint in r.err, r.err
+    assert not (tmp_path / "run").exists()

@@ -621,3 +621,24 @@ def test_a_wrong_input_is_named_with_its_article():
         models.optimizer_rate(ctx, 3)
     with pytest.raises(RunError, match="evaluate expects a reader, got a Linear"):
         train.evaluate(ctx, nn.Linear(2, 2), nn.Linear(2, 2))
+
+
+def test_scheduler_step_refuses_a_metric_its_scheduler_would_take_for_an_epoch():
+    """Checked before the run when `scheduler` makes it; one built by `build` or a `call`
+    meets the same rule here, where torch took the metric as the epoch number."""
+    ctx = OpContext()
+    opt = models.optimizer(ctx, models.model_mlp(ctx, sizes=[2, 2]), lr=1.0)
+    steplr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    opt.step()  # schedulers expect an optimizer step first
+    with pytest.raises(RunError, match="StepLR takes no metric") as e:
+        models.scheduler_step(ctx, steplr, 0.3)
+    assert "remove the second input" in e.value.hint and opt.param_groups[0]["lr"] == 1.0
+    with pytest.raises(RunError, match="ReduceLROnPlateau steps on a metric") as e:
+        models.scheduler_step(ctx, plateau)
+    assert "[sched, val_loss]" in e.value.hint
+    with pytest.raises(RunError, match="ReduceLROnPlateau's metric is null") as e:
+        models.scheduler_step(ctx, plateau, None)
+    assert "`if`" in e.value.hint
+    models.scheduler_step(ctx, steplr)
+    assert opt.param_groups[0]["lr"] == 0.5

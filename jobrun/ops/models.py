@@ -193,16 +193,58 @@ def scheduler(ctx: OpContext, opt: Any, *, target: str | None = None, warmup: in
     return _instantiate("scheduler", target, [], kwargs, leading=(opt,), optimizer=opt)
 
 
-def scheduler_step(ctx: OpContext, sched: Any, metric: Any = None) -> None:
+_NO_METRIC = object()  # scheduler.step given one input (a second that is null is None)
+
+
+def scheduler_step(ctx: OpContext, sched: Any, metric: Any = _NO_METRIC) -> None:
     """`scheduler.step`: sched[, metric] ->. The metric feeds ReduceLROnPlateau."""
     if not hasattr(sched, "step"):
         hint = ("a scheduler without a target steps with its optimizer: remove scheduler.step"
                 if type(sched).__name__ == "StepSchedule" else None)
         raise RunError(f"scheduler.step expects a scheduler, got {a_type(sched)}", hint=hint)
-    if metric is None:
+    fault = metric_fault(type(sched), given=metric is not _NO_METRIC)
+    if fault is None and metric is None and step_takes_metric(type(sched)):
+        fault = RunError(f"{type(sched).__name__}'s metric is null: it cannot step on it",
+                         hint="step it only in the epochs that compute the metric (inside an `if`)")
+    if fault is not None:
+        raise fault
+    if metric is _NO_METRIC or metric is None:
         sched.step()
     else:
         sched.step(float(metric))
+
+
+def step_takes_metric(cls: type) -> bool | None:
+    """Whether a scheduler class's `step` takes a metric: True when it must (torch's
+    ReduceLROnPlateau, `step(metrics)`), False when it takes none (torch's other
+    schedulers: their one argument is a deprecated epoch number, for which they set the
+    rate in closed form), None when its signature cannot tell."""
+    try:
+        params = list(inspect.signature(cls.step).parameters.values())[1:]  # self
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if not params or params[0].name == "epoch":
+        return False
+    first = params[0]
+    if first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
+        return None
+    return True if first.default is first.empty else None
+
+
+def metric_fault(cls: type, *, given: bool) -> RunError | None:
+    """What is wrong with `scheduler.step` giving (or not) a metric to a scheduler of
+    ``cls``; None when nothing is (or its signature cannot tell). One rule, checked before
+    the run for a `scheduler` with a target and here for any scheduler."""
+    takes, name = step_takes_metric(cls), cls.__name__
+    if given and takes is False:
+        return RunError(f"scheduler.step: {name} takes no metric, but scheduler.step gives it one",
+                        hint="remove the second input: `scheduler.step: {in: sched}` (torch would take "
+                             "the metric as the epoch number and set that epoch's rate)")
+    if not given and takes:
+        return RunError(f"scheduler.step: {name} steps on a metric, and scheduler.step gives it none",
+                        hint="give the value it watches as the second input, e.g. "
+                             "`scheduler.step: {in: [sched, val_loss]}`")
+    return None
 
 
 def optimizer_rate(ctx: OpContext, opt: Any, *, group: int = 0) -> float:

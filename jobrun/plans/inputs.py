@@ -146,6 +146,7 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
 
     if str(plan_dir) not in sys.path:
         sys.path.insert(0, str(plan_dir))
+    schedulers: dict[str, str] = {}  # blob -> the torch scheduler a `scheduler` made it
     for _slot, step in _ordered(plan):
         for where, key, path in _named_code(step):
             try:
@@ -157,6 +158,10 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
         if step.op in ("optimizer", "scheduler"):
             _check_constructor_args(step)
         _check_target_keys(step)
+        if step.op == "scheduler" and isinstance(step.kwargs.get("target"), str) and step.outs:
+            schedulers[step.outs[0].name] = step.kwargs["target"]
+        elif step.op == "scheduler.step" and isinstance(step.ins[0], ir.BlobRef) and step.ins[0].name in schedulers:
+            _check_metric(step, schedulers[step.ins[0].name])
     for path in plan.fsdp_layers if plan.parallel == "fsdp" else ():  # a typo failed on every rank
         try:
             resolve(path, "fsdp_layers", "class")
@@ -266,6 +271,21 @@ def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Po
 
         raise PlanError(f"{step.op}: {name} takes no argument {key!r}", pos,
                         did_you_mean(key, params) or f"its arguments: {', '.join(params) or 'none'}")
+
+
+def _check_metric(step: ir.OpCall, target: str) -> None:
+    """A metric given to a torch scheduler that takes none (StepLR took it as the epoch
+    number: the rate never fell) or none given to one that steps on it (ReduceLROnPlateau
+    failed after the first epoch), refused before the run by scheduler.step's own rule."""
+    from jobrun.ops.imports import resolve
+    from jobrun.ops.models import metric_fault
+
+    try:
+        fault = metric_fault(resolve(target, "scheduler", "target"), given=len(step.ins) > 1)
+    except RunError:
+        return  # refused above, or left to the run
+    if fault is not None:
+        raise PlanError(fault.message, step.pos, fault.hint)
 
 
 def _named_code(step: ir.OpCall) -> Iterator[tuple[str, str, str]]:
