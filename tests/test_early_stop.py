@@ -108,6 +108,10 @@ def test_a_run_stops_early_and_says_why(plan_file, tmp_path: Path) -> None:
     assert line in r.out and line in (run / "console.log").read_text()
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "finished" and info["last_epoch"] == 5
+    # resumed as it is, it says how to go on: `max_epochs=N` would stop again at once
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0 and "already finished at epoch 5, stopped early: no better val_loss" in r.out, r.text
+    assert f"`jobrun resume {run} early_stop.patience=N`" in r.out and "max_epochs=N" not in r.out
 
 
 @pytest.mark.parametrize("first", [["max_epochs=4"], ["max_epochs=2"]])

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from jobrun import __version__, signals, store
-from jobrun.errors import PlanError, UsageError
+from jobrun.errors import CheckpointError, PlanError, UsageError
 from jobrun.plans import inputs, ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.keys import NODE_NAME
@@ -308,11 +308,32 @@ def already_finished(run: RunDir, epoch: int | None, changes: list[str], plan: i
         # the key that stops it: max_steps if the plan has it (a plan with both: either)
         more = f"max_epochs=N` or `{run.path} max_steps=N" if plan.max_epochs and plan.max_steps else \
             "max_steps=N" if plan.max_steps is not None else "max_epochs=N"
-        print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}; "
+        early = _stopped_early(run, plan, info.last_epoch)
+        if early is not None:  # a larger max_epochs would stop again at once
+            more = "early_stop.patience=N"
+        print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}"
+              f"{f', stopped early: {early}' if early else ''}; "
               f"nothing to do (train on with `jobrun resume {run.path} {more}`, or again from "
               "epoch E with --epoch E)")
         return True
     return False
+
+
+def _stopped_early(run: RunDir, plan: ir.Plan, epoch: int | None) -> str | None:
+    """Why early_stop ended the run after ``epoch``, by that checkpoint's state; None when
+    it did not (or no checkpoint says)."""
+    from jobrun.runner.monitor import EARLY_STOP_META, EarlyStopping
+
+    ckpt_dir = RunDir(run.path, plan).checkpoints
+    if plan.early_stop is None or ckpt_dir is None or epoch is None:
+        return None
+    node = next(iter(plan.nodes))
+    try:
+        info = next((i for i in store.list_checkpoints(ckpt_dir) if i.epoch == epoch and node in i.nodes), None)
+    except (CheckpointError, OSError):
+        return None
+    meta = (info.nodes[node].meta if info is not None else None) or {}
+    return EarlyStopping.restored(plan.early_stop, meta.get(EARLY_STOP_META))[0].reason(epoch)
 
 
 def restarts_of(info: RunInfo, plan: ir.Plan, given: int | None) -> int:
