@@ -221,6 +221,19 @@ def test_analyze_checks_the_monitored_name(old: str, new: str, where: tuple[int,
     assert all(w in text for w in words), text
 
 
+def test_analyze_warns_when_early_stop_and_best_rank_one_value_in_opposite_modes() -> None:
+    """early_stop `mode: max` on val_loss beside checkpoint.best's `min` ran without a word:
+    the job stopped once val_loss had fallen for `patience` epochs."""
+    diags = analyze(compile_text(PLAN.replace("val_loss, mode: min, patience", "val_loss, mode: max, patience"),
+                                 "p.yaml"))
+    warned = [d for d in diags if d.code == "monitor-mode"]
+    assert len(warned) == 1 and warned[0].severity == "warning" and warned[0].pos.line == 3, diags
+    text = warned[0].format()
+    assert "early_stop takes a higher val_loss as better (mode: max), checkpoint.best a lower one (mode: min)" in text
+    assert "give both the same `mode`" in text
+    assert not [d for d in analyze(compile_text(PLAN, "p.yaml")) if d.code == "monitor-mode"]
+
+
 @pytest.mark.parametrize(
     ("old", "new", "words"),
     [

@@ -2,8 +2,9 @@
 
 - errors: `stop_when`, `early_stop` or `checkpoint.best` naming a blob that is no epoch
   task's output (the runner only sees outputs);
-- warnings: one output name in two epoch tasks: the run keeps both (per task), but each
-  reader of outputs picks in its own way (runner/job.py, monitor.py, display.py).
+- warnings: `early_stop` and `checkpoint.best` watching one output in opposite modes; one
+  output name in two epoch tasks: the run keeps both (per task), but each reader of
+  outputs picks in its own way (runner/job.py, monitor.py, display.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jobrun.plans.visit import written
 def problems(plan: ir.Plan) -> Iterator[Problem]:
     """Watched names that are no outputs, then output names of two epoch tasks."""
     yield from _watched(plan)
+    yield from _modes(plan)
     yield from _clashes(plan)
 
 
@@ -40,6 +42,22 @@ def _watched(plan: ir.Plan) -> Iterator[Problem]:
                 if makers else did_you_mean(ref.name, outputs)
                 or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
             )
+
+
+def _modes(plan: ir.Plan) -> Iterator[Problem]:
+    """`early_stop` and `checkpoint.best` on one output in opposite modes: one of them
+    stops on (or keeps) the epochs the other takes as the worse (a `mode` left as it was
+    when `monitor` changed)."""
+    early, best = plan.early_stop, plan.checkpoint.best if plan.checkpoint is not None else None
+    if early is None or best is None or early.monitor.name.name != best.monitor.name.name:
+        return
+    if early.monitor.mode != best.monitor.mode:
+        name = early.monitor.name.name
+        way = {"min": "a lower", "max": "a higher"}
+        yield ("warning", "monitor-mode", early.pos or early.monitor.name.pos,
+               f"early_stop takes {way[early.monitor.mode]} {name} as better (mode: {early.monitor.mode}), "
+               f"checkpoint.best {way[best.monitor.mode]} one (mode: {best.monitor.mode})",
+               "give both the same `mode`: min for a loss, max for an accuracy")
 
 
 def _clashes(plan: ir.Plan) -> Iterator[Problem]:
