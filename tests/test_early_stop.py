@@ -139,10 +139,12 @@ def test_resume_from_an_earlier_epoch_counts_from_there(plan_file, tmp_path: Pat
     assert r.code == 0, r.text
     assert "stopping early (as after epoch 5): no better val_loss than 0 (epoch 3) for 2 epochs" in r.out
     assert epochs_run(run) == [1, 2, 3, 4, 5]
-    # ... unless the change lets it: with more patience it goes on from epoch 5's count
+    # ... unless the change lets it: with more patience it goes on from epoch 5's count,
+    # as a run trained with that patience from the start (no warning that it is not)
     r = jobrun("resume", "--run-dir", run, "early_stop.patience=4")
     assert r.code == 0, r.text
     assert epochs_run(run) == [1, 2, 3, 4, 5, 6, 7]
+    assert "resuming with early_stop.patience: 2 -> 4" in r.text and "warning" not in r.text, r.text
 
 
 def test_a_monitored_value_that_is_no_number_is_one_clear_error(plan_file, tmp_path: Path) -> None:

@@ -415,7 +415,7 @@ def _warn_changes(changes: list[str], said: list[str]) -> None:
         _say(said, "note: the steps go on exactly from the checkpoint's global step; an epoch the old "
                    "max_steps cut short is not finished (its later steps run in the next epoch)")
     if beyond_extending(changes):
-        _say(said, "warning: the plan changed beyond max_epochs and max_steps: the result is no longer the "
+        _say(said, "warning: the plan changed beyond max_epochs, max_steps and early_stop.patience: the result is no longer the "
                    "one an uninterrupted run would give (the changes are recorded in run.json); objects "
                    "init builds and the checkpoint restores (a model, an optimizer's lr, a scheduler) "
                    "keep their saved state")

@@ -37,8 +37,9 @@ def _differences(before: Any, after: Any, at: str = "") -> list[str]:
 _NONE = object()
 
 
-# Keys a resume may change and still give the result of an uninterrupted run with them.
-_EXTENDING = ("max_epochs", "max_steps")
+# Keys a resume may change and still give the result of an uninterrupted run with them
+# (raised: they only say when to stop; early_stop's count is in the checkpoint).
+_EXTENDING = ("max_epochs", "max_steps", "early_stop.patience")
 
 
 def beyond_extending(changes: list[str]) -> bool:
