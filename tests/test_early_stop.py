@@ -236,6 +236,25 @@ def test_analyze_warns_when_early_stop_and_best_rank_one_value_in_opposite_modes
     assert not [d for d in analyze(compile_text(PLAN, "p.yaml")) if d.code == "monitor-mode"]
 
 
+def test_analyze_warns_that_an_accuracy_under_mse_never_counts() -> None:
+    """early_stop on evaluate's accuracy with `loss: mse` (null in every epoch: the labels
+    are no classes) never stopped the job, and said nothing."""
+    text = PLAN.replace("      - mul: {in: [d, d], out: val_loss}\n", "").replace(
+        "      - fill: {out: w, shape: [4, 16], value: 1.0}\n",
+        "      - fill: {out: w, shape: [4, 16], value: 1.0}\n"
+        "      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}\n"
+        "      - reader: {in: [x, y], out: val}\n      - model.mlp: {out: model, sizes: [2, 1]}\n").replace(
+        "      - log: {in: [e, val_loss]}\n",
+        "      - evaluate: {in: [model, val], out: [loss, val_loss], loss: mse}\n      - log: {in: [e, loss]}\n")
+    diags = analyze(compile_text(text, "p.yaml"))
+    warned = [d for d in diags if d.code == "monitor-null"]
+    assert [(d.severity, d.pos.line) for d in warned] == [("warning", 3), ("warning", 4)], diags
+    text = warned[0].format()
+    assert "early_stop monitors 'val_loss', the accuracy of an evaluate with loss: mse" in text, text
+    assert "null in every epoch" in text and "monitor its loss" in text
+    assert not [d for d in analyze(compile_text(PLAN, "p.yaml")) if d.code == "monitor-null"]
+
+
 @pytest.mark.parametrize(
     ("old", "new", "words"),
     [

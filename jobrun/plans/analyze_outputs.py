@@ -2,7 +2,8 @@
 
 - errors: `stop_when`, `early_stop` or `checkpoint.best` naming a blob that is no epoch
   task's output (the runner only sees outputs);
-- warnings: `early_stop` and `checkpoint.best` watching one output in opposite modes; one
+- warnings: `early_stop` or `checkpoint.best` watching an accuracy that is always null
+  (evaluate's under `loss: mse`); the two watching one output in opposite modes; one
   output name in two epoch tasks: the run keeps both (per task), but each reader of
   outputs picks in its own way (runner/job.py, monitor.py, display.py).
 """
@@ -14,12 +15,13 @@ from collections.abc import Iterator
 from jobrun.errors import did_you_mean
 from jobrun.plans import ir
 from jobrun.plans.analyze_bodies import Problem
-from jobrun.plans.visit import written
+from jobrun.plans.visit import task_calls, written
 
 
 def problems(plan: ir.Plan) -> Iterator[Problem]:
     """Watched names that are no outputs, then output names of two epoch tasks."""
     yield from _watched(plan)
+    yield from _never_measured(plan)
     yield from _modes(plan)
     yield from _clashes(plan)
 
@@ -42,6 +44,26 @@ def _watched(plan: ir.Plan) -> Iterator[Problem]:
                 if makers else did_you_mean(ref.name, outputs)
                 or f"add {ref.name!r} to the `outputs` of the epoch task that computes it",
             )
+
+
+def _never_measured(plan: ir.Plan) -> Iterator[Problem]:
+    """A watched output that evaluate's accuracy under `loss: mse` gives: it is null in
+    every epoch (the labels are no classes), and a null epoch is not counted, so
+    early_stop never stops the job and checkpoint.best ranks no epoch."""
+    best = plan.checkpoint.best if plan.checkpoint is not None else None
+    for what, watch in (("early_stop", plan.early_stop), ("checkpoint.best", best)):
+        if watch is None:
+            continue
+        name = watch.monitor.name
+        task = next((t for t in plan.epoch.tasks if name.name in {o.name for o in t.outputs}), None)
+        last = None if task is None else next(
+            (c for c in reversed(list(task_calls(task))) if name.name in {o.name for o in c.outs}), None)
+        if last is not None and last.op == "evaluate" and len(last.outs) > 1 and last.outs[1].name == name.name \
+                and last.kwargs.get("loss") == "mse":
+            yield ("warning", "monitor-null", name.pos,
+                   f"{what} monitors {name.name!r}, the accuracy of an evaluate with loss: mse, which is null in "
+                   "every epoch (the labels are no classes): a null epoch is not counted",
+                   f"monitor its loss instead, `{last.outs[0].name}` (mode: min)")
 
 
 def _modes(plan: ir.Plan) -> Iterator[Problem]:
