@@ -642,3 +642,24 @@ def test_scheduler_step_refuses_a_metric_its_scheduler_would_take_for_an_epoch()
     assert "`if`" in e.value.hint
     models.scheduler_step(ctx, steplr)
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_scheduler_step_reads_a_scheduler_class_signature_once(monkeypatch):
+    """A scheduler stepped at every optimizer step (OneCycleLR) asks the rule each time:
+    a signature read costs several times the step itself."""
+    import inspect
+
+    read = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: read.append(a) or real(*a, **k))
+
+    class Cycle(torch.optim.lr_scheduler.LambdaLR):
+        pass
+
+    ctx = OpContext()
+    opt = models.optimizer(ctx, models.model_mlp(ctx, sizes=[2, 2]), lr=1.0)
+    sched = Cycle(opt, lambda step: 1.0 / (step + 1))
+    for _ in range(20):
+        opt.step()
+        models.scheduler_step(ctx, sched)
+    assert len(read) == 1 and opt.param_groups[0]["lr"] == 1.0 / 21

@@ -8,6 +8,7 @@ data-parallel job builds the same parameters (and rank 0's are broadcast anyway)
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterator
@@ -214,6 +215,7 @@ def scheduler_step(ctx: OpContext, sched: Any, metric: Any = _NO_METRIC) -> None
         sched.step(float(metric))
 
 
+@functools.cache  # per class: `scheduler.step` may run at every optimizer step, a signature costs 25 us
 def step_takes_metric(cls: type) -> bool | None:
     """Whether a scheduler class's `step` takes a metric: True when it must (torch's
     ReduceLROnPlateau, `step(metrics)`), False when it takes none (torch's other
