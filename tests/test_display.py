@@ -362,3 +362,26 @@ def test_a_name_two_epoch_tasks_give_is_shown_once_for_each_with_its_task(tmp_pa
     with open(run / "metrics.csv") as f:
         rows = {(row["epoch"], row["name"], row["value"]) for row in csv.DictReader(f)}
     assert {("2", "train/loss", "0.25"), ("2", "finetune/loss", "0.5")} <= rows, rows
+
+
+def test_the_line_a_closed_output_refused_is_still_in_console_log(tmp_path, monkeypatch):
+    """`jobrun train plan.yaml | head -1` stopped after epoch 2's checkpoint with epoch 2's
+    line neither on the screen nor in console.log (written after the print that failed)."""
+    from jobrun.runner import display
+
+    class Closed(Exception):
+        pass
+
+    def closed() -> None:
+        raise Closed
+
+    def broken_pipe(*args, **kwargs) -> None:
+        raise BrokenPipeError
+
+    monkeypatch.setattr(display, "_stdout_closed", closed)
+    monkeypatch.setattr(display, "print", broken_pipe, raising=False)
+    log = tmp_path / "console.log"
+    d = Display(enabled=True, tty=False, log=log)
+    with pytest.raises(Closed), d.live("j"):
+        d.line("epoch 2/8  loss=0.227")
+    assert log.read_text().splitlines() == ["epoch 2/8  loss=0.227"]

@@ -170,6 +170,7 @@ class Display:
     def line(self, text: str) -> None:
         if not self.enabled:
             return
+        self.to_log(text)  # first: the line a closed output refuses stays in console.log
         if self._progress_bar is not None:
             self._progress_bar.console.print(text, markup=False, highlight=False)
         else:
@@ -177,7 +178,6 @@ class Display:
                 print(text, flush=True)
             except BrokenPipeError:  # `jobrun train ... | head`: the reader went away
                 _stdout_closed()
-        self.to_log(text)
 
     def warn(self, text: str) -> None:
         if not self.enabled:
