@@ -301,6 +301,9 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_trai
     words = command.group(1).split()
     assert words[:2] == ["jobrun", "train"] and Path(words[2]) == here / "plan.yaml"
     assert words[3:] == ["max_epochs=3", "--run-dir", "runs/early"]
+    # --epoch 0 said only "no epoch in runs/early/ckpt is complete (`jobrun ckpt list` ...)"
+    r = jobrun("resume", "runs/early", "--epoch", "0")
+    assert r.code == 2 and f"start it again with `{command.group(1)}`" in r.err, r.text
     import numpy as np
 
     np.save(here / "later.npy", np.zeros(2, dtype=np.float32))

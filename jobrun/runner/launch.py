@@ -129,7 +129,9 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         restarts = restarts_of(info, plan, max_restarts)
         try:
             epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None, said=said)
-        except NoCheckpoint as e:
+        except (NoCheckpoint, UsageError) as e:  # UsageError: an --epoch never saved
+            if not isinstance(e, NoCheckpoint) and not _never_saved(info, ckpt_dir):
+                raise
             if asked is None and not sets and _never_saved(info, ckpt_dir):
                 return _start_again(run, Launch(run.path, run.plan_dir, device, None, n, restarts,
                                                 profile=profile), plan, said)
