@@ -360,3 +360,59 @@ def test_no_text_file_holds_a_merge_conflict() -> None:
             found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
                       for m in marker.finditer(text)]
     assert not found, f"merge conflict markers at {found}"
+
+
+# -- docs/commands.md against the CLI --------------------------------------------------------
+
+COMMANDS = ROOT / "docs" / "commands.md"
+# Options commands.md documents beside its synopsis rather than in it: the older spelling
+# of --json (`--format text|json` of `print` and `analyze`).
+OUTSIDE_SYNOPSIS = {"--format"}
+
+
+def test_every_command_and_option_is_in_the_synopsis_of_commands_md() -> None:
+    """The reverse of the check above: a command or option that `--help` shows fails here
+    until docs/commands.md's synopsis (its first code block) shows it too."""
+    from jobrun.cli import main
+
+    text = COMMANDS.read_text(encoding="utf-8")
+    synopsis = _blocks(text)[0].text
+    lines = {m.group(1): line for line in synopsis.splitlines()
+             if (m := re.match(r"jobrun ((?:ckpt )?[a-z]+)\b", line))}
+    commands = [(name, cmd) for name, cmd in main.commands.items() if not hasattr(cmd, "commands")]
+    commands += [(f"{name} {sub}", c) for name, cmd in main.commands.items()
+                 for sub, c in getattr(cmd, "commands", {}).items()]
+    missing = [f"jobrun {name}" for name, _ in commands if name not in lines]
+    for name, cmd in commands:
+        for p in cmd.params:
+            opts = [o for o in getattr(p, "opts", []) if o.startswith("-")]
+            if not opts or getattr(p, "hidden", False) or name not in lines:
+                continue
+            if set(opts) & OUTSIDE_SYNOPSIS:
+                assert f"`{opts[0]}" in text, f"docs/commands.md does not mention {opts[0]} of jobrun {name}"
+            elif not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", lines[name]) for o in opts):
+                missing.append(f"jobrun {name} {opts[0]}")
+    if "jobrun --version" not in synopsis:
+        missing.append("jobrun --version")
+    assert not missing, f"docs/commands.md's synopsis lacks {missing}"
+
+
+def test_print_output_shown_in_the_docs_is_what_it_prints(monkeypatch) -> None:
+    """A ```text block `$ jobrun print plans/X.yaml` (or `analyze`) of a bundled plan, in
+    the README or docs/, shows what the command prints today, line for line (`...` stands
+    for any lines). commands.md once showed an older printer's lines."""
+    monkeypatch.chdir(ROOT)
+    shown = 0
+    for page in PAGES:
+        for block in _blocks(page.read_text(encoding="utf-8")):
+            lines = block.text.splitlines()
+            if block.lang != "text" or not re.fullmatch(r"\$ jobrun (print|analyze) plans/\S+\.yaml", lines[0]):
+                continue
+            r = jobrun(*shlex.split(lines[0])[2:])
+            got = [g.rstrip() for g in (r.out + r.err).splitlines()]
+            want = [s.rstrip() for s in lines[1:]]
+            assert r.code == 0 and _matches(want, got), (
+                f"{page.name}:{block.line}: `{lines[0][2:]}` prints\n" + "\n".join(got)
+                + "\n-- the page shows --\n" + "\n".join(want))
+            shown += 1
+    assert shown >= 1
