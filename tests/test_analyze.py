@@ -137,7 +137,7 @@ def test_unknown_argument() -> None:
     text = CLEAN.replace("{out: limit, value: 2}", "{out: limit, valeu: 2}")
     d = [d for d in run(text) if d.code == "unknown-arg"][0]
     expect(
-        d, "error", at(text, "valeu: 2", "2"), ("`const`", "`valeu`"), ("did you mean 'value'?",)
+        d, "error", at(text, "valeu: 2", "valeu"), ("`const`", "`valeu`"), ("did you mean 'value'?",)
     )
 
 
@@ -149,7 +149,7 @@ def test_unknown_argument_of_an_op_without_arguments() -> None:
     expect(
         d,
         "error",
-        at(text, "eps: 1", "1"),
+        at(text, "eps: 1", "eps"),
         ("`ge` has no argument `eps`",),
         ("takes no arguments",),
     )

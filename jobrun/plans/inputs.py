@@ -198,7 +198,7 @@ def _check_constructor_args(step: ir.OpCall) -> None:
     for key, value in step.args:
         if key in ("class", "target", *own):
             continue
-        _known(step, name, params, key, step.pos_of(key))
+        _known(step, name, params, key, step.key_of(key))
         if isinstance(params[key].default, bool) and not isinstance(value, bool):
             raise PlanError(f"{step.op}: {key} must be true or false, got {value!r}", step.pos_of(key),
                             f"write `{key}: true` or `{key}: false`, unquoted")
@@ -221,7 +221,7 @@ def _check_target_keys(step: ir.OpCall) -> None:
         found = _keywords(step.kwargs[own[0]], step.op, None)
         for key, _ in step.args if found is not None else ():
             if key not in own:
-                _known(step, *found, key, step.pos_of(key))
+                _known(step, *found, key, step.key_of(key))
     if step.op in NESTING:
         for arg, value in step.args:
             for target, keys in _nested(value):

@@ -43,6 +43,7 @@ class OpCall:
     arg_pos: tuple[tuple[str, Pos], ...] = ()
     id: str | None = None  # `id:` beside the op's name: a name overrides can address
     every: int | None = None  # `every: N`: runs at global steps 0, N, 2N, ...
+    key_pos: tuple[tuple[str, Pos], ...] = ()  # where each argument's key is written
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -53,6 +54,14 @@ class OpCall:
             if k == key:
                 return p
         return self.pos
+
+    def key_of(self, key: str) -> Pos:
+        """Where argument `key` itself is written: an error about the key (one the op does
+        not take) points there, not at its value, which an override may have given."""
+        for k, p in self.key_pos:
+            if k == key:
+                return p
+        return self.pos_of(key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,7 @@ def _check_arg(call: ir.OpCall, spec: OpSpec, key: str, value: Any) -> Problem |
             return None
         known = [x.name for x in spec.args]
         return Problem(
-            "unknown-arg", pos, f"`{call.op}` has no argument `{key}`",
+            "unknown-arg", call.key_of(key), f"`{call.op}` has no argument `{key}`",
             did_you_mean(key, [*known, EVERY_KEY])
             or (f"its arguments are: {', '.join(known)}" if known else f"`{call.op}` takes no arguments"),
         )

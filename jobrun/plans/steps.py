@@ -290,9 +290,10 @@ class StepCompiler:
         if args is None:
             return ir.OpCall(name, ins, outs, (), pos, (), step_id, every)
         arg_pos = tuple([(k, body.at(k)) for k, _ in args])
+        key_pos = tuple([(k, body.key_at(k)) for k, _ in args])
         if name in NESTING_OPS:
             ins = ins + self.nested(name, args)
-        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos, step_id, every)
+        return ir.OpCall(name, ins, outs, tuple(args), pos, arg_pos, step_id, every, key_pos)
 
     def nested(self, op: str, args: list[tuple[str, Any]]) -> tuple[ir.Input, ...]:
         """The blobs nested targets name with `in` (see jobrun.ops.nested), as inputs."""
