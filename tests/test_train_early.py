@@ -34,6 +34,7 @@ def double(x):
 
 def _plan(tmp_path, init: str) -> str:
     (tmp_path / "early_models.py").write_text(MODEL)
+    (tmp_path / "early_syntax.py").write_text("def f(x):\n    return x +\n")
     (tmp_path / "tokens.bin").write_bytes(bytes(64))
     path = tmp_path / "plan.yaml"
     path.write_text(mlp_plan("early", "max_epochs: 2", init=[init]))
@@ -70,6 +71,10 @@ CASES = {
         "evaluate: {in: [model, data], out: [l, a], loss: early_models.nope}", "early_models.nope",
         "evaluate: loss 'early_models.nope' cannot be imported: 'early_models' has no attribute 'nope'",
         "check the spelling of the path"),
+    "module-syntax": (  # was left to the run: a run directory of a failed run, exit 1
+        'call: {fn: "early_syntax:f", in: [x], out: x2}', '"early_syntax:f"',
+        "call: fn 'early_syntax:f' cannot be imported: SyntaxError: invalid syntax (early_syntax.py, line 2)",
+        "fix the syntax at /"),
     "bin-without-dtype": (
         "data.load: {out: tokens, path: tokens.bin}", "tokens.bin",
         "data.load: a .bin file is raw and needs its `dtype`, e.g. dtype: uint16 ('tokens.bin')",
@@ -104,15 +109,16 @@ def test_a_batch_size_of_0_on_the_command_line_is_refused_at_the_plans_value(tmp
     assert not (tmp_path / "runs").exists()
 
 
-def test_overwrite_of_a_run_keeps_it_when_the_plan_is_refused(tmp_path):
+@pytest.mark.parametrize("case", ["class-misspelt", "module-syntax"])
+def test_overwrite_of_a_run_keeps_it_when_the_plan_is_refused(tmp_path, case):
     good = tmp_path / "good.yaml"
     good.write_text(mlp_plan("early", "max_epochs: 1\ncheckpoint: {}"))
     run = tmp_path / "run"
     assert jobrun("train", good, "--run-dir", run).code == 0
     (run / "notes.txt").write_text("mine")
     before = _files(run)
-    r = jobrun("train", _plan(tmp_path, CASES["class-misspelt"][0]), "--run-dir", run, "--overwrite")
-    assert r.code == 2 and "has no attribute 'Nett'" in r.err
+    r = jobrun("train", _plan(tmp_path, CASES[case][0]), "--run-dir", run, "--overwrite")
+    assert r.code == 2 and CASES[case][2] in r.err, r.err
     assert _files(run) == before
 
 
@@ -133,10 +139,6 @@ def test_a_module_that_fails_on_its_own_is_left_to_the_run_which_shows_its_trace
     assert "fn 'early_broken:f' cannot be imported: ZeroDivisionError: division by zero" in r.err
     assert f'File "{tmp_path / "early_broken.py"}", line 5, in <module>' in r.err
     assert "hint: the module raised while it was imported: fix it" in r.err and "spelling" not in r.err
-    (tmp_path / "early_broken.py").write_text("def f(x:\n")  # a syntax error: where to fix it
-    r = jobrun("train", plan, "--run-dir", tmp_path / "run2")
-    assert r.code == 1 and "SyntaxError" in r.err and "Traceback" not in r.err, r.err
-    assert f"hint: fix the syntax of {tmp_path / 'early_broken.py'}, line 1" in r.err
 
 
 # -- analyze's warnings, printed by train -----------------------------------------------------

@@ -74,7 +74,7 @@ def _cannot_import(what: str, e: BaseException) -> RunError:
     if isinstance(e, ModuleNotFoundError | ImportError) and not isinstance(e.__cause__, Exception):
         hint = _HINT  # not there, or a name misspelt
     elif isinstance(e, SyntaxError):
-        hint = f"fix the syntax of {e.filename}, line {e.lineno}"
+        hint = f"fix the syntax at {e.filename}:{e.lineno}"
     else:  # the module is there, and failed while importing (its traceback says where)
         hint = "the module raised while it was imported: fix it"
     return RunError(f"{what} cannot be imported: {type(e).__name__}: {e}", hint=hint)

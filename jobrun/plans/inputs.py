@@ -170,10 +170,10 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
 
 
 def _refuse_if_missing(e: RunError, pos: Pos) -> None:
-    """Refuse at ``pos`` code that is not there or misspelt (``e``: resolve's RunError);
-    a module that raised while it was imported is left to the run, which shows its
-    traceback under the op."""
-    if e.__cause__ is None or isinstance(e.__cause__, ModuleNotFoundError):
+    """Refuse at ``pos`` code that is not there, misspelt or not Python (``e``: resolve's
+    RunError; a syntax error's file:line is all there is to show); a module that raised
+    while it was imported is left to the run, which shows its traceback under the op."""
+    if e.__cause__ is None or isinstance(e.__cause__, ModuleNotFoundError | SyntaxError):
         raise PlanError(e.message, pos, e.hint) from None
 
 
