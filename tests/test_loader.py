@@ -175,7 +175,7 @@ def test_a_worker_killed_while_its_batch_is_taken_is_a_dead_worker():
     """A worker killed while the main process took its batch's shared memory ends the
     connection (EOFError) before torch says the worker exited: that was an IndexError of
     jobrun's own (an error with no text), which CI met once in the test above."""
-    from jobrun.ops.loader import _failure
+    from jobrun.ops.loader_failures import _failure
 
     r = _reader(Noisy(), batch_size=4, num_workers=2)
     died = _failure(r, EOFError())

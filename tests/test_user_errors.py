@@ -373,7 +373,7 @@ def test_with_replicas_run_json_keeps_the_failed_ranks_own_message(tmp_path):
 def test_a_failure_in_a_dataloader_worker_names_its_type_once():
     from types import SimpleNamespace
 
-    from jobrun.ops.loader import _failure
+    from jobrun.ops.loader_failures import _failure
 
     reader = SimpleNamespace(options=SimpleNamespace(name="Pts"))
     caught = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most "

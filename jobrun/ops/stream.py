@@ -28,11 +28,11 @@ from jobrun.ops.batches import records
 from jobrun.ops.loader import (
     Options,
     as_fields,
-    fetch,
     open_readers,
     part,
     shutdown,
 )
+from jobrun.ops.loader_failures import fetch
 from jobrun.ops.reader import Failed, Reader, _as_int, _mix
 from jobrun.ops.split import mark_records, rank_bounds
 

@@ -367,7 +367,7 @@ class Generator(Visitor):
                     "max_steps ended the last epoch; or give it a value before the loop"
                     if name in looped else "define it earlier (e.g. in the init group)",
                 ) from e
-            from jobrun.ops.loader import is_worker_death, worker_died
+            from jobrun.ops.loader_failures import is_worker_death, worker_died
 
             if is_worker_death(e):  # raised by torch's SIGCHLD handler in whatever op ran
                 e = worker_died(e)

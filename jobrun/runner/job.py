@@ -183,7 +183,7 @@ class JobRunner(Checkpoints):
                 # Outside any op: a collective of the runner's that broke because another
                 # rank left (that rank's message is the one to show), a DataLoader worker's
                 # death (torch raises it in whatever runs, a save too), or a bug of jobrun's.
-                from jobrun.ops.loader import is_worker_death, worker_died
+                from jobrun.ops.loader_failures import is_worker_death, worker_died
 
                 if is_worker_death(e):
                     if signals.requested():  # killed by the signal the ranks are stopping for
