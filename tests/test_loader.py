@@ -197,6 +197,47 @@ def test_arguments_that_need_a_dataset_or_workers_are_refused():
         reader_op(OpContext(), Noisy(), torch.arange(23))
 
 
+class Lambda(Dataset):
+    """A dataset holding a lambda: forked workers share it, spawned ones are sent it pickled."""
+
+    def __init__(self):
+        self.transform = lambda t: t
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return self.transform(torch.tensor([float(i)]))
+
+
+@pytest.fixture
+def spawned():
+    """Workers started as on macOS (spawn) and on Linux from Python 3.14 (forkserver)."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("spawn", force=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
+
+
+def test_workers_that_cannot_be_sent_the_dataset_are_one_message_naming_why(spawned, recwarn):
+    """A lambda in the dataset was torch's UserWarning, then multiprocessing's frames shown
+    as 'traceback of your code' under the op."""
+    r = _reader(Lambda(), batch_size=4, num_workers=2)
+    said = r"the reader over Lambda cannot start its workers: they start by 'spawn', .*pickle"
+    with pytest.raises(RunError, match=said) as e:
+        read_op(None, r)
+    assert "not a lambda" in e.value.hint and e.value.__cause__ is None
+    with pytest.raises(RunError, match=said):  # evaluate's pass starts workers of its own
+        next(r.full_pass())
+    stream = Stream()
+    stream.transform = lambda t: t
+    with pytest.raises(RunError, match="the reader over Stream cannot start its workers"):
+        read_op(None, _reader(stream, batch_size=2, num_workers=2))
+    assert not [w for w in recwarn if "pickle" in str(w.message)]
+
+
 class Stream(IterableDataset):
     """0..n-1 split over the workers, each value with a draw from the worker's torch RNG."""
 

@@ -53,7 +53,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from jobrun.errors import RunError
 from jobrun.ops.imports import resolve
-from jobrun.ops.loader_failures import SampleError, fetch
+from jobrun.ops.loader_failures import SampleError, fetch, iterate
 from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
 from jobrun.ops.split import mark_records
 from jobrun.signals import end_quietly
@@ -356,7 +356,7 @@ class DatasetReader(Reader):
         if self._iterator is None:
             # Worker seeds are a function of (seed, pass), wherever reading resumes.
             self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
-            self._iterator = iter(self._loader)
+            self._iterator = iterate(self, self._loader)
         batch = fetch(self, self._iterator)
         lo, hi = self.rank_part(start, min(start + self.batch_size, self._pass_end))
         fields = self._fields(batch, empty=lo == hi)
@@ -366,7 +366,7 @@ class DatasetReader(Reader):
         if self._eval_loader is None:
             self._eval_loader = self.options.loader(_Fetch(self.dataset), batch_sampler=_Batches(self, full=True))
             self._eval_loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
-        iterator = iter(self._eval_loader)
+        iterator = iterate(self, self._eval_loader)
         for start in range(0, self.pass_end, self.batch_size):
             batch = fetch(self, iterator)
             lo, hi = self.rank_part(start, min(start + self.batch_size, self.pass_end))

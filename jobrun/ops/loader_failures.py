@@ -1,13 +1,17 @@
-"""What a reader over a torch Dataset says when it cannot go on: a sample its dataset
-failed on (the user's file:line), a batch its DataLoader could not collate or fetch, a
-worker that died (:func:`fetch`). The readers are in :mod:`jobrun.ops.loader` and
-:mod:`jobrun.ops.stream`."""
+"""What a reader over a torch Dataset says when it cannot go on: workers that cannot
+start (:func:`iterate`); a sample its dataset failed on (the user's file:line), a batch
+its DataLoader could not collate or fetch, a worker that died (:func:`fetch`). The
+readers are in :mod:`jobrun.ops.loader` and :mod:`jobrun.ops.stream`."""
 
 from __future__ import annotations
 
 import re
+import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from jobrun.errors import RunError
 from jobrun.ops.reader import Reader
@@ -19,6 +23,25 @@ class SampleError(Exception):
     Raised in a worker, it comes back as a SampleError whose message holds the worker's
     traceback (torch's rule), where ``sample N: ...`` is found again.
     """
+
+
+def iterate(reader: Reader, loader: Any) -> Iterator[Any]:
+    """iter(loader): its workers start. Started by spawn or forkserver (macOS; Linux from
+    Python 3.14), they are sent the dataset and collate_fn pickled: one that cannot be (a
+    lambda in it) was torch's warning and multiprocessing's frames shown as the user's."""
+    try:
+        with warnings.catch_warnings():  # torch's, before the error: the message below says it
+            warnings.filterwarnings("ignore", "Got pickle error when attempting", UserWarning)
+            return iter(loader)
+    except Exception as e:
+        if not any(f.name == "start" and f.filename.replace("\\", "/").endswith("multiprocessing/process.py")
+                   for f in traceback.extract_tb(e.__traceback__)):
+            raise
+        raise RunError(f"the reader over {reader.options.name} cannot start its workers: "  # type: ignore[attr-defined]
+                       f"they start by {torch.multiprocessing.get_start_method()!r}, which sends them the "
+                       f"dataset and its collate_fn pickled, and {type(e).__name__}: {e}",
+                       hint="keep in the dataset only what pickles: functions defined at a module's top "
+                       "level, not a lambda or a local function (or read it with num_workers: 0)") from None
 
 
 def fetch(reader: Reader, iterator: Iterator[Any]) -> Any:

@@ -32,7 +32,7 @@ from jobrun.ops.loader import (
     part,
     shutdown,
 )
-from jobrun.ops.loader_failures import fetch
+from jobrun.ops.loader_failures import fetch, iterate
 from jobrun.ops.reader import Failed, Reader, _as_int, _mix
 from jobrun.ops.split import mark_records, rank_bounds
 
@@ -108,7 +108,7 @@ class IterableReader(Reader):
     def _start(self) -> Iterator[Any]:
         """An iterator at the reader's position: the pass is read again up to it."""
         self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
-        iterator = iter(self._loader)
+        iterator = iterate(self, self._loader)
         for done in range(self.position):
             try:
                 next(iterator)
@@ -122,7 +122,7 @@ class IterableReader(Reader):
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         self._loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
-        iterator = iter(self._loader)
+        iterator = iterate(self, self._loader)
         while True:
             try:
                 batch = fetch(self, iterator)
