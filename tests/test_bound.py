@@ -115,7 +115,7 @@ def test_a_read_without_done_or_of_another_reader_goes_through_read_op() -> None
         bound.bind_read(ctx, ("xb", "end"))("not a reader")
     # The generated line does not count a bound read's values: the fallback does.
     three = reader_op(ctx, x, x, x, batch_size=4, keys=["a", "b", "c"])  # one dict a batch
-    with pytest.raises(RunError, match=r"op returned 2 value\(s\) for 3 outputs"):
+    with pytest.raises(RunError, match=r"the reader gives 1 field\(s\) a batch, then `done`, and `out` names 3"):
         bound.bind_read(ctx, ("a", "b", "end"))(three)
     assert bound.bind_read(OpContext(device="cpu"), ("xb", "end")) is None  # no run: no feed to count in
 

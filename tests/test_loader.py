@@ -238,6 +238,18 @@ def test_workers_that_cannot_be_sent_the_dataset_are_one_message_naming_why(spaw
     assert not [w for w in recwarn if "pickle" in str(w.message)]
 
 
+def test_a_read_naming_other_fields_than_the_datasets_says_what_the_reader_gives():
+    """A dataset returning a tensor alone, read into [xb, yb, end], was 'op returned 2
+    value(s) for 3 outputs' with a hint about every op."""
+    r = _reader(Lambda(), batch_size=4, passes=0)
+    with pytest.raises(RunError, match=r"the reader gives 1 field\(s\) a batch, then `done`, and `out` names 3: xb, yb, end") as e:
+        read_op(None, r, ("xb", "yb", "end"))
+    assert "__getitem__" in e.value.hint
+    xb, end = read_op(None, r, ("xb", "end"))
+    assert xb.tolist() == [[4.0], [5.0], [6.0], [7.0]] and end is False
+    assert read_op(None, r, ("xb",)).tolist() == [[0.0], [1.0], [2.0], [3.0]]  # rolled over the pass's end
+
+
 class Stream(IterableDataset):
     """0..n-1 split over the workers, each value with a draw from the worker's torch RNG."""
 

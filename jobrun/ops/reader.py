@@ -400,6 +400,13 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
                 feed.watch(reader)
     if rolls:  # one output is its value alone (a dict batch, a reader of one field)
         return batch[0] if reader.field_count == 1 else batch[:-1]
+    if _out_names and len(_out_names) != len(batch):  # said of the reader, not of "the op"
+        fields = reader.field_count
+        raise RunError(
+            f"read: the reader gives {fields} field(s) a batch, then `done`, and `out` names "
+            f"{len(_out_names)}: {', '.join(_out_names)}",
+            hint=f"name {fields} field(s), then `done` (which may be left out); a Dataset's fields are "
+            "the items of the tuple its __getitem__ returns (a tensor alone is one field)")
     return batch
 
 
