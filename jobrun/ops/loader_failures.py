@@ -29,6 +29,8 @@ def iterate(reader: Reader, loader: Any) -> Iterator[Any]:
     """iter(loader): its workers start. Started by spawn or forkserver (macOS; Linux from
     Python 3.14), they are sent the dataset and collate_fn pickled: one that cannot be (a
     lambda in it) was torch's warning and multiprocessing's frames shown as the user's."""
+    if not loader.num_workers or torch.multiprocessing.get_start_method() == "fork":
+        return iter(loader)  # nothing is pickled (and the warnings filters, process-wide, stay as they are)
     try:
         with warnings.catch_warnings():  # torch's, before the error: the message below says it
             warnings.filterwarnings("ignore", "Got pickle error when attempting", UserWarning)
