@@ -396,3 +396,36 @@ def record_draws(epoch: int, path: str) -> None:
                        "python": random.random()})
     with _lock, open(path, "a") as f:
         f.write(line + "\n")
+
+
+def dropout_data(*, n: int):
+    """`n` records of 4 features and 3 classes from a generator of their own (no draw from
+    the global streams), for tests/test_hand_ddp.py."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, 4, generator=g)
+    return x, (x.sum(1) > 0).long() + (x[:, 0] > 1).long()
+
+
+def dropout_mlp():
+    """An MLP with dropout, built from torch's global stream as a hand loop builds it."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                               torch.nn.Linear(32, 3))
+
+
+def record_loss(loss, *, path: str, rank: int) -> None:
+    """Append {rank, loss} (the loss as the float it is) as one JSON line."""
+    import json
+
+    with _lock, open(path, "a") as f:
+        f.write(json.dumps({"rank": rank, "loss": float(loss)}) + "\n")
+
+
+def save_rank(model, *, path: str, rank: int) -> None:
+    """Save this rank's state_dict to `path.RANK`."""
+    import torch
+
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{path}.{rank}")
