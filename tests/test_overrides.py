@@ -175,6 +175,20 @@ def test_a_key_the_plan_and_its_schema_lack_is_a_typo(item: str, message: str, h
     assert e.pos == pos, e.format_message()  # the mapping the key is missing from
 
 
+def test_a_new_key_of_an_op_that_passes_any_key_on_is_offered_with_plus_beside_a_near_miss() -> None:
+    """`build.dropout` is close to `build.out`, but build passes any key to its target:
+    the hint says how to add it (plans/gpt.yaml's model takes a dropout it does not set)."""
+    text = ("job: b\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
+            "      - build: {out: model, target: torch.nn.Linear, in_features: 2, out_features: 1}\n"
+            "epoch:\n  - task: t\n    do:\n      - const: {out: a, value: 1}\n")
+    with pytest.raises(PlanError) as e:
+        compile_text(text, F, sets=["init.setup.build.dropout=0.2"])
+    assert "did you mean 'init.setup.build.out'?" in e.value.hint
+    assert "To add a new key, write +init.setup.build.dropout=0.2" in e.value.hint
+    # a near miss of an op that takes only its own keys stays a typo
+    assert "+" not in error_of("epoch.0.do.1.mul.ot=b").hint
+
+
 def test_plus_adds_a_new_key_and_refuses_an_existing_one() -> None:
     t = sets("+vars.warmup=100", "+vars.extra.deep=1", "+epoch.0.do.1.mul.note=x")
     assert t["vars"]["warmup"] == 100 and t["vars"]["extra"] == {"deep": 1}

@@ -351,7 +351,9 @@ class _Override:
         # `+` only where a new key can mean something: never in a mapping whose keys the
         # plan format fixes (max_epoch), nor for a near miss of an op's argument; a var
         # (a free mapping) may be new even beside a near miss (vars.lrr beside vars.lr).
-        adds = at.kind not in _KNOWN and at.kind != "step" and (not close or at.kind == "value")
+        # An op that passes any key on to code (build's target, call's fn) may take a new one.
+        adds = at.kind not in _KNOWN and at.kind != "step" and (
+            not close or at.kind == "value" or (at.kind == "args" and _takes_any_key(at.op)))
         raise self.fail(
             f"{self.path(at.depth + 1)} does not exist in the plan", at.pos,
             _then(hint, f"to add a new key, write +{'.'.join(self.parts)}={self.raw}" if adds else ""),
@@ -439,6 +441,13 @@ def _op_keys(op: str | None) -> tuple[str, ...]:
 
     spec = registry().get(op or "")
     return OP_IO_KEYS + (tuple(a.name for a in spec.args) if spec is not None else ())
+
+
+def _takes_any_key(op: str | None) -> bool:
+    from jobrun.ops.registry import registry
+
+    spec = registry().get(op or "")
+    return spec is not None and spec.extra_args
 
 
 def _some_key(at: _At) -> str:
