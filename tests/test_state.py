@@ -196,6 +196,23 @@ epoch:
             "did you mean 'model'?") in found
 
 
+def test_a_call_whose_in_misspells_the_blob_mutates_names_is_told_to_fix_in():
+    """`in: [emma, model], mutates: [ema]`: the hint named 'emma', a blob there is not, as
+    what `mutates` should say; `ema` is the blob init made, and `in` misspells it."""
+    plan = compile_text("""
+job: t
+max_epochs: 1
+init:
+  - task: setup
+    do: [{model.mlp: {out: model, sizes: [2, 2]}}, {model.mlp: {out: ema, sizes: [2, 2]}}]
+epoch:
+  - task: t
+    do: [{call: {fn: "m:f", in: [emma, model], mutates: [ema]}}]
+""")
+    hints = [d.hint for d in analyze(plan) if "says it changes 'ema'" in d.message]
+    assert hints == ["did you mean 'ema' in `in`, where it says 'emma'?"]
+
+
 def test_print_and_analyze_json_show_the_checkpointed_blobs():
     r = jobrun("print", PLANS / "cnn.yaml")
     assert "checkpointed @ local: [train_data, model, opt] + random state" in r.out.splitlines()

@@ -153,12 +153,17 @@ class _Walk(Visitor):
 
     def _listed(self, call: ir.OpCall, inputs: list[str]) -> list[Any] | None:
         listed = call_mutates(call)
+        task = self.task
+        made = self.globals.get(task.node, {}) if task is not None else {}
         for name in listed or ():
             if name not in inputs:
+                near = did_you_mean(name, inputs)
+                if near and name in made:  # `in` misspells a blob there is (`emma` for `ema`)
+                    near = f"did you mean {name!r} in `in`, where it says {near[len('did you mean '):-1]}?"
                 self.bad_mutates.append((
                     call.pos_of("mutates"),
                     f"`call` says it changes {name!r}, which is not one of its inputs",
-                    did_you_mean(name, inputs) or f"`mutates` lists blob names of its `in`: {inputs}",
+                    near or f"`mutates` lists blob names of its `in`: {inputs}",
                 ))
         return listed
 
