@@ -225,3 +225,53 @@ def test_a_metric_a_torch_scheduler_does_not_take_or_lacks_is_refused_before_the
     assert r.code == 2 and "Traceback" not in r.text, r.text
     assert f"{plan}:15:9: error: scheduler.step: {message}" in r.err and hint in r.err, r.err
     assert not (tmp_path / "run").exists()
+
+
+TWO_NODES = """\
+job: two_scheds
+max_epochs: 2
+init:
+  - task: a
+    node: alpha
+    do:
+      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}
+      - model.mlp: {out: model, sizes: [2, 1]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+      - scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.StepLR, step_size: 1}
+  - task: b
+    node: beta
+    do:
+      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}
+      - model.mlp: {out: model, sizes: [2, 1]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+      - scheduler: {in: opt, out: sched, target: torch.optim.lr_scheduler.ReduceLROnPlateau, patience: 0}
+epoch:
+  - task: ta
+    node: alpha
+    do:
+      - train.step: {in: [model, opt, x, y], out: loss, loss: mse}
+      - scheduler.step: {in: sched}
+      - optimizer.rate: {in: opt, out: lr}
+      - log: {in: [lr]}
+    outputs: [loss]
+  - task: tb
+    node: beta
+    do:
+      - train.step: {in: [model, opt, x, y], out: loss, loss: mse}
+      - scheduler.step: {in: [sched, 1.0]}
+      - optimizer.rate: {in: opt, out: lr}
+      - log: {in: [lr]}
+    outputs: [loss]
+"""
+
+
+def test_a_sched_of_each_node_is_checked_against_its_own_scheduler(tmp_path):
+    """Blobs are a node's: alpha's StepLR `sched` stepped without a metric was checked
+    against beta's ReduceLROnPlateau `sched` (the last scheduler the plan named so) and
+    the plan was refused before the run, though it runs."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TWO_NODES)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    lrs = sorted((v["_task"], v["_epoch"], round(v["lr"], 6)) for v in logged(tmp_path / "run"))
+    assert lrs == [("ta", 1, 0.01), ("ta", 2, 0.001), ("tb", 1, 0.1), ("tb", 2, 0.01)]

@@ -26,7 +26,7 @@ from typing import Any
 
 from jobrun.errors import PlanError, Pos, RunError
 from jobrun.plans import ir
-from jobrun.plans.visit import task_calls
+from jobrun.plans.visit import also_written, task_calls
 
 READERS = frozenset({"data.load", "load"})  # ops whose `path` is a file read from the plan's directory
 WRITERS = frozenset({"save", "export"})  # ops whose `path` is a file written in the run directory
@@ -146,8 +146,8 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
 
     if str(plan_dir) not in sys.path:
         sys.path.insert(0, str(plan_dir))
-    schedulers: dict[str, str] = {}  # blob -> the torch scheduler a `scheduler` made it
-    for _slot, step in _ordered(plan):
+    schedulers = _schedulers(plan)
+    for (g, t, _k), step in _ordered(plan):
         for where, key, path in _named_code(step):
             try:
                 if step.op == "optimizer" and key in ("class", "target"):
@@ -158,10 +158,10 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
         if step.op in ("optimizer", "scheduler"):
             _check_constructor_args(step)
         _check_target_keys(step)
-        if step.op == "scheduler" and isinstance(step.kwargs.get("target"), str) and step.outs:
-            schedulers[step.outs[0].name] = step.kwargs["target"]
-        elif step.op == "scheduler.step" and isinstance(step.ins[0], ir.BlobRef) and step.ins[0].name in schedulers:
-            _check_metric(step, schedulers[step.ins[0].name])
+        if step.op == "scheduler.step" and isinstance(step.ins[0], ir.BlobRef):
+            made = schedulers.get((plan.groups[g].tasks[t].node, step.ins[0].name), {None})
+            if len(made) == 1 and None not in made:
+                _check_metric(step, *made)
     for path in plan.fsdp_layers if plan.parallel == "fsdp" else ():  # a typo failed on every rank
         try:
             resolve(path, "fsdp_layers", "class")
@@ -271,6 +271,18 @@ def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Po
 
         raise PlanError(f"{step.op}: {name} takes no argument {key!r}", pos,
                         did_you_mean(key, params) or f"its arguments: {', '.join(params) or 'none'}")
+
+
+def _schedulers(plan: ir.Plan) -> dict[tuple[str, str], set[str | None]]:
+    """(node, blob) -> the targets of the `scheduler`s that write it (None: a step that
+    is not one, whose value may be anything). Blobs are a node's: two nodes, or private
+    tasks of one, may each have a `sched` of another class."""
+    made: dict[tuple[str, str], set[str | None]] = {}
+    for (g, t, _k), step in _ordered(plan):
+        target = step.kwargs.get("target") if step.op == "scheduler" else None
+        for out in (*step.outs, *also_written(step)):
+            made.setdefault((plan.groups[g].tasks[t].node, out.name), set()).add(target if isinstance(target, str) else None)
+    return made
 
 
 def _check_metric(step: ir.OpCall, target: str) -> None:
