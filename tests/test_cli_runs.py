@@ -756,6 +756,42 @@ def test_a_misspelt_key_whose_value_an_override_gave_is_not_blamed_on_the_overri
     assert not (tmp_path / "run").exists()
 
 
+DECORATED = """\
+import functools
+
+
+def with_scale(f):
+    @functools.wraps(f)
+    def inner(*args, scale=1.0, **kwargs):
+        return f(*args, **kwargs) * scale
+    return inner
+
+
+@with_scale
+def double(x):
+    return x * 2
+"""
+
+
+def test_a_keyword_a_decorator_takes_beside_the_code_it_wraps_is_not_refused(tmp_path):
+    """inspect.signature follows functools.wraps to the wrapped code: `scale`, which the
+    wrapper takes, was refused before the run ('double takes no argument'), though the
+    call ran; a key neither takes still is."""
+    (tmp_path / "deco_code.py").write_text(DECORATED)
+    text = ("job: deco\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
+            "      - const: {out: x, value: 2.0}\n"
+            "      - call: {fn: \"deco_code:double\", in: [x], out: z, scale: 3.0}\n"
+            "epoch:\n  - task: go\n    do:\n      - log: {in: [z]}\n")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 0 and "z=12" in r.out, r.text
+    plan.write_text(text.replace("scale:", "scal:"))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "typo")
+    assert r.code == 2 and "call: double takes no argument 'scal'" in r.err, r.text
+    assert "did you mean 'scale'?" in r.err and not (tmp_path / "typo").exists()
+
+
 @pytest.mark.parametrize("name, value", [("JOBRUN_PROGRESS_SECONDS", "abc"), ("JOBRUN_PROGRESS_SECONDS", "nan"),
                                          ("JOBRUN_DIST_TIMEOUT", "-1")])
 def test_a_bad_seconds_setting_in_the_environment_is_one_message_before_anything_is_written(

@@ -256,12 +256,16 @@ def _keywords(path: str, op: str, first: str | None) -> tuple[str, dict[str, Any
     try:
         code = resolve(path, op, "target")
         params = inspect.signature(code).parameters
+        # A decorator's wrapper (functools.wraps) may take keywords of its own beside the
+        # code's: `inner(*args, scale=1.0, **kwargs)` around `double(x)` takes `scale`.
+        outer = inspect.signature(code, follow_wrapped=False).parameters
     except (RunError, TypeError, ValueError):
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return None
-    return getattr(code, "__name__", path), {k: p for k, p in params.items() if k not in ("self", first)
-                                              and p.kind is not p.POSITIONAL_ONLY}
+    return getattr(code, "__name__", path), {k: p for k, p in {**outer, **params}.items()
+                                              if k not in ("self", first) and p.kind not in (
+                                                  p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Pos) -> None:
