@@ -762,30 +762,45 @@ import functools
 
 def with_scale(f):
     @functools.wraps(f)
-    def inner(*args, scale=1.0, **kwargs):
-        return f(*args, **kwargs) * scale
+    def inner(x, scale=1.0):
+        return f(x) * scale
+    return inner
+
+
+def quiet(f):  # takes options of its own from **kwargs, which no signature names
+    @functools.wraps(f)
+    def inner(*args, **kwargs):
+        kwargs.pop("verbose", None)
+        return f(*args, **kwargs)
     return inner
 
 
 @with_scale
 def double(x):
     return x * 2
+
+
+@quiet
+def triple(x):
+    return x * 3
 """
 
 
 def test_a_keyword_a_decorator_takes_beside_the_code_it_wraps_is_not_refused(tmp_path):
     """inspect.signature follows functools.wraps to the wrapped code: `scale`, which the
     wrapper takes, was refused before the run ('double takes no argument'), though the
-    call ran; a key neither takes still is."""
+    call ran; a key neither takes still is. A wrapper with **kwargs may take any key
+    (`verbose`), so it is left to the run."""
     (tmp_path / "deco_code.py").write_text(DECORATED)
     text = ("job: deco\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
             "      - const: {out: x, value: 2.0}\n"
             "      - call: {fn: \"deco_code:double\", in: [x], out: z, scale: 3.0}\n"
-            "epoch:\n  - task: go\n    do:\n      - log: {in: [z]}\n")
+            "      - call: {fn: \"deco_code:triple\", in: [x], out: t, verbose: true}\n"
+            "epoch:\n  - task: go\n    do:\n      - log: {in: [z, t]}\n")
     plan = tmp_path / "plan.yaml"
     plan.write_text(text)
     r = jobrun("train", plan, "--run-dir", tmp_path / "run")
-    assert r.code == 0 and "z=12" in r.out, r.text
+    assert r.code == 0 and "z=12" in r.out and "t=6" in r.out, r.text
     plan.write_text(text.replace("scale:", "scal:"))
     r = jobrun("train", plan, "--run-dir", tmp_path / "typo")
     assert r.code == 2 and "call: double takes no argument 'scal'" in r.err, r.text

@@ -261,8 +261,8 @@ def _keywords(path: str, op: str, first: str | None) -> tuple[str, dict[str, Any
         outer = inspect.signature(code, follow_wrapped=False).parameters
     except (RunError, TypeError, ValueError):
         return None
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
+    if any(p.kind is p.VAR_KEYWORD for p in (*params.values(), *outer.values())):
+        return None  # any keyword may do: also a wrapper's **kwargs, which may take keys of its own
     return getattr(code, "__name__", path), {k: p for k, p in {**outer, **params}.items()
                                               if k not in ("self", first) and p.kind not in (
                                                   p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)}
