@@ -263,10 +263,12 @@ class JobRunner(Checkpoints):
         self._drop_replaced(resume)
         self._prune_resumed(resume)
         self.epoch = self._last_saved = self.completed = resume  # the checkpoint it resumed from is the newest
+        logged = self._logged
         if self.cfg.resuming is not None and self.main_rank:
-            self.cfg.resuming.record(self.run_dir)  # the run's own from now on (runner/resuming.py)
+            kept = self.cfg.resuming.record(self.run_dir)  # the run's own from now on (runner/resuming.py)
+            logged = lambda: kept  # noqa: E731 - what it read: metrics.jsonl once more costs seconds when long
             self.metrics.reopen()  # the file it appended to was replaced, without the later epochs
-        self.tensorboard.restart(min(node.ctx.step for node in self.nodes.values()), self._logged)
+        self.tensorboard.restart(min(node.ctx.step for node in self.nodes.values()), logged)
         self._unrecorded = False
         self._restarted(resume)
         early = self._restore_watch(meta)

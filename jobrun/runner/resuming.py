@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobrun.errors import JobrunError
 from jobrun.runner.rundir import RunDir
+
+if TYPE_CHECKING:
+    from jobrun.records_schema import MetricsRecord
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,14 @@ class Resuming:
         except JobrunError:
             return False
 
-    def record(self, run: RunDir) -> None:
+    def record(self, run: RunDir) -> list[MetricsRecord]:
         """Write it (rank 0, the checkpoint restored): metrics after the epoch dropped,
-        the changed plan stored, run.json saying running, resumed from the epoch."""
+        the changed plan stored, run.json saying running, resumed from the epoch. The
+        metrics records kept."""
         import yaml
 
         info = run.info()
-        run.truncate_metrics(self.epoch)
+        kept = run.truncate_metrics(self.epoch)
         facts: dict[str, Any] = {}
         if self.changes:
             run.write_plan(yaml.safe_dump(self.stored, sort_keys=False))
@@ -63,3 +67,4 @@ class Resuming:
                                         {"from_epoch": self.epoch, "from": self.saved, "to": self.replicas}]
         run.update_info(status="running", resumed_from=self.epoch, started=self.started, error=None,
                         error_at=None, replicas=self.replicas, max_restarts=self.restarts, **facts)
+        return kept

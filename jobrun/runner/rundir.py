@@ -402,14 +402,16 @@ class RunDir:
         with hold_dir_lock(checkpoint_dir / LOCK_FILE, me, lambda who: _checkpoints_busy(checkpoint_dir, who)):
             yield
 
-    def truncate_metrics(self, after_epoch: int) -> None:
-        """On resume from epoch E, drop what the interrupted run logged after E."""
+    def truncate_metrics(self, after_epoch: int) -> list[MetricsRecord]:
+        """On resume from epoch E, drop what the interrupted run logged after E; the
+        records kept."""
         lines = self.metrics_lines()
         if lines is None:
-            return
-        kept = [line for line, record in lines  # the end phase runs again
+            return []
+        kept = [(line, record) for line, record in lines  # the end phase runs again
                 if record.group not in ("download", "exit") and (record.epoch or 0) <= after_epoch]
-        self._write(self.metrics_file, "".join(k + "\n" for k in kept).encode())
+        self._write(self.metrics_file, "".join(line + "\n" for line, _ in kept).encode())
+        return [record for _, record in kept]
 
     def metrics_lines(self) -> list[tuple[str, MetricsRecord]] | None:
         """metrics.jsonl's (line, record) pairs (None: there is no file); a UsageError
