@@ -18,7 +18,7 @@ signals.defer()  # before any heavy import: see jobrun/signals.py
 
 import click  # noqa: E402
 
-from jobrun import __version__  # noqa: E402
+from jobrun import __version__, hints  # noqa: E402
 from jobrun.errors import SECONDS_SETTINGS, Interrupted, JobrunError, env_seconds  # noqa: E402
 
 
@@ -53,6 +53,7 @@ def main(ctx: click.Context) -> None:
     """
     for name in SECONDS_SETTINGS:  # a bad one is refused now, before anything is written
         env_seconds(name)
+    hints.act_on(None)  # a run is named to hints once the command picks one
     if ctx.invoked_subcommand in ("train", "resume"):
         # They check the plan, the overrides and the run directory before importing
         # torch; until they write, a signal ends them at once (jobrun/signals.py).
@@ -134,10 +135,13 @@ _run_arg = click.argument("run_dir", required=False, type=click.Path(file_okay=F
 
 
 def _pick(run_dir: str | None) -> str:
-    """The run a command works on: the one given, else the latest (it says which)."""
+    """The run a command works on: the one given, else the latest (it says which); its
+    messages' hints name it (jobrun/hints.py)."""
     from jobrun.runner.runs import pick
 
-    return str(pick(run_dir))
+    path = str(pick(run_dir))
+    hints.act_on(path)
+    return path
 
 
 def _compile(plan: str, sets: tuple[str, ...] = ()):
@@ -334,6 +338,11 @@ def resume(args: tuple[str, ...], run_dir: str | None, epoch: int | str | None,
     given = dirs[0] if dirs else run_dir
     path = given if given is not None or _under_torchrun() else _pick(None)
     overrides = tuple(a for a in args if "=" in a)
+    options = [("--epoch", str(epoch)) if epoch not in (None, "latest") else (),
+               ("--replicas", str(replicas)) if replicas is not None else (),
+               ("--max-restarts", str(max_restarts)) if max_restarts is not None else (),
+               ("--force",) if force else ()]
+    hints.act_on(path, [*((s,) for s in sets + overrides), *filter(None, options)])
     sys.exit(run_resume(path, None if epoch == "latest" else epoch, sets + overrides, replicas,
                         max_restarts, force=force, profile=_profile_level(profile, profile_steps)))
 
@@ -418,9 +427,11 @@ def ckpt_verify(run_dir: str | None, epoch: int | str | None, as_json: bool) -> 
     rows = json.loads(inspect.list_text(path, verify=True, as_json=True))["checkpoints"]
     if epoch is not None:
         wanted = inspect.epoch_of(path, epoch)
-        rows = [r for r in rows if r["epoch"] == wanted]
-        if not rows:
-            raise _usage(f"{path} has no checkpoint of epoch {wanted}", "`jobrun ckpt list` shows the epochs")
+        chosen = [r for r in rows if r["epoch"] == wanted]
+        if not chosen:
+            raise _usage(f"{path} has no checkpoint of epoch {wanted}",
+                         inspect.present((r["epoch"] for r in rows), Path(path)))
+        rows = chosen
     bad = [r for r in rows if not r["valid"] and not r["on_other_hosts"]]
     if as_json:
         click.echo(json.dumps({"run_dir": path, "checked": rows, "damaged": len(bad)}, indent=2))

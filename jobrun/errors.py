@@ -126,11 +126,12 @@ class Interrupted(_Reported, BaseException):
     (`except Exception`) must let it through.
 
     ``during``: the phase it stopped in when nothing can be resumed yet (start-up, init);
-    ``hint``: how to go on, when there is a way; ``why``: what sent the signal, when it
-    is known to be no one's choice (a launcher that died)."""
+    ``hint``: how to go on (default: the resume of the run, made when the message is: it
+    reads ./runs, and the job replaces the hint of a signal it stops for); ``why``: what
+    sent the signal, when it is known to be no one's choice (a launcher that died)."""
 
-    def __init__(self, signum: int, during: str | None = None,
-                 hint: str | None = "continue with `jobrun resume`", why: str | None = None):
+    def __init__(self, signum: int, during: str | None = None, hint: str | None = None,
+                 why: str | None = None):
         import signal
 
         name = signal.Signals(signum).name
@@ -140,6 +141,14 @@ class Interrupted(_Reported, BaseException):
             super().__init__(f"stopped: {why}" if why else f"stopped by {name}", hint=hint)
         self.signum = signum
         self.exit_code = 128 + signum
+        self._offer_resume = not during and hint is None
+
+    def format_message(self) -> str:
+        if self._offer_resume and self.hint is None:
+            from jobrun import hints
+
+            self.hint = f"continue with `{hints.command('resume')}`"
+        return super().format_message()
 
 
 def did_you_mean(word: str, choices, most: int = 1, near=()) -> str | None:

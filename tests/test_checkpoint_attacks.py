@@ -248,7 +248,7 @@ def test_a_reader_state_out_of_range_names_the_epoch_and_blob_and_the_epoch_befo
     assert r.code != 0 and "Traceback" not in r.text
     assert "checkpoint epoch 3, blob 'r' on node 'local': its saved state does not load: reader state is " \
            "out of range" in r.err, r.err
-    assert "jobrun resume --epoch 2" in r.err
+    assert f"`jobrun resume {run} max_epochs=4 --epoch 2`" in r.err  # the same resume, from epoch 2
     assert jobrun("resume", run, "--epoch", "2", "max_epochs=4").code == 0
 
 

@@ -140,7 +140,7 @@ def test_a_blob_that_is_no_tensor_nor_state_is_refused_before_any_load(tmp_path)
     r = jobrun("train", _plan(tmp_path, text), "--run-dir", run)
     assert r.code != 0
     assert "blob 'e': checkpoint.load loads objects with a state" in r.err
-    assert "`jobrun export --epoch 2 --blob e`" in r.err
+    assert f"`jobrun export {run} --epoch 2 --node local --blob e -o e.json`" in r.err
     assert not (run / "tested.safetensors").exists()
 
 

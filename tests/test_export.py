@@ -126,7 +126,7 @@ epoch:
         r = jobrun("export", run, "--blob", "opt", "-o", tmp_path / f"opt{suffix}")
         assert r.code == 2 and "Traceback" not in r.text
         assert f"blob 'opt' holds the state of a torch.optim.adamw.AdamW: a {suffix} file would lose" in r.err
-        assert "export it alone to a .pt file: `jobrun export --blob opt -o opt.pt`" in r.err
+        assert f"export it alone to a .pt file: `jobrun export {run} --blob opt -o opt.pt`" in r.err
         assert not (tmp_path / f"opt{suffix}").exists()
 
 

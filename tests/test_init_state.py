@@ -81,7 +81,7 @@ def test_changed_data_stops_a_resume_naming_the_blob_and_force_goes_on(data_run)
     assert r.code == 1
     assert "cannot resume from checkpoint epoch 1: init built other things than when the run started" in r.err
     assert "blob 'x': float32 [16, 3] with CRC-32" in r.err and "blob 'y'" not in r.err
-    assert "jobrun resume --force" in r.err
+    assert f"`jobrun resume {run} --epoch 1 --force`" in r.err  # not the latest run: named
     r = jobrun("resume", "--run-dir", run, "--epoch", "1", "--force")
     assert r.code == 0, r.text
     assert "resuming anyway (--force, or overrides that change the plan)" in r.err

@@ -343,19 +343,19 @@ def test_a_signal_as_a_finished_job_closes_leaves_it_finished_and_says_so(tmp_pa
 def test_two_quick_signals_as_a_run_stops_leave_the_stop_recorded(tmp_path, monkeypatch, first, background):
     """Ctrl-C just after epoch 1's save returned (an async write goes on), before its
     line and metrics record, or during the epoch; then again while the stop was recorded
-    (`resume_command` scans ./runs, slow with many runs): the epoch record was lost,
+    (the hint's `jobrun resume` scans ./runs, slow with many runs): the epoch record was lost,
     run.json stayed "running" (`jobrun runs` said died) and the hint lost the run
     directory. A third Ctrl-C, as the run closes (a tracker may take minutes), still
     gets out at once, saying how to go on."""
     from runner_util import jobrun
 
+    from jobrun import hints
     from jobrun.runner.display import Display
     from jobrun.runner.monitor import Watch
     from jobrun.runner.records import Metrics
-    from jobrun.runner.rundir import RunDir
 
     epoch_line, after_epoch = Display.epoch_line, Watch.after_epoch
-    resume_command, close = RunDir.resume_command, Metrics.close
+    is_latest, close = hints._is_latest, Metrics.close
     closing: list[str] = []
 
     def signalled(self, result, *args):
@@ -368,9 +368,9 @@ def test_two_quick_signals_as_a_run_stops_leave_the_stop_recorded(tmp_path, monk
             os.kill(os.getpid(), signal.SIGINT)
         return after_epoch(self, outputs, epoch)
 
-    def signalled_again(self):
+    def signalled_again(run):
         os.kill(os.getpid(), signal.SIGINT)
-        return resume_command(self)
+        return is_latest(run)
 
     def signalled_as_it_closes(self):
         closing.append("metrics")
@@ -382,7 +382,7 @@ def test_two_quick_signals_as_a_run_stops_leave_the_stop_recorded(tmp_path, monk
         monkeypatch.setattr(Display, "epoch_line", signalled)
     else:
         monkeypatch.setattr(Watch, "after_epoch", signalled_in_the_epoch)
-    monkeypatch.setattr(RunDir, "resume_command", signalled_again)
+    monkeypatch.setattr(hints, "_is_latest", signalled_again)
     monkeypatch.setattr(Metrics, "close", signalled_as_it_closes)
     plan = tmp_path / "plan.yaml"
     plan.write_text(SLOW_INIT.replace("      - call: {fn: \"jobrun_test_helpers:sleep\", seconds: 60}\n", "")

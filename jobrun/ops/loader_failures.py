@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from jobrun import hints
 from jobrun.errors import RunError
 from jobrun.ops.reader import Reader
 
@@ -81,7 +82,7 @@ def worker_died(e: BaseException, name: str | None = None) -> RunError:
         f"a DataLoader worker{of} died: {str(e).strip() or type(e).__name__ + ' while taking its batch'}",
         hint="workers die when memory runs out (fewer num_workers or a smaller "
         "prefetch_factor help) or when native code in the dataset crashes; the run "
-        "resumes from its last checkpoint with `jobrun resume`",
+        f"resumes from its last checkpoint with `{hints.command('resume')}`",
     )
 
 
@@ -99,7 +100,7 @@ def _failure(reader: Reader, e: Exception) -> RunError:
         return RunError(
             f"dataset {name}: {what}{f' (at {where})' if where else ''}",
             hint="fix the dataset's __getitem__ for this sample; the run resumes from its "
-            "last checkpoint with `jobrun resume`",
+            f"last checkpoint with `{hints.command('resume')}`",
         )
     # A worker killed while the main process takes its batch's shared memory: the
     # connection ends (EOFError, a reset) before torch's own "worker (pid N) exited".

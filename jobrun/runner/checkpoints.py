@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobrun import store
+from jobrun import hints, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, UsageError
 from jobrun.plans import ir
 from jobrun.runner import fingerprint, restore, rng
@@ -135,7 +135,7 @@ class Checkpoints:
         raise CheckpointError(
             f"cannot resume from checkpoint epoch {epoch}: {what}",
             hint="checkpoints do not hold what init builds and no step changes: restore the data "
-            "and code init reads, or go on with them as they are: `jobrun resume --force`",
+            f"and code init reads, or go on with them as they are: `{hints.resume_again('--force')}`",
         )
 
     def _prepare(self, node: NodeRuntime, meta: dict[str, Any], copy: bool):
@@ -303,7 +303,7 @@ class Checkpoints:
 
             try:
                 return best_epoch(store.list_checkpoints(self.ckpt_dir), nodes, self.plan, "this run", complete,
-                                  instead="give `epoch: last` or an epoch's number (`jobrun ckpt list` shows them)")
+                                  instead="give `epoch: last` or an epoch's number")
             except UsageError as e:
                 raise CheckpointError(f"checkpoint.load: {e.message}", hint=e.hint) from None
         if which == "last" and done:
@@ -337,7 +337,7 @@ class Checkpoints:
         try:
             kept = store.delete_epochs(self.ckpt_dir, nodes, old)
         except (CheckpointError, OSError) as e:
-            self._warn(f"the checkpoints after epoch {epoch} were not removed: {e}; `jobrun resume` "
+            self._warn(f"the checkpoints after epoch {epoch} were not removed: {e}; `{hints.command('resume')}` "
                        f"without --epoch may take one of them for the newest")
             return
         if not old:

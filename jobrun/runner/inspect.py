@@ -10,10 +10,11 @@ import datetime as _dt
 import json
 import math
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from jobrun import safefs, store
+from jobrun import hints, safefs, store
 from jobrun.errors import CheckpointError, UsageError, a_type
 from jobrun.ops.core import SAVE_SUFFIXES
 from jobrun.plans import ir
@@ -57,10 +58,10 @@ class _Run:
             latest = latest_complete(self.ckpt_dir, self.nodes, self.hosts, infos)
             if latest is None:
                 raise CheckpointError(f"no complete checkpoint in {self.ckpt_dir}",
-                                      hint="`jobrun ckpt list` shows what is there")
+                                      hint=f"`{hints.command('ckpt list', run=self.path)}` shows what is there")
             newest = max(info.epoch for info in infos)
             if newest > latest:  # said: the newest one is what the user expects
-                print(f"note: epoch {newest} is not complete (see `jobrun ckpt list`); the latest "
+                print(f"note: epoch {newest} is not complete (see `{hints.command('ckpt list', run=self.path)}`); the latest "
                       f"complete one is epoch {latest}", file=sys.stderr)
             return latest
         return int(epoch)
@@ -76,11 +77,8 @@ class _Run:
         if node not in self.nodes:
             raise UsageError(f"the job has no node {node!r}", hint=f"nodes: {', '.join(self.nodes)}")
         if not (self.ckpt_dir / f"{node}.{epoch}").exists():
-            epochs = sorted({i.epoch for i in self.infos()})
-            raise UsageError(
-                f"no checkpoint of epoch {epoch} for node {node!r}",
-                hint=f"epochs present: {', '.join(map(str, epochs)) if epochs else 'none'}",
-            )
+            raise UsageError(f"no checkpoint of epoch {epoch} for node {node!r}",
+                             hint=present({i.epoch for i in self.infos()}, self.path))
         try:
             world = store.read_manifest(self.ckpt_dir, node, epoch).get("world_size")
         except Exception:  # noqa: BLE001 - a damaged manifest: the load below says what is wrong
@@ -112,6 +110,13 @@ def latest_complete(ckpt_dir: Path, nodes: list[str], hosts: bool,
 def epoch_of(run_dir: str | None, epoch: Epoch) -> int:
     """The epoch number ``epoch`` (N, latest or best) means in a run."""
     return _Run(run_dir).epoch(epoch)
+
+
+def present(epochs: Iterable[int], run: Path) -> str:
+    """The hint for an epoch of ``run`` that has no checkpoint: the epochs that have one."""
+    found = sorted(set(epochs))
+    return (f"epochs present: {', '.join(map(str, found)) or 'none'} "
+            f"(`{hints.command('ckpt list', run=run)}` shows them)")
 
 
 # -- list ------------------------------------------------------------------------------------
@@ -285,6 +290,7 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
     run = _Run(run_dir)
     e = run.epoch(epoch)
     n = node or run.nodes[0]
+    chosen = [*(["--epoch", str(epoch)] if epoch != "latest" else []), *(["--node", node] if node else [])]
     blobs = _select(run.load(e, n, 0), wanted, f"node {n!r} epoch {e}")
     out = Path(output)
     suffix = out.suffix.lower()
@@ -301,7 +307,7 @@ def export(run_dir: str | None, epoch: Epoch, node: str | None, wanted: tuple[st
         raise UsageError(
             f"blob {optimizer!r} holds the state of a {blobs[optimizer].type_name}: a {suffix} file would "
             f"lose {lost}, so `load_state_dict` could not take it back",
-            hint=f"export it alone to a .pt file: `jobrun export --blob {optimizer} -o {optimizer}.pt`, then "
+            hint=f"export it alone to a .pt file: `{hints.command('export', *chosen, '--blob', optimizer, '-o', f'{optimizer}.pt', run=run.path)}`, then "
                  f"`opt.load_state_dict(torch.load('{optimizer}.pt', weights_only=True))`")
     only = next(iter(blobs.values())) if len(blobs) == 1 else None
     tensors = dict(only.state) if _is_module_state(only) else _flatten(blobs)

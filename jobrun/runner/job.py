@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jobrun import signals, store
+from jobrun import hints, signals, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, said
 from jobrun.ops.context import OpContext
 from jobrun.ops.core import truthy
@@ -240,7 +240,7 @@ class JobRunner(Checkpoints):
             return Interrupted(signum, hint="this plan writes no checkpoints: train it again", why=why)
         if not self._resumable:
             return Interrupted(signum, during=self.group, why=why)
-        return Interrupted(signum, hint=f"continue with `{self.run_dir.resume_command()}`", why=why)
+        return Interrupted(signum, hint=f"continue with `{hints.command('resume', run=self.run_dir.path)}`", why=why)
 
     def _start(self) -> bool:
         self._run_group("init")
@@ -407,7 +407,7 @@ class JobRunner(Checkpoints):
         newest_saved = max(set(saved[0]).intersection(*saved[1:]), default=-1)
         if newest_saved >= 0:
             newest = f"its newest checkpoint is epoch {newest_saved}"
-            how = f"`{self.run_dir.resume_command()}` trains again from there"
+            how = f"`{hints.command('resume', run=self.run_dir.path)}` trains again from there"
         else:
             newest, how = "no checkpoint of it was saved", "train it again (`jobrun train ... --overwrite`)"
         error = CheckpointError(

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from jobrun import __version__, signals, store
+from jobrun import __version__, hints, signals, store
 from jobrun.errors import CheckpointError, PlanError, UsageError
 from jobrun.plans import inputs, ir
 from jobrun.plans.compile import compile_tree
@@ -72,6 +72,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         except RunTaken:
             if tries == 1:
                 raise
+    hints.act_on(run.path)
     said = print_warnings(warnings)  # once, now that the plan runs
     if run_dir is None:
         said.append(f"run directory {run.path}")
@@ -308,15 +309,15 @@ def already_finished(run: RunDir, epoch: int | None, changes: list[str], plan: i
     info = run.info()
     if epoch is None and info.status == "finished" and not changes:
         # the key that stops it: max_steps if the plan has it (a plan with both: either)
-        more = f"max_epochs=N` or `{run.path} max_steps=N" if plan.max_epochs and plan.max_steps else \
-            "max_steps=N" if plan.max_steps is not None else "max_epochs=N"
+        keys = ["max_epochs=N", "max_steps=N"] if plan.max_epochs and plan.max_steps else \
+            ["max_steps=N"] if plan.max_steps is not None else ["max_epochs=N"]
         early = _stopped_early(run, plan, info.last_epoch)
         if early is not None:  # a larger max_epochs would stop again at once
-            more = "early_stop.patience=N"
+            keys = ["early_stop.patience=N"]
+        more = " or ".join(f"`{hints.command('resume', key, run=run.path)}`" for key in keys)
         print(f"{run.path}: job {info.job!r} already finished at epoch {info.last_epoch}"
               f"{f', stopped early: {early}' if early else ''}; "
-              f"nothing to do (train on with `jobrun resume {run.path} {more}`, or again from "
-              "epoch E with --epoch E)")
+              f"nothing to do (train on with {more}, or again from epoch E with --epoch E)")
         return True
     return False
 
@@ -399,7 +400,8 @@ def _train_again(run: RunDir, info: RunInfo) -> str | None:
 
     args = ["jobrun", "train", info.source, *(info.sets or [])]
     if info.last_epoch:
-        return (f"no checkpoint of the {info.last_epoch} epoch(s) it ran is usable (`jobrun ckpt verify {run.path}` says why): "
+        return (f"no checkpoint of the {info.last_epoch} epoch(s) it ran is usable "
+                f"(`{hints.command('ckpt verify', run=run.path)}` says why): "
                 f"train it again in a new run directory with `{shlex.join(args)}`")
     args += ["--run-dir", str(run.path)]
     return f"it stopped before its first checkpoint: start it again with `{shlex.join(args)}`"

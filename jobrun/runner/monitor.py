@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobrun import store
+from jobrun import hints, store
 from jobrun.errors import RunError, UsageError, a_type
 from jobrun.plans import ir
 
@@ -245,8 +245,12 @@ def epoch_value(meta: dict[str, Any], monitor: ir.Monitor) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _listed(instead: str) -> str:
+    return f"{instead} (`{hints.command('ckpt list')}` shows the epochs)"
+
+
 def best_epoch(infos: list[Any], nodes: list[str], plan: ir.Plan, where: str,
-               complete: Collection[int] = (), instead: str = "give --epoch E (see `jobrun ckpt list`)") -> int:
+               complete: Collection[int] = (), instead: str = "give --epoch E") -> int:
     """The best epoch of a run (`--epoch best`, `checkpoint.load`'s `epoch: best`), or a
     UsageError saying why there is none and, ``instead``, what else to give (``complete``:
     as for ranked_epochs)."""
@@ -254,14 +258,14 @@ def best_epoch(infos: list[Any], nodes: list[str], plan: ir.Plan, where: str,
     if best is None:
         raise UsageError(
             f"the plan of {where} has no `checkpoint.best`, so no epoch is the best one",
-            hint=f"{instead}, or add checkpoint: {{best: {{monitor: val_loss, mode: min}}}} to the plan "
-                 "for the next run",
+            hint=f"{_listed(instead)}, or add checkpoint: {{best: {{monitor: val_loss, mode: min}}}} to the "
+                 "plan for the next run",
         )
     ranked = ranked_epochs(infos, nodes, best.monitor, complete)
     if not ranked:
         raise UsageError(
             f"no complete checkpoint of {where} recorded a value of {best.monitor.name.name!r} "
             "(null or not finite in every saved epoch)",
-            hint=instead,
+            hint=_listed(instead),
         )
     return ranked[0][0]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobrun import store
+from jobrun import hints, store
 from jobrun.errors import CheckpointError, UsageError
 from jobrun.plans import ir
 from jobrun.runner import rng
@@ -129,7 +129,7 @@ def _missing(ckpt_dir: Path, nodes: list[str], epoch: int) -> UsageError:
     hint = (f"give one of the complete epochs: {', '.join(map(str, done))}" if done
             else f"no epoch in {ckpt_dir} is complete")
     return UsageError(f"no checkpoint of epoch {epoch} in {ckpt_dir}",
-                      hint=f"{hint} (`jobrun ckpt list` shows them all)")
+                      hint=f"{hint} (`{hints.command('ckpt list')}` shows them all)")
 
 
 def _unusable(ckpt_dir: Path, nodes: list[str], epoch: int, why: str) -> CheckpointError:
@@ -139,7 +139,7 @@ def _unusable(ckpt_dir: Path, nodes: list[str], epoch: int, why: str) -> Checkpo
     hint = (f"complete epochs besides {epoch}: {', '.join(map(str, others))}" if others
             else f"no other complete epoch in {ckpt_dir}")
     return CheckpointError(f"checkpoint epoch {epoch} cannot be used: {why}",
-                           hint=f"{hint} (`jobrun ckpt list` shows them all)")
+                           hint=f"{hint} (`{hints.command('ckpt list')}` shows them all)")
 
 
 def _pick_together(ckpt_dir: Path, nodes: list[str], replicas: int, epoch: int | None,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
-from jobrun import store
+from jobrun import hints, store
 from jobrun.errors import CheckpointError, JobrunError
 from jobrun.runner import rng
 from jobrun.runner.executor import NodeRuntime
@@ -50,7 +50,7 @@ def read(
         check_init(name, meta, epoch)
         if found := rng.problems(blobs.get(rng.KEY)):
             raise CheckpointError(f"checkpoint epoch {epoch} of node {name!r}: {found[0]}",
-                                  hint="resume from another epoch (see `jobrun ckpt list`)")
+                                  hint=f"resume from another epoch (see `{hints.command('ckpt list')}`)")
         if world != world_size and shards.holds_shards(blobs):
             # Another number of ranks: every saved rank's shards, made whole (each rank
             # then takes its part; see shards.relive).
@@ -88,10 +88,12 @@ def named(node: NodeRuntime, blobs: dict[str, Any], names: Collection[str], epoc
         if isinstance(saved, SavedState):
             continue
         if _shape(saved) is None or _shape(live) is None or isinstance(saved, shards.SavedShard):
+            out = f"{blob}.{'json' if _shape(saved) is None else 'safetensors'}"
             raise CheckpointError(
                 f"{where}, blob {blob!r}: checkpoint.load loads objects with a state (a model, an "
                 f"optimizer) and tensors in place, and this blob holds {type(live).__name__}",
-                hint=f"`jobrun export --epoch {epoch} --blob {blob}` copies it out of the checkpoint")
+                hint=f"`{hints.command('export', '--epoch', str(epoch), '--node', node.name, '--blob', blob, '-o', out)}` "
+                     "copies it out of the checkpoint")
         if (_shape(saved), _dtype(saved)) != (_shape(live), _dtype(live)):
             raise CheckpointError(
                 f"{where}, blob {blob!r}: the checkpoint holds a tensor of {_dtype(saved)} "
@@ -130,8 +132,8 @@ def _blob(node: NodeRuntime, blob: str, saved: Any, epoch: int) -> None:
                 hint=e.hint if isinstance(e, shards.ShardMismatch) else
                 "when the plan or an override (`resume vars.block=64`) changed what init builds, "
                 "the run must start anew (`jobrun train PLAN --run-dir NEW`); otherwise the "
-                f"checkpoint is damaged: resume from an earlier epoch (`jobrun resume --epoch "
-                f"{epoch - 1}`; `jobrun ckpt list` shows them)") from None
+                f"checkpoint is damaged: resume from an earlier epoch (`{hints.resume_again('--epoch', str(epoch - 1))}`; "
+                f"`{hints.command('ckpt list')}` shows them)") from None
         return
     node.globals[blob] = _to_device(saved, node.ctx.device)
 

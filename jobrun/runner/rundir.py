@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobrun import records_schema, safedel, safefs
+from jobrun import hints, records_schema, safedel, safefs
 from jobrun.errors import JobrunError, UsageError
 from jobrun.runner.locks import hold_dir_lock, hold_lock, holder
 
@@ -99,15 +99,6 @@ class RunDir:
             return None
         p = Path(plan.checkpoint.dir).expanduser()
         return p if p.is_absolute() else self.path / p
-
-    def resume_command(self) -> str:
-        """The command that continues this run (naming it unless it is the latest run,
-        which a bare `jobrun resume` picks)."""
-        try:
-            same = RunDir.latest().path.resolve() == self.path.resolve()
-        except (JobrunError, OSError):
-            same = False
-        return "jobrun resume" if same else f"jobrun resume {self.path}"
 
     def under(self, path: str) -> Path:
         """A path a plan gives, relative to this run directory unless absolute."""
@@ -283,8 +274,10 @@ class RunDir:
         directory without checkpoints (``overwrite``: with them; :meth:`clear` removes
         them). ``checkpoint_dir``: where the new plan writes its checkpoints, which must
         hold none either (it may lie outside the run directory)."""
-        hint_resume = (f"continue it with `jobrun resume {self.path}`, replace it: add --overwrite "
-                       "to this `jobrun train`, or choose another --run-dir")
+        def hint_resume() -> str:  # made when it is said: it reads ./runs
+            return (f"continue it with `{hints.command('resume', run=self.path)}`, replace it: add --overwrite "
+                    "to this `jobrun train`, or choose another --run-dir")
+
         try:
             os.stat(self.path)
         except FileNotFoundError:
@@ -303,7 +296,7 @@ class RunDir:
                         f"(its {RUN_FILE} is missing or damaged), so --overwrite will not delete it",
                         hint="remove it yourself, or choose another --run-dir")
                 raise UsageError(f"run directory {self.path} already holds checkpoints ({held})",
-                                 hint=hint_resume)
+                                 hint=hint_resume())
             if not is_run and any(p.name != LOCK_FILE for p in self.path.iterdir()):
                 raise UsageError(
                     f"{self.path} is not empty and is not a jobrun run directory",
@@ -316,11 +309,11 @@ class RunDir:
             raise _checkpoints_busy(checkpoint_dir, who)  # before "holds checkpoints": the cause
         if checkpoint_dir is not None and not (overwrite and self._owns(checkpoint_dir)) \
                 and _holds_checkpoints(checkpoint_dir, depth=0):
-            if not (self.path.is_dir() and self._owns(checkpoint_dir)):  # another run's
-                hint_resume = ("they are another run's (or an older run's of this directory): set "
-                               "checkpoint.dir to another directory (--set checkpoint.dir=DIR)")
+            theirs = not (self.path.is_dir() and self._owns(checkpoint_dir))  # another run's
             raise UsageError(f"checkpoint directory {checkpoint_dir} already holds checkpoints",
-                             hint=hint_resume)
+                             hint="they are another run's (or an older run's of this directory): set "
+                                  "checkpoint.dir to another directory (--set checkpoint.dir=DIR)"
+                             if theirs else hint_resume())
 
     def _owns(self, checkpoint_dir: Path) -> bool:
         """Whether ``checkpoint_dir`` is this (existing) run's own checkpoint directory."""

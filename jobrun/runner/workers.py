@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jobrun import safefs, signals, store
+from jobrun import hints, safefs, signals, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, UsageError
 from jobrun.plans import ir
 from jobrun.runner import group
@@ -58,6 +58,7 @@ class Launch:
     # a restarted worker reports the last one.
     deaths: list[dict[str, Any]] = field(default_factory=list)
     resuming: Resuming | None = None  # what a resume records once it restored (rank 0 writes it)
+    acting: hints.Acting | None = None  # what the hints of the process that started it name
 
     @property
     def verified(self) -> bool:
@@ -79,7 +80,7 @@ def start(launch: Launch, torchrun: bool, plan: ir.Plan) -> int:
     already compiled, or start the workers (each compiles the run's own plan)."""
     if torchrun or (launch.replicas <= 1 and launch.max_restarts == 0):
         return worker(launch, plan)
-    return _elastic(replace(launch, spawned=True))
+    return _elastic(replace(launch, spawned=True, acting=hints.acting()))
 
 
 # -- the launcher ------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def _elastic(launch: Launch) -> int:
             error = RunError(
                 f"replica rank {rank} failed (exit code {code}){': ' + detail if detail else ''}{stopped}{tried}",
                 hint=f"its messages are above and in {launch.run_dir / CONSOLE_FILE}; continue with "
-                     f"`jobrun resume {launch.run_dir}`",
+                     f"`{hints.command('resume', run=launch.run_dir)}`",
             )
             # run.json keeps what the rank itself said (its error file: see _error_file).
             said = failure.message.get("message") if isinstance(failure.message, dict) else None
@@ -274,9 +275,12 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
     another rank is gone waits for the launcher to stop it.
     """
     if launch.spawned:
+        hints.use(launch.acting)  # its hints name what the launching process's name
         _own_session()
         signals.watch_parent()  # its death comes as SIGINT: said as such (signals.LAUNCHER_GONE)
         _platform_start_method()
+    if hints.acting() is None:  # a rank torchrun started
+        hints.act_on(launch.run_dir)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     alone = world == 1 and not launch.spawned
@@ -327,7 +331,7 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
             # broken connection (torch's text, a frame of jobrun's) is no message of ours.
             e = RunError("stopped: another rank left while this one waited for it in a collective, "
                          "without a message (killed, or its host went down)",
-                         hint=f"its launcher names it; continue with `{RunDir(launch.run_dir).resume_command()}`")
+                         hint=f"its launcher names it; continue with `{hints.command('resume', run=launch.run_dir)}`")
         text = f"[rank {rank}] {e.format_message()}" if world > 1 else e.format_message()
         if world > 1:
             group.tell_failure(rank, e.format_message())

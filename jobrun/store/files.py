@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from jobrun import safefs
+from jobrun import hints, safefs
 from jobrun.errors import CheckpointError
 from jobrun.safedel import Shape, remove_in
 from jobrun.safefs import fsync_dir
@@ -438,7 +438,7 @@ def write_error(e: OSError, target: Path, where: Path) -> CheckpointError:
         what, hint = "read-only file system", f"make {where} writable, or set checkpoint.dir"
     elif e.errno == errno.EEXIST:  # a damaged checkpoint of that epoch, or the user's files
         what = f"{e.strerror or e}"
-        hint = (f"a damaged checkpoint (see `jobrun ckpt list`) or files of yours are in the way: "
+        hint = (f"a damaged checkpoint (see `{hints.command('ckpt list')}`) or files of yours are in the way: "
                 f"move {e.filename or target} away to let this epoch be saved")
     else:
         what = f"{e.strerror or e}" + (f" ({code})" if code else "")

@@ -19,7 +19,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jobrun import records_schema, safefs
+from jobrun import hints, records_schema, safefs
 from jobrun.errors import CheckpointError
 from jobrun.store import tensorfile
 from jobrun.store.codec import decode
@@ -37,11 +37,10 @@ from jobrun.store.files import (
     rank_dir,
 )
 
-HINT_RESUME = "resume from an earlier epoch (see `jobrun ckpt list`); this one can be deleted"
 
-
-def problem(what: str, hint: str = HINT_RESUME) -> NoReturn:
-    raise CheckpointError(what, hint=hint)
+def problem(what: str, hint: str | None = None) -> NoReturn:
+    raise CheckpointError(what, hint=hint or f"resume from an earlier epoch (see `{hints.command('ckpt list')}`); "
+                          "this one can be deleted")
 
 
 # COMMIT and MANIFEST.json are small: a bigger one is damaged (and never read whole).
@@ -234,7 +233,7 @@ def load(
     if not edir.is_dir():
         problem(
             f"no checkpoint of node {node!r} at epoch {epoch} in {ckpt_dir}",
-            hint="see `jobrun ckpt list` for the saved epochs",
+            hint=f"see `{hints.command('ckpt list')}` for the saved epochs",
         )
     rdir = edir / f"rank-{rank}"
     if not rdir.is_dir():
