@@ -295,21 +295,21 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_names_the_trai
     r = jobrun("resume", "runs/early")  # nothing saved: it starts again, and meets the file again
     assert r.code == 1 and "it starts again from init" in r.err and "cannot read 'later.npy'" in r.err, r.text
     r = jobrun("resume", "runs/early", "max_epochs=4")  # with overrides it does not: it says how
-    assert r.code == 1 and "no complete checkpoint" in r.err
+    assert r.code == 2 and "no complete checkpoint" in r.err  # nothing to resume: bad input
     command = re.search(r"start it again with `([^`]+)`", r.err)
     assert command, r.err
     words = command.group(1).split()
     assert words[:2] == ["jobrun", "train"] and Path(words[2]) == here / "plan.yaml"
-    assert words[3:] == ["max_epochs=3", "--run-dir", "runs/early"]
+    assert words[3:] == ["max_epochs=3", "max_epochs=4", "--run-dir", "runs/early"]  # the run's, then these
     # --epoch 0 said only "no epoch in runs/early/ckpt is complete (`jobrun ckpt list` ...)"
     r = jobrun("resume", "runs/early", "--epoch", "0")
-    assert r.code == 2 and f"start it again with `{command.group(1)}`" in r.err, r.text
+    assert r.code == 2 and "start it again with `jobrun train" in r.err and "max_epochs=4" not in r.err, r.text
     import numpy as np
 
     np.save(here / "later.npy", np.zeros(2, dtype=np.float32))
     again = jobrun(*words[1:])
     assert again.code == 0, again.text
-    assert "epoch 3/3" in again.out and json.loads((here / "runs/early/run.json").read_text())["status"] == "finished"
+    assert "epoch 4/4" in again.out and json.loads((here / "runs/early/run.json").read_text())["status"] == "finished"
 
 
 def test_resume_of_a_run_whose_every_checkpoint_is_damaged_names_the_train_that_starts_it_anew(here):
@@ -323,14 +323,14 @@ def test_resume_of_a_run_whose_every_checkpoint_is_damaged_names_the_train_that_
     assert command, r.err
     words = command.group(1).split()
     assert words[:2] == ["jobrun", "train"] and Path(words[2]) == here / "plan.yaml"
-    assert words[3:] == ["max_epochs=2"]
+    assert words[3:] == ["max_epochs=2", "max_epochs=3"]
 
 
 def test_resume_that_moves_checkpoint_dir_says_the_checkpoints_are_where_it_was(here):
     # It said to train again from the start, though the run's checkpoints were intact.
     assert jobrun("train", "plan.yaml", "--run-dir", "runs/a").code == 0
     r = jobrun("resume", "runs/a", "checkpoint.dir=elsewhere", "max_epochs=3")
-    assert r.code == 1 and "no complete checkpoint" in r.err and "Traceback" not in r.err, r.text
+    assert r.code == 2 and "no complete checkpoint" in r.err  # bad input: an override and "Traceback" not in r.err, r.text
     assert ('this resume moves checkpoint.dir (checkpoint.dir: "ckpt" -> "elsewhere") and the run\'s '
             "checkpoints are not there: resume without that override") in r.err, r.err
     assert "jobrun train" not in r.err
@@ -343,7 +343,7 @@ def test_a_resume_refused_for_another_checkpoint_dir_leaves_nothing_there(here, 
     (here / "empty").mkdir()
     for elsewhere in (here / "new" / "deep", here / "empty"):
         r = jobrun("resume", "runs/a", f"checkpoint.dir={elsewhere}", "max_epochs=3")
-        assert r.code == 1 and "no complete checkpoint" in r.err, r.text
+        assert r.code == 2 and "no complete checkpoint" in r.err, r.text
     assert not (here / "new").exists() and list((here / "empty").iterdir()) == []
 
     # The lock file is removed as it is let go: a run that opened it just before still

@@ -104,6 +104,24 @@ def test_resume_from_an_epoch_not_saved_hints_the_list_of_that_run(two_runs):
     assert listed.code == 0 and _epochs_listed(listed.out) == [0, 1, 2, 3], listed.text
 
 
+def test_resume_with_overrides_of_a_run_stopped_before_its_first_checkpoint_is_bad_input(two_runs):
+    """commands.md: nothing to resume is refused as bad input (2), as `--epoch 0` of the same
+    run is; the hinted train starts it again with the overrides given."""
+    (two_runs / "fail.yaml").write_text(PLAN.replace(
+        "      - optimizer: {in: model, out: opt, lr: 0.1}\n",
+        "      - optimizer: {in: model, out: opt, lr: 0.1}\n"
+        '      - call: {fn: "jobrun_test_helpers:fail_once", path: "${run_dir}/../failed"}\n'))
+    assert jobrun("train", "fail.yaml", "--run-dir", "runs/f").code == 1
+    r = jobrun("resume", "runs/f", "max_epochs=2")
+    assert r.code == 2 and "no complete checkpoint in runs/f/ckpt" in r.err, r.text
+    assert jobrun("resume", "runs/f", "--epoch", "0").code == 2
+    words = _hinted(r.err)
+    assert words == ["train", str(two_runs / "fail.yaml"), "max_epochs=2", "--run-dir", "runs/f"]
+    r = jobrun(*words)
+    assert r.code == 0, r.text
+    assert _info(two_runs / "runs/f")["last_epoch"] == 2
+
+
 def test_a_resume_hint_replaces_the_option_it_changes_and_keeps_the_rest(tmp_path):
     hints.act_on(tmp_path / "elsewhere", [("vars.lr=0.5",), ("--epoch", "3"), ("--replicas", "2")])
     try:

@@ -131,9 +131,10 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         try:
             epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None, said=said)
         except (NoCheckpoint, UsageError) as e:  # UsageError: an --epoch never saved
-            if not isinstance(e, NoCheckpoint) and not _never_saved(info, ckpt_dir):
+            never = _never_saved(info, ckpt_dir)
+            if not isinstance(e, NoCheckpoint) and not never:
                 raise
-            if asked is None and not sets and _never_saved(info, ckpt_dir):
+            if asked is None and not sets and never:
                 return _start_again(run, Launch(run.path, run.plan_dir, device, None, n, restarts,
                                                 profile=profile), plan, said)
             moved = [c for c in changes if c.startswith("checkpoint.dir:")]
@@ -141,7 +142,9 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
                 e.hint = (f"this resume moves checkpoint.dir ({moved[0]}) and the run's checkpoints are "
                           "not there: resume without that override, or copy them into it first")
             else:
-                e.hint = _train_again(run, info) or e.hint
+                e.hint = _train_again(run, info, sets) or e.hint
+            if never or moved:  # nothing to resume from: refused as bad input, as --epoch N is (2)
+                raise UsageError(e.message, hint=e.hint) from None
             raise
         record = resuming(plan, epoch, sets, changes, stored, n, saved, restarts,
                           newer_epochs(ckpt_dir, epoch, asked, list(plan.nodes)), said,
@@ -390,15 +393,16 @@ def _start_again(run: RunDir, launch: Launch, plan: ir.Plan, said: list[str]) ->
     return start(launch, False, plan)
 
 
-def _train_again(run: RunDir, info: RunInfo) -> str | None:
+def _train_again(run: RunDir, info: RunInfo, sets: tuple[str, ...]) -> str | None:
     """The command that starts a run that stopped before its first checkpoint again, in
     its own directory (a run without checkpoints may be trained over); when epochs ran and
-    their checkpoints are gone or damaged, in a new directory (the damaged ones stay)."""
+    their checkpoints are gone or damaged, in a new directory (the damaged ones stay).
+    Either trains with the run's overrides, then the ones this resume was given."""
     if not info.source:
         return None
     import shlex
 
-    args = ["jobrun", "train", info.source, *(info.sets or [])]
+    args = ["jobrun", "train", info.source, *(info.sets or []), *sets]
     if info.last_epoch:
         return (f"no checkpoint of the {info.last_epoch} epoch(s) it ran is usable "
                 f"(`{hints.command('ckpt verify', run=run.path)}` says why): "
