@@ -57,22 +57,21 @@ from benchmarks.common import (
 )
 
 GOAL = 0.95
-STEPS = 40
+STEPS = 40  # an epoch's steps; --smoke takes SMOKE_STEPS (it checks that the section runs)
+SMOKE_STEPS = 4
 SIZES = [256, 512, 512, 512, 10]
 N = 5120  # records
 BATCH = 128  # the global batch
 
 # Its epoch outputs the last step's loss (loss_last): the hand loop reports the epoch's last loss.
-PLAN = mlp_plan("fsdp-bench", n=N, batch=BATCH, sizes=SIZES, steps=STEPS, head="parallel: fsdp\n", step=", amp: AMP")
-
-
-def plan_text(epochs: int, amp: str) -> str:
-    return PLAN.replace("EPOCHS", str(epochs)).replace("AMP", amp)
+def plan_text(epochs: int, amp: str, steps: int) -> str:
+    return mlp_plan("fsdp-bench", n=N, batch=BATCH, sizes=SIZES, steps=steps, head="parallel: fsdp\n",
+                    step=", amp: AMP").replace("EPOCHS", str(epochs)).replace("AMP", amp)
 
 
 class HandFSDP:
     """The plan's training as a hand-written FSDP2 loop, in a process group already
-    joined: `epoch()` runs STEPS steps and returns their wall time and the last step's
+    joined: `epoch()` runs ``steps`` steps and returns their wall time and the last step's
     loss (the global batch's mean, reduced after the timed steps).
 
     It computes the very numbers the job computes (a tiny model's speed depends on its
@@ -82,7 +81,7 @@ class HandFSDP:
     batch). The section checks that both sides report the same losses.
     """
 
-    def __init__(self, amp: str) -> None:
+    def __init__(self, amp: str, steps: int) -> None:
         import torch
         import torch.distributed as dist
         from torch import nn
@@ -111,7 +110,7 @@ class HandFSDP:
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
-        self.model, self.dtype = model, dtype
+        self.model, self.dtype, self.steps = model, dtype, steps
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         self.batches = ReaderBatches(N, BATCH, self.rank, self.world)
 
@@ -119,7 +118,7 @@ class HandFSDP:
         torch, model, opt, dtype = self.torch, self.model, self.opt, self.dtype
         cross_entropy = self.nn.functional.cross_entropy
         t0 = time.perf_counter()
-        for _ in range(STEPS):
+        for _ in range(self.steps):
             idx = self.batches.next()
             xb, yb = self.x[idx], self.y[idx]
             opt.zero_grad(set_to_none=True)
@@ -135,28 +134,28 @@ class HandFSDP:
 
 
 def _rank_main(argv: list[str]) -> None:
-    """One rank. ``both ROOT EPOCHS AMP``: the job through jobrun's runner, one hand
-    epoch after each of its epochs (see common.rank_both); ``hand EPOCHS AMP``: the hand
-    loop alone. Rank 0 prints the epoch times as JSON."""
+    """One rank. ``both ROOT EPOCHS AMP STEPS``: the job through jobrun's runner, one hand
+    epoch after each of its epochs (see common.rank_both); ``hand EPOCHS AMP STEPS``: the
+    hand loop alone. Rank 0 prints the epoch times as JSON."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     if argv[0] == "both":
-        root, epochs, amp = Path(argv[1]), int(argv[2]), argv[3]
-        out = rank_both(root, plan_text(epochs, amp), lambda: HandFSDP(amp))
+        root, epochs, amp, steps = Path(argv[1]), int(argv[2]), argv[3], int(argv[4])
+        out = rank_both(root, plan_text(epochs, amp, steps), lambda: HandFSDP(amp, steps))
     else:
-        epochs, amp = int(argv[1]), argv[2]
+        epochs, amp, steps = int(argv[1]), argv[2], int(argv[3])
         dist.init_process_group("gloo")
-        loop_ = HandFSDP(amp)
+        loop_ = HandFSDP(amp, steps)
         out = {"hand": [loop_.epoch()[0] for _ in range(epochs)]}
     rank_exit(out)
 
 
-def _jobrun(root: Path, epochs: int, amp: str) -> list[float]:
+def _jobrun(root: Path, epochs: int, amp: str, steps: int) -> list[float]:
     """`jobrun train --replicas 2` of the plan: its epoch times from metrics.jsonl."""
     plan = root / "plan.yaml"
-    plan.write_text(plan_text(epochs, amp))
+    plan.write_text(plan_text(epochs, amp, steps))
     run = root / "run"
     p = subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run),
                         "--replicas", "2"], cwd=ROOT, env=python_env(), capture_output=True, text=True,
@@ -172,10 +171,11 @@ def run(mode: Mode) -> list[Row]:
 
 
 def _row(mode: Mode, amp: str) -> Row:
-    paired = paired_epochs("benchmarks.bench_fsdp", mode.pick(3, 2, 1), mode.pick(12, 6, 2), amp)
+    steps = mode.pick(STEPS, STEPS, SMOKE_STEPS)
+    paired = paired_epochs("benchmarks.bench_fsdp", mode.pick(3, 2, 1), mode.pick(12, 6, 2), amp, str(steps))
     bf16 = amp == "bf16"
     return paired.row("fsdp", "parallel: fsdp, amp: bf16 steps/s (2 ranks)" if bf16 else
-                      "parallel: fsdp steps/s (2 ranks)", STEPS, "hand-written FSDP2 loop" + (
+                      "parallel: fsdp steps/s (2 ranks)", steps, "hand-written FSDP2 loop" + (
                           " (bf16 MixedPrecisionPolicy + autocast)" if bf16 else ""), GOAL,
                       ok=paired.ratio >= GOAL and paired.same_losses)
 
@@ -184,20 +184,21 @@ def _processes_row(mode: Mode) -> Row:
     # Short runs, many of them: a run's epochs move together, so the median needs
     # processes more than epochs.
     reps, epochs = mode.pick(4, 2, 1), mode.pick(4, 3, 2)
+    steps = mode.pick(STEPS, STEPS, SMOKE_STEPS)
     ours: list[float] = []
     hand: list[float] = []
     with tempfile.TemporaryDirectory(prefix="jobrun-bench-fsdp-") as tmp:
         for r in range(reps):
             root = Path(tmp) / f"job{r}"
             root.mkdir()
-            ours += _jobrun(root, epochs, "null")[1:]
-            hand += torchrun("benchmarks.bench_fsdp", "hand", str(epochs), "null")["hand"][1:]
+            ours += _jobrun(root, epochs, "null", steps)[1:]
+            hand += torchrun("benchmarks.bench_fsdp", "hand", str(epochs), "null", str(steps))["hand"][1:]
     t_ours, t_hand = statistics.median(ours), statistics.median(hand)
     return Row(
-        section="fsdp", name="jobrun train --replicas 2, parallel: fsdp steps/s", value=STEPS / t_ours,
-        unit="steps/s", baseline=STEPS / t_hand, baseline_name="the hand loop started by torchrun",
+        section="fsdp", name="jobrun train --replicas 2, parallel: fsdp steps/s", value=steps / t_ours,
+        unit="steps/s", baseline=steps / t_hand, baseline_name="the hand loop started by torchrun",
         ratio=t_hand / t_ours, goal="information (whole processes, +-10% run to run)", ok=None,
-        note=f"median epoch of {STEPS} steps, {reps} runs of {epochs} epochs a side, alternating, first dropped",
+        note=f"median epoch of {steps} steps, {reps} runs of {epochs} epochs a side, alternating, first dropped",
         extra={"jobrun_epoch_seconds": ours, "hand_epoch_seconds": hand},
     )
 
