@@ -208,26 +208,57 @@ def reset() -> None:
 # -- a spawned worker's launcher ----------------------------------------------------------
 #
 # torch's spawned workers get SIGINT when their parent dies (their parent-death signal):
-# a launcher killed with kill -9 stops its ranks as a Ctrl-C would, and they say why.
+# a launcher killed with kill -9 stops its ranks as a Ctrl-C would, and they say why. The
+# ranks the launcher starts are forked by its fork server (jobrun.runner.forkserver),
+# which is their parent and lives as long as they do: a rank watches the launcher itself,
+# through a pidfd, and sends itself that SIGINT when it dies. Where there is no pidfd the
+# ranks are spawned by the launcher, their parent.
 
-_parent: list[int] = []
+_launcher: list[Any] = []  # [its pid, a pidfd of it or None: it is the parent]
 LAUNCHER_GONE = "the launcher went away (killed?), and the ranks stopped with it"
 
 
-def watch_parent() -> None:
-    """Remember this worker's launcher (its parent)."""
-    _parent[:] = [os.getppid()]
+def watch_launcher(pid: int) -> None:
+    """Remember this worker's launcher (process ``pid``); when it is not the parent, a
+    thread sends this process SIGINT when it ends, as a parent's death would."""
+    fd = None
+    if pid != os.getppid():
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already: stop as if it went now
+            _launcher[:] = [pid, None]
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+    _launcher[:] = [pid, fd]
+    if fd is not None:
+        threading.Thread(target=_on_death, args=(fd,), name="jobrun-launcher-watch", daemon=True).start()
+
+
+def _on_death(fd: int) -> None:
+    import select
+
+    select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _gone() -> bool:
+    pid, fd = _launcher
+    if fd is None:
+        return os.getppid() != pid
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def orphaned() -> bool:
-    """Whether the launcher this worker remembered is gone (it has another parent now). A
-    while is given: the ranks may act on the launcher's death (its sockets closed) before
-    the kernel gives them their new parent; a Ctrl-C waits 0.2 s more for its answer."""
+    """Whether the launcher this worker remembered is gone. A while is given: the ranks
+    may act on the launcher's death (its sockets closed) before the kernel tells them it
+    ended; a Ctrl-C waits 0.2 s more for its answer."""
     import time
 
     for _ in range(10):
-        if not _parent or os.getppid() != _parent[0]:
-            return bool(_parent)
+        if not _launcher or _gone():
+            return bool(_launcher)
         time.sleep(0.02)
     return False
 
@@ -240,9 +271,9 @@ def exit_when_orphaned(code: int, every: float = 0.5) -> None:
     import time
 
     def watch() -> None:
-        while _parent and os.getppid() == _parent[0]:
+        while _launcher and not _gone():
             time.sleep(every)
         os._exit(code)
 
-    if _parent:
+    if _launcher:
         threading.Thread(target=watch, name="jobrun-orphan-watch", daemon=True).start()

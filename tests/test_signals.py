@@ -133,12 +133,12 @@ def test_a_signal_after_checkpoint_0_offers_resume_with_the_run_dir(tmp_path):
 def test_a_worker_whose_launcher_is_gone_after_its_job_leaves(tmp_path):
     """torch's wrapper of a spawned rank waits, without a timeout, for its launcher once
     the job is done: a launcher killed then left its ranks waiting for good. A rank that
-    watches its launcher (signals.watch_parent) leaves when it goes."""
+    watches its launcher (signals.watch_launcher) leaves when it goes."""
     import subprocess
     import sys
     import time
 
-    child = ("import threading, sys\nfrom jobrun import signals\nsignals.watch_parent()\n"
+    child = ("import os, threading, sys\nfrom jobrun import signals\nsignals.watch_launcher(os.getppid())\n"
              "signals.exit_when_orphaned(7, every=0.05)\nprint('ready', flush=True)\n"
              "threading.Event().wait()\n")
     launcher = ("import subprocess, sys\n"
@@ -157,6 +157,31 @@ def test_a_worker_whose_launcher_is_gone_after_its_job_leaves(tmp_path):
     else:
         os.kill(pid, 9)
         raise AssertionError("the orphaned worker is still waiting")
+
+
+def test_a_rank_forked_by_another_process_gets_sigint_when_its_launcher_dies():
+    """The ranks' parent is the launcher's fork server, which outlives the launcher while
+    they run: a rank watches the launcher's own pid and sends itself the SIGINT a parent's
+    death gave it (torch's parent-death signal)."""
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    child = ("import os, signal, sys, time\nfrom jobrun import signals\n"
+             "signal.signal(signal.SIGINT, lambda *_: (print('sigint', flush=True), os._exit(3)))\n"
+             "signals.watch_launcher(int(sys.argv[1]))\n"
+             "assert not signals.orphaned()\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    rank = subprocess.Popen([sys.executable, "-c", child, str(launcher.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "ready\n"
+        launcher.kill()
+        launcher.wait()
+        assert rank.wait(timeout=HANG_S) == 3
+        assert rank.stdout.read() == "sigint\n"
+    finally:
+        launcher.kill()
+        rank.kill()
+        rank.stdout.close()
 
 
 def test_a_signal_during_checkpoint_0_stops_after_it_and_offers_resume(tmp_path, monkeypatch):

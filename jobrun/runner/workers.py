@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 from jobrun import hints, safefs, signals, store
 from jobrun.errors import CheckpointError, Interrupted, JobrunError, RunError, UsageError
 from jobrun.plans import ir
-from jobrun.runner import group
+from jobrun.runner import forkserver, group
 from jobrun.runner.devices import device_for
 from jobrun.runner.pick import pick_epoch
 from jobrun.runner.resuming import Resuming
@@ -59,6 +59,7 @@ class Launch:
     deaths: list[dict[str, Any]] = field(default_factory=list)
     resuming: Resuming | None = None  # what a resume records once it restored (rank 0 writes it)
     acting: hints.Acting | None = None  # what the hints of the process that started it name
+    launcher: int = 0  # the launcher's pid (spawned: a rank watches it, signals.watch_launcher)
 
     @property
     def verified(self) -> bool:
@@ -80,7 +81,7 @@ def start(launch: Launch, torchrun: bool, plan: ir.Plan) -> int:
     already compiled, or start the workers (each compiles the run's own plan)."""
     if torchrun or (launch.replicas <= 1 and launch.max_restarts == 0):
         return worker(launch, plan)
-    return _elastic(replace(launch, spawned=True, acting=hints.acting()))
+    return _elastic(replace(launch, spawned=True, acting=hints.acting(), launcher=os.getpid()))
 
 
 # -- the launcher ------------------------------------------------------------------------------
@@ -96,13 +97,14 @@ def _elastic(launch: Launch) -> int:
     # (its agent waits its own default), and `torch>=2.10` is what jobrun asks for.
     quick_stop = {"shutdown_timeout": 5} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
     _start_resource_tracker()
+    start_method = forkserver.start_method()
     # The agent's error files go to a directory of this launch, removed after it (torch's
     # default left an empty torchelastic_* tree in $TMPDIR per run).
     with tempfile.TemporaryDirectory(prefix="jobrun-elastic-", ignore_cleanup_errors=True) as logs:
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=launch.replicas, run_id=uuid.uuid4().hex[:12],
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts,
-            monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+            monitor_interval=0.2, start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=logs),
             **quick_stop,
         )
         try:
@@ -139,6 +141,8 @@ def _elastic(launch: Launch) -> int:
         except SignalException as e:
             RunDir(launch.run_dir).record_end("interrupted", keep_ended=True)
             return 128 + int(e.sigval)
+        finally:
+            forkserver.stop()
         codes = [c for c in results.values() if c]
         return max(codes) if codes else 0
 
@@ -277,7 +281,8 @@ def worker(launch: Launch, plan: ir.Plan | None = None) -> int:
     if launch.spawned:
         hints.use(launch.acting)  # its hints name what the launching process's name
         _own_session()
-        signals.watch_parent()  # its death comes as SIGINT: said as such (signals.LAUNCHER_GONE)
+        signals.watch_launcher(launch.launcher)  # its death comes as SIGINT: said as such
+        # (signals.LAUNCHER_GONE)
         _platform_start_method()
     if hints.acting() is None:  # a rank torchrun started
         hints.act_on(launch.run_dir)
