@@ -62,6 +62,20 @@ def test_a_read_with_more_outputs_than_its_reader_gives_is_an_error_at_the_first
     assert "read-outputs" not in [d.code for d in run(fewer)]
 
 
+@pytest.mark.parametrize("loop", ["null", "4"])
+def test_a_read_whose_tested_done_gets_the_readers_last_field_is_an_error_at_it(loop: str) -> None:
+    """A reader of 3 fields read into [xb, yb, end] gave `end` its third field, and
+    `stop_if: end` said 'a tensor of shape (8,) has no single truth value', at run time."""
+    text = drain(reader=", passes: 0", loop=loop).replace("in: [x, y], out: data", "in: [x, y, y], out: data")
+    d = only(text, "read-outputs")
+    expect(d, "error", at(text, "read:", "end"),
+           ("read: reader 'data' gives 3 fields and then `done`, and `out` names 2 before 'end'",
+            "'end' gets field 3, though a `stop_if` tests it as `done`"),
+           ("name 3 fields, then `done`",))
+    untested = text.replace("stop_if: end", "stop_if: xb")  # three fields, no `done`: fine
+    assert "read-outputs" not in [d.code for d in run(untested)]
+
+
 def test_a_reader_of_n_passes_is_warned_at_its_passes_when_the_job_may_run_longer() -> None:
     text = drain(epochs=5, reader=", passes: 2")
     d = only(text, "reader-passes")

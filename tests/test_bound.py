@@ -117,6 +117,9 @@ def test_a_read_without_done_or_of_another_reader_goes_through_read_op() -> None
     three = reader_op(ctx, x, x, x, batch_size=4, keys=["a", "b", "c"])  # one dict a batch
     with pytest.raises(RunError, match=r"the reader gives 1 field\(s\) a batch, then `done`, and `out` names 3"):
         bound.bind_read(ctx, ("a", "b", "end"))(three)
+    # Two fields read into [xb, end] with a stop_if testing `end`: not a roll-over read.
+    with pytest.raises(RunError, match=r"and `out` names 1 before `end`: `end` gets field 2, though a `stop_if`"):
+        bound.bind_read(ctx, ("xb", "end"), _done_tested=True)(r)
     assert bound.bind_read(OpContext(device="cpu"), ("xb", "end")) is None  # no run: no feed to count in
 
 

@@ -388,6 +388,20 @@ def test_in_a_job_a_batch_that_cannot_be_collated_names_its_samples_and_the_odd_
     assert "make every sample of a batch alike" in r.err
 
 
+def test_in_a_job_a_read_whose_tested_done_gets_a_field_says_what_the_reader_gives(flaky):
+    """Flaky's two fields read into [xb, end]: `end` got yb, and `stop_if: end` said 'a
+    tensor of shape (4,) has no single truth value'."""
+    plan = JOB.replace("out: [xb, yb, end]", "out: [xb, end]")
+    (flaky / "plan.yaml").write_text(plan)
+    r = jobrun("train", flaky / "plan.yaml", "--run-dir", flaky / "run")
+    assert r.code == 1 and "truth value" not in r.err, r.err
+    line = plan.splitlines().index("          - read: {in: r, out: [xb, end]}") + 1
+    assert f"plan.yaml:{line}:13: error: op `read` in task 'train' on node 'local': the reader gives 2 " \
+        "field(s) a batch, then `done`, and `out` names 1 before `end`: `end` gets field 2, though a " \
+        "`stop_if` tests it as `done`" in r.err
+    assert "hint: name 2 field(s), then `done`" in r.err and "__getitem__" in r.err
+
+
 @pytest.mark.slow
 def test_in_a_job_a_dead_worker_stops_it_and_the_run_resumes(flaky):
     (flaky / "kill").touch()

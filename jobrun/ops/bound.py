@@ -69,7 +69,7 @@ def _indexed(device: torch.device) -> torch.device:
     return torch.device(device.type, 0) if device.index is None and device.type == "mps" else device
 
 
-def bind_read(ctx: OpContext, _out_names: tuple[str, ...] = ()) -> Any:
+def bind_read(ctx: OpContext, _out_names: tuple[str, ...] = (), _done_tested: bool = False) -> Any:
     """`read` of a reader of tensors (whose fields are known when it is made) into its
     fields and `done`: the batch as the reader gives it, its wait counted in the run's feed
     as read_op counts it. Any other reader (a Dataset's, whose fields a read tells), or a
@@ -96,7 +96,7 @@ def bind_read(ctx: OpContext, _out_names: tuple[str, ...] = ()) -> Any:
                 if reader.feed is not feed:
                     feed.watch(reader)
             return batch
-        return results(read_op(ctx, reader, _out_names), outputs)
+        return results(read_op(ctx, reader, _out_names, _done_tested), outputs)
 
     read.counted = True  # type: ignore[attr-defined]
     return read

@@ -377,10 +377,12 @@ def reader_op(
     return TensorReader(fields, **geometry)
 
 
-def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
+def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = (),
+            _done_tested: bool = False) -> tuple[Any, ...]:
     """`read`: r -> fields..., done. With `done` left out of `out`, a pass's end is not the
     plan's concern: the read that meets it starts the next pass at once (a `passes: 0`
-    reader then never ends), and only after the last pass are the fields null."""
+    reader then never ends), and only after the last pass are the fields null.
+    `_done_tested`: a `stop_if` of the read's loop tests its last output, meant as `done`."""
     if not isinstance(reader, Reader):
         raise RunError(
             f"read expects a reader, got {a_type(reader)}",
@@ -398,16 +400,24 @@ def read_op(ctx: OpContext, reader: Reader, _out_names: tuple[str, ...] = ()) ->
             reader.tally[2] += time.perf_counter() - t0
             if reader.feed is not feed:
                 feed.watch(reader)
+    if rolls and _done_tested:  # the `done` tested would get the reader's last field
+        last = _out_names[-1]
+        raise _miscounted(reader, f"{len(_out_names) - 1} before `{last}`: `{last}` gets field "
+                          f"{reader.field_count}, though a `stop_if` tests it as `done`")
     if rolls:  # one output is its value alone (a dict batch, a reader of one field)
         return batch[0] if reader.field_count == 1 else batch[:-1]
     if _out_names and len(_out_names) != len(batch):  # said of the reader, not of "the op"
-        fields = reader.field_count
-        raise RunError(
-            f"read: the reader gives {fields} field(s) a batch, then `done`, and `out` names "
-            f"{len(_out_names)}: {', '.join(_out_names)}",
-            hint=f"name {fields} field(s), then `done` (which may be left out); a Dataset's fields are "
-            "the items of the tuple its __getitem__ returns (a tensor alone is one field)")
+        raise _miscounted(reader, f"{len(_out_names)}: {', '.join(_out_names)}")
     return batch
+
+
+def _miscounted(reader: Reader, named: str) -> RunError:
+    """A read whose `out` does not name the reader's fields, then `done`."""
+    fields = reader.field_count
+    return RunError(
+        f"read: the reader gives {fields} field(s) a batch, then `done`, and `out` names {named}",
+        hint=f"name {fields} field(s), then `done` (which may be left out); a Dataset's fields are "
+        "the items of the tuple its __getitem__ returns (a tensor alone is one field)")
 
 
 read_op.wants_out_names = True  # type: ignore[attr-defined]

@@ -92,7 +92,8 @@ def _read_outputs(plan: ir.Plan) -> Iterator[Problem]:
     """A `read` with more outputs than its reader gives (its fields, then `done`), which
     failed at run time, after the run directory was made. Counted where a reader's fields
     are its blob inputs (two or more, no `window` or `keys`; a Dataset's are known only
-    once read); a blob made a reader twice with different counts is not checked."""
+    once read); a blob made a reader twice with different counts is not checked. So is one
+    whose last output, tested by a `stop_if` as `done`, gets the reader's last field."""
     fields: dict[tuple[str, str], int | None] = {}
     for task in plan.tasks():
         for call in task_calls(task):
@@ -102,10 +103,17 @@ def _read_outputs(plan: ir.Plan) -> Iterator[Problem]:
                 key, n = (task.node, call.outs[0].name), len(call.ins) if plain else None
                 fields[key] = n if fields.get(key, n) == n else None
     for task in plan.tasks():
+        tested = {id(r) for block in children(task) for r in done_reads(block)}
         for call in task_calls(task):
             if call.op != "read" or not call.ins or not isinstance(call.ins[0], ir.BlobRef):
                 continue
             n = fields.get((task.node, call.ins[0].name))
+            if n is not None and len(call.outs) == n and id(call) in tested:
+                last = call.outs[-1].name
+                yield ("error", "read-outputs", call.outs[-1].pos,
+                       f"read: reader {call.ins[0].name!r} gives {n} fields and then `done`, and `out` names "
+                       f"{n - 1} before {last!r}: {last!r} gets field {n}, though a `stop_if` tests it as `done`",
+                       f"name {n} fields, then `done`")
             if n is not None and len(call.outs) > n + 1:
                 yield ("error", "read-outputs", call.outs[n + 1].pos,
                        f"read: reader {call.ins[0].name!r} gives {n} fields and then `done`, so `out` "
@@ -131,7 +139,7 @@ def _drained_readers(plan: ir.Plan) -> Iterator[Problem]:
     warned: set[tuple[str, str]] = set()
     stops = {ref.name for ref in plan.stop_when}  # `stop_when: [end]`: the job ends with the pass
     for task in plan.epoch.tasks:
-        for read in (r for block in children(task) for r in _reads_to_end(block)):
+        for read in (r for block in children(task) for r in done_reads(block, unbounded=True)):
             key = (task.node, read.ins[0].name)  # type: ignore[union-attr]
             made = readers.get(key)
             if made is None or key in warned or read.outs[-1].name in stops:
@@ -155,18 +163,19 @@ def _drained(made: ir.OpCall, read: ir.OpCall, passes: int) -> Problem:
     return "warning", "reader-passes", made.pos_of("passes") if given else made.pos, message, hint
 
 
-def _reads_to_end(steps: tuple[ir.Step, ...]) -> Iterator[ir.OpCall]:
-    """The `read`s in loops without a count that stop at the read's `done`: each run of
-    the loop reads to the end of a pass."""
+def done_reads(steps: tuple[ir.Step, ...], *, unbounded: bool = False) -> Iterator[ir.OpCall]:
+    """The `read`s in loops of `steps` whose last output a `stop_if` of the loop tests: that
+    output is meant as the read's `done`, whatever its reader gives. With `unbounded`, only
+    those of loops without a count, each run of which reads to the end of a pass."""
     for step in steps:
-        if isinstance(step, ir.Loop) and step.count is None:
-            stops = _stop_names(step.body)
+        if isinstance(step, ir.Loop) and (step.count is None or not unbounded):
+            tested = _stop_names(step.body)
             for call in op_calls(step.body):
-                if (call.op == "read" and len(call.outs) >= 2 and call.outs[-1].name in stops
+                if (call.op == "read" and len(call.outs) >= 2 and call.outs[-1].name in tested
                         and call.ins and isinstance(call.ins[0], ir.BlobRef)):
                     yield call
         for block in children(step):
-            yield from _reads_to_end(block)
+            yield from done_reads(block, unbounded=unbounded)
 
 
 def _stop_names(steps: tuple[ir.Step, ...]) -> set[str]:

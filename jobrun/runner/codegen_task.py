@@ -45,6 +45,7 @@ from jobrun.ops.context import STEP_COUNTER, OpContext
 from jobrun.ops.core import truthy
 from jobrun.ops.registry import bound_impl, registry, resolve_impl
 from jobrun.plans import ir
+from jobrun.plans.analyze_data import done_reads
 from jobrun.plans.visit import Visitor, also_written, children, written
 from jobrun.runner import clock
 from jobrun.runner import codegen_runtime as runtime
@@ -152,6 +153,7 @@ class Generator(Visitor):
         self.op_number = 0  # op calls written so far, in plan order
         self.task = task
         self.node = node
+        self.done_reads = {id(r) for block in children(task) for r in done_reads(block)}
         self.ops = registry()
         self.reports = ""  # the `with reports()` variable of the block being written
         # The innermost loop's train.step outputs: name -> (losses, block sums) variables.
@@ -225,6 +227,8 @@ class Generator(Visitor):
             kwargs["_names"] = tuple(i.name if isinstance(i, ir.BlobRef) else repr(i.value) for i in s.ins)
         if getattr(impl, "wants_out_names", False):
             kwargs["_out_names"] = tuple(o.name for o in s.outs)
+        if id(s) in self.done_reads:
+            kwargs["_done_tested"] = True
         clocked = getattr(impl, "wants_clock", False)
         self.op_number += 1
         if getattr(impl, "wants_site", False):
@@ -511,8 +515,7 @@ class Generator(Visitor):
             branches.append(code.fresh("branch", b.name or ""))
             with code.function(branches[-1], "L"):
                 self.visit_block(b.body)
-        self.means = outer
-        self.clock = outer_clock
+        self.means, self.clock = outer, outer_clock
         thunks = "".join(f"partial({b}, L), " for b in branches)
         call = f"run_concurrently(({thunks}), 'parallel')"
         with code.step(s.pos, "parallel"), code.block(f"if {call}:"):
@@ -521,14 +524,11 @@ class Generator(Visitor):
     def visit_Report(self, s: ir.Report) -> None:
         code = self.code
         body = code.fresh("report")
-        outer, self.means = self.means, None
-        outer_clock, self.clock = self.clock, None
-        outer_reporting, self.reporting = self.reporting, True
+        outer, outer_clock, outer_reporting = self.means, self.clock, self.reporting
+        self.means, self.clock, self.reporting = None, None, True
         with code.function(body, "L"):
             self.visit_block(s.body)
-        self.means = outer
-        self.clock = outer_clock
-        self.reporting = outer_reporting
+        self.means, self.clock, self.reporting = outer, outer_clock, outer_reporting
         with code.step(s.pos, f"report every {s.period_text}"):
             code.line(f"{self.reports}.start({code.value('period', s.period)}, partial({body}, L))")
 
