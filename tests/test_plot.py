@@ -8,7 +8,8 @@ import json
 import pytest
 from runner_util import jobrun
 
-from jobrun.runner.plot import series
+from jobrun.errors import UsageError
+from jobrun.runner.plot import plot, series
 from jobrun.runner.rundir import RunDir
 
 PLAN = """\
@@ -40,30 +41,46 @@ def _metrics(tmp_path, records) -> RunDir:
 def test_series_places_values_on_the_epoch_axis(tmp_path):
     run = _metrics(tmp_path, [
         {"epoch": 0, "group": "init", "values": {"loss": 9.0}},  # not an epoch: no point
-        {"epoch": 1, "group": "epoch", "values": {"loss": 1.0, "name": "a", "flag": True}},
-        {"epoch": 2, "group": "epoch", "values": {"loss": 0.5}},
-        {"epoch": 2, "group": "epoch", "values": {"loss": 0.25}},
+        {"epoch": 1, "group": "epoch", "task": "t", "values": {"loss": 1.0, "name": "a", "flag": True}},
+        {"epoch": 2, "group": "epoch", "task": "t", "values": {"loss": 0.5}},
+        {"epoch": 2, "group": "epoch", "task": "t", "values": {"loss": 0.25}},
         {"epoch": 2, "event": "checkpoint_save", "seconds": 0.1},
-        {"epoch": 3, "group": "epoch", "values": {"loss": "nan"}},
+        {"epoch": 3, "group": "epoch", "task": "t", "values": {"loss": "nan"}},
     ])
     assert series(run) == {"loss": [(1.0, 1.0), (1.5, 0.5), (2.0, 0.25)]}
 
 
 def test_series_takes_epoch_outputs_not_also_logged(tmp_path):
     run = _metrics(tmp_path, [
-        {"epoch": 1, "group": "epoch", "values": {"loss": 1.0}},
+        {"epoch": 1, "group": "epoch", "task": "t", "values": {"loss": 1.0}},
         {"epoch": 1, "event": "epoch", "outputs": {"t": {"loss": 1.0, "val": 0.5, "done": False}}},
         {"epoch": 2, "event": "epoch", "outputs": {"t": {"loss": 0.8, "val": 0.4, "done": True}}},
     ])
     assert series(run) == {"loss": [(1.0, 1.0), (2.0, 0.8)], "val": [(1.0, 0.5), (2.0, 0.4)]}
 
 
+def test_series_of_a_name_two_tasks_give_is_a_line_for_each_as_the_epoch_line_names_them(tmp_path):
+    """train's and finetune's `loss` were one line, the two tasks' points interleaved."""
+    run = _metrics(tmp_path, [
+        {"epoch": 1, "group": "epoch", "task": "train", "values": {"loss": 1.0, "lr": 0.1}},
+        {"epoch": 1, "group": "epoch", "task": "finetune", "values": {"loss": 5.0}},
+        {"epoch": 1, "event": "epoch", "outputs": {"train": {"loss": 1.0}, "finetune": {"loss": 5.0, "acc": 0.5}}},
+        {"epoch": 2, "group": "epoch", "task": "train", "values": {"loss": 0.5, "lr": 0.05}},
+        {"epoch": 2, "event": "epoch", "outputs": {"train": {"loss": 0.5}, "finetune": {"loss": 4.0, "acc": 0.6}}},
+    ])
+    assert series(run) == {"train.loss": [(1.0, 1.0), (2.0, 0.5)], "finetune.loss": [(1.0, 5.0), (2.0, 4.0)],
+                           "lr": [(1.0, 0.1), (2.0, 0.05)], "acc": [(1.0, 0.5), (2.0, 0.6)]}
+    with pytest.raises(UsageError, match="no metric 'loss' was logged") as e:
+        plot([str(run.path)], None, ("loss",))
+    assert e.value.hint == "each task gives its own: finetune.loss, train.loss"
+
+
 def test_series_on_the_step_axis_takes_each_records_step(tmp_path):
     run = _metrics(tmp_path, [
-        {"epoch": 1, "group": "epoch", "step": 5, "values": {"loss": 1.0}},
-        {"epoch": 1, "group": "epoch", "step": 10, "values": {"loss": 0.5}},
+        {"epoch": 1, "group": "epoch", "task": "t", "step": 5, "values": {"loss": 1.0}},
+        {"epoch": 1, "group": "epoch", "task": "t", "step": 10, "values": {"loss": 0.5}},
         {"epoch": 1, "event": "epoch", "outputs": {"t": {"loss": 0.5, "val": 0.7}}},
-        {"epoch": 2, "group": "epoch", "step": 20, "values": {"loss": 0.25}},
+        {"epoch": 2, "group": "epoch", "task": "t", "step": 20, "values": {"loss": 0.25}},
         {"epoch": 2, "event": "epoch", "outputs": {"t": {"val": 0.6}}},
         {"epoch": 3, "event": "epoch", "outputs": {"t": {"val": 0.1}}},  # no step logged: no point
     ])

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Container, Iterable
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -144,9 +145,9 @@ class Display:
             values.update({(task, k): v for k, v in outputs.items()})
         order = {task: i for i, task in enumerate(result.outputs)}  # the plan's (tasks log in any order)
         values = dict(sorted(values.items(), key=lambda item: order.get(item[0][0], len(order))))
-        newly = _shared(values) - self._shared
+        newly = shared_names(values) - self._shared
         self._shared |= newly
-        labelled = {self._label(task, k): (k, v) for (task, k), v in values.items()}
+        labelled = {task_label(task, k, self._shared): (k, v) for (task, k), v in values.items()}
         # A name keeps its place from one epoch line to the next (the `log` that runs first
         # may differ between epochs: `every: N`), new names after the others; a name two
         # tasks now give is shown as each task's in its place.
@@ -161,10 +162,6 @@ class Display:
         rates = epoch_text(getattr(result, "rates", {}), result.seconds, human_size)
         parts = [f"epoch {result.epoch}{of}", steps, outs, f"{result.seconds:.2f}s", rates, result.ckpt]
         self.line("  ".join(p for p in parts if p))
-
-    def _label(self, task: str, name: str) -> str:
-        """A value's name on the epoch line: `task.name` once two tasks gave that name."""
-        return f"{task}.{name}" if name in self._shared else name
 
     # -- lines ----------------------------------------------------------------------------
     def line(self, text: str) -> None:
@@ -226,8 +223,8 @@ class Display:
         loop = self.progress.get("loop")
         step = self._step(loop)
         latest = dict(self._values)
-        shared = self._shared | _shared(latest)
-        values = " ".join(f"{f'{task}.' if k in shared else ''}{k}={_fmt(v)}"
+        shared = self._shared | shared_names(latest)
+        values = " ".join(f"{task_label(task, k, shared)}={_fmt(v)}"
                           for (task, k), v in list(latest.items())[-4:])
         now = time.monotonic()
         samples = self._samples(now)
@@ -346,9 +343,16 @@ def human_size(n: float) -> str:
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
-def _shared(values: dict[tuple[str, str], Any]) -> set[str]:
-    """The names that more than one task gave (logged or output) among `values`."""
-    tasks: dict[str, set[str]] = {}
-    for task, name in values:
+def shared_names(keys: Iterable[tuple[str | None, str]]) -> set[str]:
+    """The names that more than one task gave (logged or output) among (task, name) keys:
+    each is shown as :func:`task_label` says (the epoch line, the progress bar, `jobrun plot`)."""
+    tasks: dict[str, set[str | None]] = {}
+    for task, name in keys:
         tasks.setdefault(name, set()).add(task)
     return {name for name, given in tasks.items() if len(given) > 1}
+
+
+def task_label(task: str | None, name: str, shared: Container[str]) -> str:
+    """A value's name as shown: `task.name` when two tasks give the name (train.loss,
+    finetune.loss), else the name alone."""
+    return f"{task}.{name}" if task is not None and name in shared else name

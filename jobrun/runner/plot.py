@@ -1,7 +1,8 @@
 """`jobrun plot`: the logged values of one or more runs against steps or epochs, as a PNG.
 
 One panel per metric (a name a `log` op logged with a number, or an epoch task's numeric
-output), one line per run. Against the global step (`--x step`; `auto`, the default, when
+output; `task.name` for each task when two give the name, as on the epoch line), one
+line per run. Against the global step (`--x step`; `auto`, the default, when
 the run took optimizer steps) a value sits at the `step` metrics.jsonl records with it and
 an epoch output at the step its epoch ended. Against epochs (`--x epoch`; `auto` for a run
 that takes no step) a value logged once an epoch sits at that epoch; one logged several
@@ -19,6 +20,7 @@ from typing import Any
 
 from jobrun import safefs
 from jobrun.errors import UsageError, did_you_mean
+from jobrun.runner.display import shared_names, task_label
 from jobrun.runner.rundir import RunDir, metrics_records
 
 MAX_METRICS_BYTES = 1 << 30
@@ -39,10 +41,11 @@ def series(run: RunDir, x: str = "auto") -> Series:
         return Series()
     except OSError as e:
         raise UsageError(f"cannot read {run.metrics_file}: {e.strerror or e}") from None
-    per_epoch: dict[tuple[str, int], list[float]] = defaultdict(list)
-    steps: dict[tuple[str, int], list[int]] = defaultdict(list)  # the global step of each value
+    # Keyed by (task, name, epoch): two tasks' same name are two lines (task_label).
+    per_epoch: dict[tuple[str | None, str, int], list[float]] = defaultdict(list)
+    steps: dict[tuple[str | None, str, int], list[int]] = defaultdict(list)  # the global step of each value
     ended: dict[int, int] = {}  # epoch -> the global step it ended at
-    outputs: dict[tuple[str, int], float] = {}
+    outputs: dict[tuple[str | None, str, int], float] = {}
     for _, record in metrics_records(run.metrics_file, data):
         epoch = record.epoch
         if epoch is None:
@@ -51,38 +54,40 @@ def series(run: RunDir, x: str = "auto") -> Series:
         if record.event == "epoch":
             if step is not None:
                 ended[epoch] = step
-            for task in record.outputs.values():
-                for name, value in task.items():
+            for task, given in record.outputs.items():
+                for name, value in given.items():
                     if _number(value):
-                        outputs[(name, epoch)] = float(value)
+                        outputs[(task, name, epoch)] = float(value)
         elif record.group == "epoch":
             for name, value in record.values.items():
                 if _number(value):
-                    per_epoch[(name, epoch)].append(float(value))
-                    steps[(name, epoch)].append(step if step is not None else -1)
+                    per_epoch[(record.task, name, epoch)].append(float(value))
+                    steps[(record.task, name, epoch)].append(step if step is not None else -1)
     # An epoch task's output that the epoch did not also log is a point at the epoch's end:
     # its record's step, or (a run written before epoch records had one) the epoch's last
     # logged step.
     logged_last: dict[int, int] = {}
-    for (_, epoch), at in steps.items():
+    for (_, _, epoch), at in steps.items():
         logged_last[epoch] = max([logged_last.get(epoch, -1), *at])
     for key, value in outputs.items():
         if key not in per_epoch:
             per_epoch[key] = [value]
-            steps[key] = [ended.get(key[1], logged_last.get(key[1], -1))]
+            steps[key] = [ended.get(key[2], logged_last.get(key[2], -1))]
     out = Series()
     by_step = x == "step" or (x == "auto" and any(s > 0 for s in ended.values())
                               and all(s >= 0 for v in steps.values() for s in v))
     if by_step:
         out.axis = "step"
-    for (name, epoch), values in sorted(per_epoch.items()):
+    shared = shared_names((task, name) for task, name, _ in per_epoch)
+    for (task, name, epoch), values in sorted(per_epoch.items(), key=lambda item: item[0][2]):
+        label = task_label(task, name, shared)
         if by_step:  # a value without a step (an older run's) has no place on this axis
-            points = [(float(s), v) for s, v in zip(steps[(name, epoch)], values) if s >= 0]
+            points = [(float(s), v) for s, v in zip(steps[(task, name, epoch)], values) if s >= 0]
             if points:
-                out.setdefault(name, []).extend(points)
+                out.setdefault(label, []).extend(points)
             continue
         n = len(values)
-        out.setdefault(name, []).extend((epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values))
+        out.setdefault(label, []).extend((epoch - 1 + (k + 1) / n, v) for k, v in enumerate(values))
     return out
 
 
@@ -102,8 +107,9 @@ def plot(run_dirs: list[str], output: str | None, metrics: tuple[str, ...], x: s
                          + ("; epoch outputs alone have no steps: --x epoch" if x == "step" else ""))
     for name in metrics:
         if name not in found:
-            raise UsageError(f"no metric {name!r} was logged",
-                             hint=did_you_mean(name, found) or f"metrics: {', '.join(found)}")
+            tasks = [f for f in found if f.endswith(f".{name}")]  # task_label's: two tasks give it
+            raise UsageError(f"no metric {name!r} was logged", hint=f"each task gives its own: {', '.join(tasks)}"
+                             if tasks else did_you_mean(name, found) or f"metrics: {', '.join(found)}")
     names = list(metrics) or found
     out = Path(output) if output else (runs[0].path / "metrics.png" if len(runs) == 1 else Path("metrics.png"))
     if out.suffix.lower() != ".png":
