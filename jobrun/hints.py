@@ -53,6 +53,15 @@ def command(words: str, *args: str, run: str | Path | None = None) -> str:
     return _join(words, run, args)
 
 
+def train_again(source: str, sets: Iterable[str], run: str | Path | None = None, *,
+                overwrite: bool = False) -> str:
+    """`jobrun train PLAN KEY=VALUE... [--run-dir RUN [--overwrite]]`: a run's plan and
+    overrides (run.json's ``source`` and ``sets``, then any given since) trained again, in
+    ``run`` (over it with ``overwrite``), or without it in a new run directory."""
+    where = [] if run is None else ["--run-dir", str(run), *(["--overwrite"] if overwrite else [])]
+    return shlex.join(["jobrun", "train", source, *sets, *where])
+
+
 def resume_again(*args: str) -> str:
     """The resume this process runs, again with ``args``: `jobrun resume [RUN] KEY=VALUE...
     --epoch 1 --force`. An option in ``args`` replaces the one given (`--epoch 1` for

@@ -601,11 +601,13 @@ def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path, monkeypa
     blocker.write_text("a file where a directory should be")
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("dir: ckpt", f"dir: {blocker}/ckpt"))
-    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run", "seed=3")
     assert r.code == 1, r.text
     assert r.err.count("was NOT saved") == 8  # epochs 0-6 warn, and the error that ends the run says it
     assert [x["steps"] for x in logged(tmp_path / "run")] == [3, 6, 9, 12, 15, 18]
-    assert "(no checkpoint of it was saved)" in r.err and "train it again" in r.err
+    # The command to paste: the run's plan and overrides, over the run (no `...`).
+    assert "(no checkpoint of it was saved)" in r.err and "then train it again (`jobrun train " \
+        f"{plan} seed=3 --run-dir {tmp_path / 'run'} --overwrite`)" in r.err, r.err
 
 
 def _disk_full_at(monkeypatch, failing_epoch: int) -> None:

@@ -409,12 +409,21 @@ class JobRunner(Checkpoints):
             newest = f"its newest checkpoint is epoch {newest_saved}"
             how = f"`{hints.command('resume', run=self.run_dir.path)}` trains again from there"
         else:
-            newest, how = "no checkpoint of it was saved", "train it again (`jobrun train ... --overwrite`)"
+            newest, how = "no checkpoint of it was saved", f"train it again (`{self._train_again()}`)"
         error = CheckpointError(
             f"the checkpoint of epoch {self.completed}, the last, was NOT saved{who}: {first['why']}; the run "
             f"has not finished ({newest})", hint=f"{first['fix']}; then {how}")
         error.every_rank = True
         raise error
+
+    def _train_again(self) -> str:
+        """The `jobrun train` that starts this run anew, over it: its plan and overrides."""
+        try:
+            info = self.run_dir.info()
+        except (JobrunError, OSError):
+            info = None  # the command still says what it takes
+        source, sets = (info.source, info.sets or []) if info is not None and info.source else ("PLAN", [])
+        return hints.train_again(source, sets, self.run_dir.path, overwrite=True)
 
     def _agree_on_stop(self) -> None:
         """With replicas: stop here, all ranks together, when any of them was signalled

@@ -400,15 +400,13 @@ def _train_again(run: RunDir, info: RunInfo, sets: tuple[str, ...]) -> str | Non
     Either trains with the run's overrides, then the ones this resume was given."""
     if not info.source:
         return None
-    import shlex
-
-    args = ["jobrun", "train", info.source, *(info.sets or []), *sets]
+    given = [*(info.sets or []), *sets]
     if info.last_epoch:
         return (f"no checkpoint of the {info.last_epoch} epoch(s) it ran is usable "
                 f"(`{hints.command('ckpt verify', run=run.path)}` says why): "
-                f"train it again in a new run directory with `{shlex.join(args)}`")
-    args += ["--run-dir", str(run.path)]
-    return f"it stopped before its first checkpoint: start it again with `{shlex.join(args)}`"
+                f"train it again in a new run directory with `{hints.train_again(info.source, given)}`")
+    again = hints.train_again(info.source, given, run.path)
+    return f"it stopped before its first checkpoint: start it again with `{again}`"
 
 
 def _warn_changes(changes: list[str], said: list[str]) -> None:
