@@ -8,6 +8,7 @@ implementations that need it, never here.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +99,13 @@ def under(base: Path, path: str) -> Path:
 STEP_COUNTER = "step"  # the node's counter of optimizer steps (see OpContext.step)
 
 
-def node_seed(seed: int, node: str) -> int:
-    """A stable 63-bit seed for one node, independent of Python's hash randomisation."""
-    import hashlib
-
-    digest = hashlib.sha256(f"{seed}:{node}".encode()).digest()
+def mix(*parts: object) -> int:
+    """A stable 63-bit seed from its parts (Python's hash() is randomised per process):
+    every seed jobrun derives (a node's, a reader's, a replica's) is one."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def node_seed(seed: int, node: str) -> int:
+    """The seed of one node's generator."""
+    return mix(seed, node)

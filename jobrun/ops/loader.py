@@ -52,9 +52,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from jobrun.errors import RunError
+from jobrun.ops.context import mix
 from jobrun.ops.imports import resolve
 from jobrun.ops.loader_failures import SampleError, fetch, iterate
-from jobrun.ops.reader import Reader, _as_int, _check_int, _mix
+from jobrun.ops.reader import Reader, _as_int, _check_int
 from jobrun.ops.split import mark_records
 from jobrun.signals import end_quietly
 
@@ -266,7 +267,7 @@ class _Batches:
             if lo == hi:  # an empty part of a short batch: one record of the batch (the
                 lo, hi = s, s + 1  # next one may be past the data), cut to none by `read`
             ids = range(lo, hi) if order is None else order[lo:hi].tolist()
-            yield _Indices(list(ids), _mix(r.seed, tag, s, r.rank))
+            yield _Indices(list(ids), mix(r.seed, tag, s, r.rank))
 
     def __len__(self) -> int:
         r = self.reader
@@ -355,7 +356,7 @@ class DatasetReader(Reader):
         """The pass's batch at `start` (the next one of the iterator), sent to the device."""
         if self._iterator is None:
             # Worker seeds are a function of (seed, pass), wherever reading resumes.
-            self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
+            self._loader.generator.manual_seed(mix(self.seed, "workers", self.pass_index))
             self._iterator = iterate(self, self._loader)
         batch = fetch(self, self._iterator)
         lo, hi = self.rank_part(start, min(start + self.batch_size, self._pass_end))
@@ -365,7 +366,7 @@ class DatasetReader(Reader):
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
         if self._eval_loader is None:
             self._eval_loader = self.options.loader(_Fetch(self.dataset), batch_sampler=_Batches(self, full=True))
-            self._eval_loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
+            self._eval_loader.generator.manual_seed(mix(self.seed, "workers", "eval"))
         iterator = iterate(self, self._eval_loader)
         for start in range(0, self.pass_end, self.batch_size):
             batch = fetch(self, iterator)

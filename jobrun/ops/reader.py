@@ -32,7 +32,6 @@ while preparing a batch is raised by the `read` that would have handed it out.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -44,7 +43,7 @@ import torch
 
 from jobrun.errors import RunError, a_type
 from jobrun.ops.batches import counter, counts
-from jobrun.ops.context import OpContext
+from jobrun.ops.context import OpContext, mix
 from jobrun.ops.split import global_records, rank_bounds
 from jobrun.ops.transfer import ToDevice
 
@@ -52,21 +51,15 @@ _ORDINAL_KEY = "reader.ordinal"
 _STATE_KEYS = ("pass", "position", "seed", "length")
 
 
-def _mix(*parts: object) -> int:
-    """A stable 63-bit seed from its parts (Python's hash() is randomised per process)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def reader_seed(seed: int, node: str, ordinal: int) -> int:
     """The seed of the `ordinal`-th reader (0 first) made on `node` in a plan of `seed`."""
-    return _mix(seed, node, ordinal)
+    return mix(seed, node, ordinal)
 
 
 def pass_order(reader_seed: int, pass_index: int, n: int) -> torch.Tensor:
     """A shuffled reader's order of the `n` records of pass `pass_index`: a function of
     (reader seed, pass) alone (jobrun.reader_order gives it to hand loops)."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(_mix(reader_seed, pass_index)))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(mix(reader_seed, pass_index)))
 
 
 class Failed:

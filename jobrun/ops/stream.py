@@ -25,6 +25,7 @@ from typing import Any
 
 from jobrun.errors import RunError
 from jobrun.ops.batches import records
+from jobrun.ops.context import mix
 from jobrun.ops.loader import (
     Options,
     as_fields,
@@ -33,7 +34,7 @@ from jobrun.ops.loader import (
     shutdown,
 )
 from jobrun.ops.loader_failures import fetch, iterate
-from jobrun.ops.reader import Failed, Reader, _as_int, _mix
+from jobrun.ops.reader import Failed, Reader, _as_int
 from jobrun.ops.split import mark_records, rank_bounds
 
 _END = object()  # a look-ahead that found the end of the stream
@@ -107,7 +108,7 @@ class IterableReader(Reader):
 
     def _start(self) -> Iterator[Any]:
         """An iterator at the reader's position: the pass is read again up to it."""
-        self._loader.generator.manual_seed(_mix(self.seed, "workers", self.pass_index))
+        self._loader.generator.manual_seed(mix(self.seed, "workers", self.pass_index))
         iterator = iterate(self, self._loader)
         for done in range(self.position):
             try:
@@ -121,7 +122,7 @@ class IterableReader(Reader):
         return iterator
 
     def full_pass(self) -> Iterator[tuple[Any, ...]]:
-        self._loader.generator.manual_seed(_mix(self.seed, "workers", "eval"))
+        self._loader.generator.manual_seed(mix(self.seed, "workers", "eval"))
         iterator = iterate(self, self._loader)
         while True:
             try:

@@ -140,9 +140,9 @@ def replica_seed(seed: int, rank: int, epoch: int | None = None) -> int:
     """The seed replica `rank` (> 0) gives its global generators once init is done
     (`jobrun.replica_seed`); ``epoch``: a replica that a resume onto more replicas adds
     after that epoch, which has no streams of its own to restore."""
-    from jobrun.ops.reader import _mix
+    from jobrun.ops.context import mix
 
-    return _mix(seed, "replica", rank) if epoch is None else _mix(seed, "replica", rank, "resumed", epoch)
+    return mix(seed, "replica", rank) if epoch is None else mix(seed, "replica", rank, "resumed", epoch)
 
 
 def seed_replica(seed: int, rank: int, epoch: int | None = None) -> None:
