@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from click.testing import CliRunner
 
 from jobrun.cli import main
@@ -73,3 +74,39 @@ def ckpt_values(run_dir: Path, epoch: int, node: str = "local") -> dict:
     r = jobrun("ckpt", "show", run_dir, "--epoch", str(epoch), "--node", node, "--json")
     assert r.code == 0, r.text
     return json.loads(r.out)["nodes"][node]
+
+
+# An MLP trained on data.npz (write_data): each epoch a pass of a reader made in init.
+_DATA_PLAN = """
+job: data
+max_epochs: 3
+checkpoint: CHECKPOINT
+init:
+  - task: setup
+    do:
+      - data.load: {out: [x, y], path: data.npz, keys: [x, y]}
+      - reader: {in: [x, y], out: r, batch_size: 4, shuffle: true, passes: 0}
+      - model.mlp: {out: model, sizes: [3, 2]}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - loop: null
+        do:
+          - read: {in: r, out: [xb, yb, end]}
+          - stop_if: end
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+      - log: {in: [loss]}
+"""
+
+
+def data_plan(keep: int | None = None) -> str:
+    """The plan of data.npz, keeping ``keep`` checkpoints (None: the default)."""
+    checkpoint = "{dir: ckpt}" if keep is None else f"{{dir: ckpt, keep: {keep}}}"
+    return _DATA_PLAN.replace("CHECKPOINT", checkpoint)
+
+
+def write_data(path: Path, scale: float = 1.0) -> None:
+    """data.npz for :func:`data_plan`: 16 records of 3 features (times ``scale``), 2 classes."""
+    gen = np.random.default_rng(0)
+    np.savez(path, x=(gen.normal(size=(16, 3)) * scale).astype(np.float32), y=gen.integers(0, 2, 16))

@@ -8,45 +8,19 @@ import json
 import re
 import shlex
 
-import numpy as np
 import pytest
-from runner_util import jobrun
+from runner_util import data_plan, jobrun, write_data
 
 from jobrun import hints
 
-PLAN = """
-job: data
-max_epochs: 3
-checkpoint: {dir: ckpt, keep: 10}
-init:
-  - task: setup
-    do:
-      - data.load: {out: [x, y], path: data.npz, keys: [x, y]}
-      - reader: {in: [x, y], out: r, batch_size: 4, shuffle: true, passes: 0}
-      - model.mlp: {out: model, sizes: [3, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: r, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - log: {in: [loss]}
-"""
-
-
-def _write_data(path, scale: float = 1.0) -> None:
-    gen = np.random.default_rng(0)
-    np.savez(path, x=(gen.normal(size=(16, 3)) * scale).astype(np.float32), y=gen.integers(0, 2, 16))
+PLAN = data_plan(keep=10)
 
 
 @pytest.fixture
 def two_runs(tmp_path, monkeypatch):
     """runs/a (3 epochs), then runs/b (1 epoch): b is the latest run."""
     monkeypatch.chdir(tmp_path)
-    _write_data(tmp_path / "data.npz")
+    write_data(tmp_path / "data.npz")
     (tmp_path / "plan.yaml").write_text(PLAN)
     assert jobrun("train", "plan.yaml", "--run-dir", "runs/a").code == 0
     assert jobrun("train", "plan.yaml", "--run-dir", "runs/b", "max_epochs=1").code == 0
@@ -71,7 +45,7 @@ def _info(run) -> dict:
 
 
 def test_resume_refused_for_changed_data_hints_the_same_resume_of_that_run_with_force(two_runs):
-    _write_data(two_runs / "data.npz", scale=2.0)
+    write_data(two_runs / "data.npz", scale=2.0)
     r = jobrun("resume", "runs/a", "max_epochs=4")
     assert r.code == 1 and "init built other things than when the run started" in r.err, r.text
     words = _hinted(r.err)

@@ -3,35 +3,14 @@ fingerprint, and restores what state_dict leaves out (modes, frozen parameters).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from runner_util import ckpt_values, jobrun, logged
+from runner_util import ckpt_values, data_plan, jobrun, logged, write_data
 
 from jobrun import store
 from jobrun.store.codec import decode, encode, restore
 
-DATA_PLAN = """
-job: data
-max_epochs: 3
-checkpoint: {dir: ckpt}
-init:
-  - task: setup
-    do:
-      - data.load: {out: [x, y], path: data.npz, keys: [x, y]}
-      - reader: {in: [x, y], out: r, batch_size: 4, shuffle: true, passes: 0}
-      - model.mlp: {out: model, sizes: [3, 2]}
-      - optimizer: {in: model, out: opt, lr: 0.1}
-epoch:
-  - task: train
-    do:
-      - loop: null
-        do:
-          - read: {in: r, out: [xb, yb, end]}
-          - stop_if: end
-          - train.step: {in: [model, opt, xb, yb], out: loss}
-      - log: {in: [loss]}
-"""
+DATA_PLAN = data_plan()
 
 
 def _saved(run, epoch: int, blob: str):
@@ -45,14 +24,9 @@ def _rng(run, epoch: int) -> dict:
     return _saved(run, epoch, "jobrun:rng")
 
 
-def _write_data(path, scale: float = 1.0) -> None:
-    gen = np.random.default_rng(0)
-    np.savez(path, x=(gen.normal(size=(16, 3)) * scale).astype(np.float32), y=gen.integers(0, 2, 16))
-
-
 @pytest.fixture
 def data_run(tmp_path):
-    _write_data(tmp_path / "data.npz")
+    write_data(tmp_path / "data.npz")
     (tmp_path / "plan.yaml").write_text(DATA_PLAN)
     run = tmp_path / "run"
     r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", run, "--set", "max_epochs=2")
@@ -76,7 +50,7 @@ def test_a_checkpoint_holds_no_data_and_records_its_fingerprint(data_run):
 
 def test_changed_data_stops_a_resume_naming_the_blob_and_force_goes_on(data_run):
     root, run = data_run
-    _write_data(root / "data.npz", scale=2.0)
+    write_data(root / "data.npz", scale=2.0)
     r = jobrun("resume", "--run-dir", run, "--epoch", "1")
     assert r.code == 1
     assert "cannot resume from checkpoint epoch 1: init built other things than when the run started" in r.err
