@@ -205,6 +205,9 @@ class StepCompiler:
             )
         inner = next((k for k in m if k in _INNER_KEYS), None)
         if inner is not None:
+            for key in others:  # `reprot: 10s` beside its `do:`: the keyword is misspelt
+                if key not in _INNER_KEYS and key != EVERY_KEY:
+                    _misspelt_keyword(key, m.key_at(key))
             raise PlanError(
                 f"`{inner}:` belongs to {_INNER_KEYS[inner]}, which this step lacks",
                 m.key_at(inner),
@@ -250,6 +253,7 @@ class StepCompiler:
         if body is None:
             body = PMap(m.at(name))
         elif not isinstance(body, PMap):
+            _misspelt_keyword(name, pos)  # `paralel: [...]` is no op call at all
             if isinstance(body, str | int | float) and not isinstance(body, bool):
                 hint = f"write `- {name}: {{in: {body}}}`, or `{{out: {body}}}`"
             else:
@@ -363,13 +367,11 @@ class StepCompiler:
         return ir.StopIf(self.blob(m["stop_if"], m.at("stop_if"), "stop_if"), m.key_at("stop_if"), step_id)
 
     def step_if(self, m: PMap, step_id: str | None) -> ir.If:
+        if "then" not in m and "do" in m:
+            raise PlanError("an `if` runs `then:` steps, not `do:`", m.key_at("do"), "rename `do:` to `then:`")
+        self.keys(m, STEP_KEYS["if"], "an if")  # `than:` is a typo, not a missing `then:`
         if "then" not in m:
-            if "do" in m:
-                raise PlanError(
-                    "an `if` runs `then:` steps, not `do:`", m.key_at("do"), "rename `do:` to `then:`"
-                )
             raise PlanError("`if` has no `then` steps", m.key_at("if"), "add `then: [STEP, ...]` to the if")
-        self.keys(m, STEP_KEYS["if"], "an if")
         branches = [
             ir.IfBranch(
                 self.blob(m["if"], m.at("if"), "if"),
@@ -422,6 +424,20 @@ class StepCompiler:
         if "do" not in m:
             raise PlanError("report has no `do` steps", m.key_at("report"), "add `do: [STEP, ...]` to the report")
         return ir.Report(period, text, self.block(m["do"], m.at("do"), "report do"), m.key_at("report"), step_id)
+
+
+def _misspelt_keyword(word: str, pos: Pos) -> None:
+    """Refuse `word` when it is a control step's keyword misspelt (`paralel`, `reprot`,
+    `iff`) and no op's name: else its step is taken for an op call, or its `do:` for a
+    stray key, and the message says nothing of the keyword."""
+    near = did_you_mean(word, CONTROL_KEYS, most=2)
+    if near is None:
+        return
+    from jobrun.ops.registry import registry  # data only; read on this error path alone
+
+    if word not in registry():
+        raise PlanError(f"unknown step keyword {show(word)}", pos,
+                        f"{near} (the control steps are {', '.join(CONTROL_KEYS)})")
 
 
 def parse_duration(raw: Any, pos: Pos) -> tuple[float, str]:
