@@ -80,11 +80,15 @@ def _check_checkpointed(plan: ir.Plan, ops: Mapping[str, OpSpec], diags: list[Di
         analyze_data,
         analyze_loads,
         analyze_outputs,
+        collectives,
         instances,
         state,
     )
     diags += [Diagnostic(s, p, m, "checkpoint-blob", h) for s, p, m, h in state.problems(plan, ops)]
     diags += [Diagnostic("error", p, m, "instance-training", h) for p, m, h in instances.problems(plan, ops)]
+    if plan.replicas == "auto" or plan.replicas > 1:  # `train --replicas N` is refused by launch
+        severity = "warning" if plan.replicas == "auto" else "error"
+        diags += [Diagnostic(severity, p, m, "concurrent-collectives", h) for p, m, h in collectives.problems(plan)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_data.problems(plan)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_bodies.problems(plan)]
     diags += [Diagnostic(s, p, m, c, h) for s, c, p, m, h in analyze_loads.problems(plan, ops)]

@@ -33,7 +33,7 @@ import yaml
 
 from jobrun import __version__, store
 from jobrun.errors import JobrunError, UsageError
-from jobrun.plans import inputs, ir
+from jobrun.plans import collectives, inputs, ir
 from jobrun.plans.compile import compile_text
 from jobrun.runner import group
 from jobrun.runner.devices import device_for
@@ -139,6 +139,7 @@ class _Lead:
         restarts = plan.max_restarts if max_restarts is None else max_restarts
         launch = Launch(run.path, src.parent, device or plan.device, None, world, restarts)
         device_for(launch.device, 1, select=False)
+        collectives.refuse(plan, world)
         run.check_can_train(run.checkpoints, overwrite)
         inputs.check(plan, src.parent, run.path.resolve())  # as on one host: before the directory
         inputs.check_code(plan, src.parent)
@@ -178,6 +179,7 @@ class _Lead:
         if already_finished(run, epoch, changes, plan):
             return {"done": True}
         inputs.check(plan, run.plan_dir, run.path.resolve())  # as on one host: before run.json records it
+        collectives.refuse(plan, world)
         inputs.check_code(plan, run.plan_dir)
         store.clean(ckpt_dir)
         restarts = restarts_of(info, plan, max_restarts)

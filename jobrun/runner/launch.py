@@ -25,7 +25,7 @@ import yaml
 
 from jobrun import __version__, hints, signals, store
 from jobrun.errors import CheckpointError, PlanError, UsageError
-from jobrun.plans import inputs, ir
+from jobrun.plans import collectives, inputs, ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.keys import NODE_NAME
 from jobrun.plans.load import load_file, to_plain
@@ -66,6 +66,7 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         launch = Launch(run.path, src.parent, device or plan.device, None, _replicas(plan, replicas),
                         plan.max_restarts if max_restarts is None else max_restarts, profile=profile)
         device_for(launch.device, launch.replicas, select=False)  # refuse a device now, before writing anything
+        collectives.refuse(plan, launch.replicas)  # `--replicas 2` of a plan whose threads would race
         try:
             run.create(new=run_dir is None)
             break
@@ -127,6 +128,7 @@ def resume(run_dir: str | None, epoch: int | str | None, sets: tuple[str, ...] =
         device = str(info.device or plan.device)
         store.clean(ckpt_dir)  # what a kill during a save or prune left behind
         device_for(device, n, select=False)
+        collectives.refuse(plan, n)
         restarts = restarts_of(info, plan, max_restarts)
         try:
             epoch, saved = pick_epoch(ckpt_dir, plan, n, epoch, change_ok=replicas is not None, said=said)
