@@ -702,6 +702,11 @@ def scaled(x, factor: float = 1.0):
      "did you mean 'negative_slope'?"),
     ("{call: {fn: \"typo_net_model:scaled\", in: [model], out: model, factr: 2}}",
      "call: scaled takes no argument 'factr'", "factr: 2}}", "did you mean 'factor'?"),
+    # a key of the op's own, misspelt, is offered too: `mutate` gave only scaled's arguments
+    ("{call: {fn: \"typo_net_model:scaled\", in: [model], out: model, mutate: [model]}}",
+     "call: scaled takes no argument 'mutate'", "mutate: [model]}}", "did you mean 'mutates'?"),
+    ("{build: {out: model, target: typo_net_model.Net, features: 2, fork_rgn: true}}",
+     "build: Net takes no argument 'fork_rgn'", "fork_rgn: true}}", "did you mean 'fork_rng'?"),
 ])
 def test_a_keyword_the_code_a_plan_calls_does_not_take_is_refused_before_the_run(tmp_path, step, said, at, hint):
     """`build`'s `hiden: 4` for `hidden` failed in init, after the run directory was made,

@@ -221,13 +221,13 @@ def _check_target_keys(step: ir.OpCall) -> None:
         found = _keywords(step.kwargs[own[0]], step.op, None)
         for key, _ in step.args if found is not None else ():
             if key not in own:
-                _known(step, *found, key, step.key_of(key))
+                _known(step, *found, key, step.key_of(key), own)
     if step.op in NESTING:
         for arg, value in step.args:
             for target, keys in _nested(value):
                 found = _keywords(target, step.op, None)
                 for key in keys if found is not None else ():
-                    _known(step, *found, key, step.pos_of(arg))
+                    _known(step, *found, key, step.pos_of(arg), ("target", "args", "in"))
 
 
 def _nested(value: Any) -> Iterator[tuple[str, list[str]]]:
@@ -268,13 +268,15 @@ def _keywords(path: str, op: str, first: str | None) -> tuple[str, dict[str, Any
                                                   p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
-def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Pos) -> None:
-    """Refuse `key` when `name` has no parameter of that name."""
+def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Pos,
+           own: tuple[str, ...] = ()) -> None:
+    """Refuse `key` when `name` has no parameter of that name; `own`: the keys the op
+    takes itself, offered too (`mutate` for `call`'s `mutates`)."""
     if key not in params:
         from jobrun.errors import did_you_mean
 
         raise PlanError(f"{step.op}: {name} takes no argument {key!r}", pos,
-                        did_you_mean(key, params) or f"its arguments: {', '.join(params) or 'none'}")
+                        did_you_mean(key, [*params, *own]) or f"its arguments: {', '.join(params) or 'none'}")
 
 
 def _schedulers(plan: ir.Plan) -> dict[tuple[str, str], set[str | None]]:
