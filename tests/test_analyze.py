@@ -327,6 +327,22 @@ def test_in_place_update_of_a_blob_nothing_creates() -> None:
     )
 
 
+def test_a_blob_a_loop_carries_that_nothing_creates_is_to_be_made_before_the_loop() -> None:
+    """An RNN's hidden state read and written back by each step of an epoch's loop, with
+    no first value, got "add e.g. a `const` in `init`": one made there is carried from
+    epoch to epoch (and saved), where word_language_model starts it afresh every epoch.
+    The hint names the loop and both places."""
+    text = CLEAN.replace(
+        "- add: {in: [total, i], out: total}",
+        "- add: {in: [total, i], out: total}\n          - add: {in: [state, i], out: state}",
+    )
+    d = only(text, "undefined-blob")
+    expect(
+        d, "error", at(text, "in: [state, i]", "state"), ("'state'",),
+        (f"before the loop at line {at(text, 'loop: 3')[0]}", "each time the task runs", "`init`"),
+    )
+
+
 def test_undefined_blob_suggests_a_close_name() -> None:
     text = CLEAN.replace("in: [total], msg", "in: [totl], msg")
     assert only(text, "undefined-blob").hint == "did you mean 'total'?"

@@ -108,6 +108,7 @@ class _Analyzer(Visitor):
         self.in_place = False  # leave the current task's global changes in place (see visit_Group)
         self.call: ir.OpCall | None = None  # the op call being walked, if any
         self.frames: list[Frame] = []
+        self.loops: list[int] = []  # the lines of the loops being walked, innermost last
         self.writes: list[dict[str, Pos]] = []  # per task and parallel branch: names written
         self.pending: list[list[Changes]] = []  # per block: report definitions, seen at its end
         self.unresolved: list[Read | None] = []
@@ -252,7 +253,7 @@ class _Analyzer(Visitor):
                 f"define {name!r} on every path before this read (e.g. with a `const` before it)",
             )
         else:
-            self.unresolved.append(Read(name, ref.pos, ctx.task, self.call))
+            self.unresolved.append(Read(name, ref.pos, ctx.task, self.call, self.loops[-1] if self.loops else None))
 
     def _write(self, ref: ir.BlobRef) -> None:
         ctx = self.ctx
@@ -312,7 +313,9 @@ class _Analyzer(Visitor):
         if loop.index is not None:
             self._write(loop.index)
             self.kinds.index(node, loop.index)
+        self.loops.append(loop.pos.line)
         self.visit_block(loop.body)
+        self.loops.pop()
         self.frames.pop()
         # `loop: null` only ends at a stop_if, so its body starts at least once; what it
         # defines after a stop_if that cannot end its first iteration is defined after it.

@@ -117,6 +117,7 @@ class Read:
     pos: Pos
     task: ir.Task
     call: ir.OpCall | None  # the op call reading it, if an op call does
+    loop: int | None = None  # the line of the innermost loop it is read in
 
 
 @dataclass
@@ -204,6 +205,11 @@ class Definitions(Visitor):
             if name in names and node != task.node:
                 return (f"{name!r} is defined on node {node!r} (line {names[name][0].line}); each "
                         f"node has its own workspace: define it on node {task.node!r} too")
+        if in_place and read.loop is not None:  # a value carried from one iteration to the next
+            return (f"this step reads {name!r} and writes it back, but nothing gives it a first value: "
+                    f"create it before the loop at line {read.loop}, where it starts afresh each time "
+                    f"the task runs (an RNN's hidden state, every epoch), or in `init` to carry it over "
+                    f"from one epoch to the next")
         if in_place:
             return f"this step updates {name!r} in place, but nothing creates it first: add e.g. a `const` in `init`"
         return None
