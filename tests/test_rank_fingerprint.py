@@ -38,11 +38,12 @@ def test_rank_differences_names_the_blob_the_ranks_and_their_hosts():
     same = {"host": "a", "nodes": {"local": fingerprint.of_data({"x": torch.zeros(2, 2), "k": 3})}}
     other = {"host": "b", "nodes": {"local": fingerprint.of_data({"x": torch.ones(2, 2), "k": 3})}}
     assert fingerprint.rank_differences([same, same]) == []
-    (line,) = fingerprint.rank_differences([same, same, other])
+    ((node, blob, line),) = fingerprint.rank_differences([same, same, other])
+    assert (node, blob) == ("local", "x")
     assert line.startswith("blob 'x' of node 'local': rank 0 (host a) built float32 [2, 2] with CRC-32 ")
     assert ", rank 2 (host b) float32 [2, 2] with CRC-32 " in line
     missing = {"host": "c", "nodes": {"local": fingerprint.of_data({"k": 3})}}
-    assert fingerprint.rank_differences([same, missing])[0].endswith("rank 1 (host c) nothing")
+    assert fingerprint.rank_differences([same, missing])[0][2].endswith("rank 1 (host c) nothing")
 
 
 # Ranks whose init built the same data train on: every other 2-replica job of the tests
@@ -55,6 +56,12 @@ def test_replicas_whose_data_differs_stop_after_init_naming_the_hosts(tmp_path):
                     cwd=tmp_path, timeout=240)
     assert r.code == 1, r.text
     assert "the ranks' init built different data" in r.err
+    # at the init step that made it, with the way to give each rank its part (a TBPTT
+    # port cut each rank's columns in init, as data-parallel.md said, "in a `call`")
+    text = (tmp_path / "plan.yaml").read_text().splitlines()
+    line = next(n for n, t in enumerate(text, 1) if "host_data:load" in t)
+    assert f"plan.yaml:{line}:{text[line - 1].index('call') + 1}: error: the ranks' init" in r.err, r.err
+    assert "a `call` in an epoch task cuts with its `rank` and `world_size`" in r.err
     assert f"blob 'table' of node 'local': rank 0 (host {os.uname().nodename}) built float32 [8, 4]" in r.err
     assert "rank 1 (host" in r.err and "Traceback" not in r.text
     assert not (tmp_path / "run" / "ckpt" / "local.1").exists()

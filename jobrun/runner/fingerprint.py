@@ -25,7 +25,11 @@ import contextlib
 import math
 import sys
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobrun.errors import Pos
+    from jobrun.plans import ir
 
 RNG_PARTS = ("python", "numpy", "torch", "node", "cuda")  # a node's random streams
 FULL = 64 << 20  # bytes of a tensor checksummed whole
@@ -220,11 +224,12 @@ def _is_dtensor(t: Any) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
-def check_ranks(nodes: dict[str, dict[str, Any]]) -> None:
+def check_ranks(nodes: dict[str, dict[str, Any]], init: ir.Group | None = None) -> None:
     """Every rank's init must have built the same data (``nodes``: this rank's blobs that
     checkpoints do not hold, per node): hosts whose data files differ, with the same
     shapes, trained together without a word. Compared once, after init; every rank gets
-    every fingerprint, so all stop together (a RunError naming the ranks and hosts)."""
+    every fingerprint, so all stop together (a RunError naming the ranks and hosts, at
+    the step of ``init`` that last wrote the first blob that differs)."""
     import socket
 
     from jobrun.errors import RunError
@@ -233,16 +238,32 @@ def check_ranks(nodes: dict[str, dict[str, Any]]) -> None:
     mine = {"host": socket.gethostname(), "nodes": {name: of_data(blobs) for name, blobs in nodes.items()}}
     differ = rank_differences(gather(mine))
     if differ:
+        lines = [line for _, _, line in differ]
         raise RunError(
             "the ranks' init built different data, so they would train on different things: "
-            + "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else ""),
+            + "; ".join(lines[:3]) + (f"; and {len(lines) - 3} more" if len(lines) > 3 else ""),
+            _written_at(init, *differ[0][:2]),
             hint="every host must read the same files (copy them from one host), and init must not "
-                 "depend on the rank (each rank's part of the data is what `reader` gives it)")
+                 "depend on the rank: each rank's part of the data is what `reader` gives it, or what "
+                 "a `call` in an epoch task cuts with its `rank` and `world_size`")
 
 
-def rank_differences(gathered: list[dict[str, Any]]) -> list[str]:
-    """What the ranks' init built differently, one line per blob (``gathered``: every
-    rank's {"host": ..., "nodes": {node: of_data(...)}}, in rank order); [] when alike."""
+def _written_at(init: ir.Group | None, node: str, name: str) -> Pos | None:
+    """The last step of `init` on `node` that writes blob `name`, if one does."""
+    from jobrun.plans.visit import task_calls
+
+    found = None
+    for task in init.tasks if init is not None else ():
+        for call in task_calls(task) if task.node == node else ():
+            if any(out.name == name for out in call.outs):
+                found = call.pos
+    return found
+
+
+def rank_differences(gathered: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """What the ranks' init built differently, as (node, blob, a line that says it), one per
+    blob and rank (``gathered``: every rank's {"host": ..., "nodes": {node: of_data(...)}},
+    in rank order); [] when alike."""
     first = gathered[0]
     lines = []
     for rank, theirs in enumerate(gathered[1:], 1):
@@ -250,10 +271,10 @@ def rank_differences(gathered: list[dict[str, Any]]) -> list[str]:
             other = theirs["nodes"].get(node, {})
             for name in sorted(set(blobs) | set(other)):
                 if blobs.get(name) != other.get(name):
-                    lines.append(
+                    lines.append((node, name, (
                         f"blob {name!r} of node {node!r}: rank 0 (host {first['host']}) built "
                         f"{_built(blobs.get(name))}, rank {rank} (host {theirs['host']}) "
-                        f"{_built(other.get(name))}")
+                        f"{_built(other.get(name))}")))
     return lines
 
 

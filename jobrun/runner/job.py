@@ -247,7 +247,7 @@ class JobRunner(Checkpoints):
         self._fingerprint_init()
         if self.cfg.world_size > 1:  # hosts whose data files differ must not train together
             fingerprint.check_ranks({name: {k: v for k, v in node.globals.items() if k not in self.held.get(
-                name, frozenset())} for name, node in self.nodes.items()})
+                name, frozenset())} for name, node in self.nodes.items()}, self.plan.init)
         resume = self.cfg.resume_epoch
         if resume is None:
             rng.seed_replica(self.plan.seed, self.rank)  # after init's fingerprint: it is the same on every rank
