@@ -239,13 +239,15 @@ def check_ranks(nodes: dict[str, dict[str, Any]], init: ir.Group | None = None) 
     differ = rank_differences(gather(mine))
     if differ:
         lines = [line for _, _, line in differ]
-        raise RunError(
+        error = RunError(
             "the ranks' init built different data, so they would train on different things: "
             + "; ".join(lines[:3]) + (f"; and {len(lines) - 3} more" if len(lines) > 3 else ""),
             _written_at(init, *differ[0][:2]),
             hint="every host must read the same files (copy them from one host), and init must not "
                  "depend on the rank: each rank's part of the data is what `reader` gives it, or what "
                  "a `call` in an epoch task cuts with its `rank` and `world_size`")
+        error.every_rank = True  # every rank has every fingerprint: the job fails, no rank does
+        raise error
 
 
 def _written_at(init: ir.Group | None, node: str, name: str) -> Pos | None:
