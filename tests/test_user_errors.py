@@ -150,6 +150,15 @@ class Mismatched(torch.nn.Module):
     def forward(self, x):
         h = self.first(x)
         return self.second(h)
+
+
+class Recurrent(torch.nn.Module):  # word_language_model's forward(input, hidden)
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 2)
+
+    def forward(self, x, hidden):
+        return self.rnn(x[None], hidden)[0][0]
 """
 
 TORCH_PLAN = """\
@@ -245,6 +254,18 @@ def test_a_shape_error_in_a_models_forward_shows_the_users_frames_and_torchs_rai
     # Then only the frame that raised, torch's Linear.forward (F.linear), not Module.__call__'s glue.
     assert len(frames) == 2 and frames[1].endswith("in forward") and "torch/nn/modules/linear.py" in frames[1]
     assert "_call_impl" not in r.err and "module.py" not in r.err
+
+
+def test_a_model_whose_forward_takes_a_state_too_is_pointed_at_a_call_step(tmp_path):
+    """An RNN whose forward takes (input, hidden), trained by train.step, failed with
+    "RNNModel.forward() missing 1 required positional argument: 'hidden'" and no hint."""
+    r = _train_torch(tmp_path, "user_rnn", 'build: {out: model, target: "MOD:Recurrent"}',
+                     "train.step: {in: [model, opt, xb, yb], out: loss}")
+    assert r.code == 1 and "Traceback" not in r.err, r.err
+    assert "missing 1 required positional argument: 'hidden'" in _error_lines(r.err)[0]
+    hint = _error_lines(r.err)[-1].strip()
+    assert hint.startswith("hint: train.step and evaluate call `model(x)`") and "a `call`" in hint, r.err
+    assert "plan-language.md" in hint
 
 
 def test_a_torch_model_built_by_the_plan_shows_only_torchs_raising_frame(tmp_path):

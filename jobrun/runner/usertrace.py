@@ -15,6 +15,7 @@ torch's frame that raised.
 from __future__ import annotations
 
 import os
+import re
 import sysconfig
 import traceback
 from dataclasses import dataclass
@@ -100,8 +101,13 @@ def of(error: BaseException) -> UserTrace | None:
 
 
 def hint_for(error: BaseException) -> str | None:
-    """A hint for the commonest error of a port's data: a batch whose dtype is not the
-    model's (torch says "mat1 and mat2 must have the same dtype, but got Double and Float")."""
+    """A hint for the commonest errors of a port: a batch whose dtype is not the model's
+    (torch says "mat1 and mat2 must have the same dtype, but got Double and Float"), and a
+    forward that takes a state beside the batch (an RNN's `forward(input, hidden)`)."""
+    if isinstance(error, TypeError) and re.search(r"forward\(\) missing \d+ required positional", str(error)):
+        return ("train.step and evaluate call `model(x)` (with `loss: model`, `model(x, y)`); a "
+                "forward that takes more, an RNN's hidden state say, is stepped by a `call` of yours "
+                "that gives it (docs/plan-language.md section 12, a value carried from step to step)")
     text = str(error) if isinstance(error, RuntimeError) else ""
     if "must have the same dtype" not in text and "expected scalar type" not in text:
         return None
