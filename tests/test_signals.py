@@ -423,3 +423,23 @@ def test_two_quick_signals_as_a_run_stops_leave_the_stop_recorded(tmp_path, monk
     assert [m["epoch"] for m in records if m.get("event") == "epoch"] == saved, r.text
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
     assert closing == ["metrics"], r.text  # the third signal: out, not waiting for the rest
+
+
+def test_the_fork_server_of_the_ranks_stops_at_once():
+    """The launcher stops its fork server when the ranks have ended, and waits for it:
+    the server's exit tore down an interpreter that imported torch, 2 s on a loaded
+    machine added to the end of every run of replicas and to every Ctrl-C's answer. It
+    ends with the atexit handlers, not with the teardown."""
+    import multiprocessing
+
+    from jobrun.runner import forkserver
+
+    if forkserver.start_method() != "forkserver":
+        pytest.skip("no pidfd here: the ranks are spawned")
+    rank = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    rank.start()
+    rank.join()
+    assert rank.exitcode == 0
+    started = time.monotonic()
+    forkserver.stop()
+    assert time.monotonic() - started < 1.0

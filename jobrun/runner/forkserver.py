@@ -17,6 +17,7 @@ launcher itself (jobrun.signals.watch_launcher).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -63,6 +64,10 @@ def _in_fork_server() -> bool:
 if _in_fork_server():
     with suppress(OSError):
         os.setsid()
+    # Registered first, run last: once the atexit handlers ran, the server, asked to stop
+    # by stop(), ends without the teardown of an interpreter that imported torch (2 s of
+    # CPU on a loaded machine, which every run of replicas and every Ctrl-C waited for).
+    atexit.register(os._exit, 0)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
 
