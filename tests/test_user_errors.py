@@ -426,3 +426,20 @@ def test_a_batch_of_another_dtype_than_the_model_gets_a_hint_to_convert_it():
             layer(batch)
         assert usertrace.hint_for(e.value).startswith(words), str(e.value)
     assert usertrace.hint_for(RuntimeError("something else")) is None
+
+
+@pytest.mark.slow
+def test_with_replicas_a_reader_of_fields_given_workers_is_the_jobs_error_said_once(tmp_path):
+    # Every replica makes the plan's reader alike: each printed the error, then the
+    # launcher added "replica rank 1 failed ... continue with `jobrun resume`", which
+    # fails the same way.
+    from runner_util import jobrun_proc
+
+    plan = mlp_plan("workers", "max_epochs: 1").replace("passes: 0}", "passes: 0, num_workers: 2}")
+    assert "num_workers: 2" in plan
+    (tmp_path / "plan.yaml").write_text(plan)
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+                    cwd=tmp_path, timeout=240)
+    assert r.code == 1, r.text
+    assert r.err.count("num_workers need(s) a torch Dataset as the one input") == 1, r.err
+    assert "replica rank" not in r.err and "jobrun resume" not in r.err, r.err

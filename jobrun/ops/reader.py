@@ -359,12 +359,14 @@ def reader_op(
         return loader.dataset_reader(fields[0], geometry, {**loader.LOADING_DEFAULTS, **loading})
     given = sorted(k for k, v in loading.items() if v != loader.LOADING_DEFAULTS.get(k))
     if given:
-        raise RunError(
+        error = RunError(
             f"reader: {', '.join(given)} need(s) a torch Dataset as the one input; this reader "
             "reads in-memory fields",
             hint="wrap them in a Dataset to read them with workers, e.g. "
             "`build: {in: [x, y], out: ds, target: torch.utils.data.TensorDataset}`",
         )
+        error.every_rank = True  # the plan's reader, made alike by every replica: the job's error
+        raise error
     from jobrun.ops.tensor_reader import TensorReader
 
     return TensorReader(fields, **geometry)
