@@ -6,7 +6,9 @@ short batch kept), the same model (an nn.Sequential of Linear/ReLU, SGD with mom
 and the same per-epoch work (one training pass, an evaluation pass over the validation
 set in batches of 256, the `done` test and one log line). jobrun's epoch time is the
 runner's own (EpochResult.seconds); the loop's is timed the same way, around one epoch.
-The first epoch of each repetition is a warm-up and is not counted.
+The first epoch of each repetition is a warm-up and is not counted. A second copy of the
+hand loop runs beside them: the row's statistic applied to two identical loops (`aa_ratio`)
+says how far apart this run's noise puts programs that do the same work.
 """
 
 from __future__ import annotations
@@ -169,9 +171,9 @@ def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
     epochs = mode.pick(6, 4, 2)
     reps = mode.pick(13, 5, 1)
     steps = _steps_per_epoch(batch)
-    cpu: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": []}
-    wall: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": []}
-    ratios, op_ratios = [], []
+    cpu: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": [], "hand2": []}
+    wall: dict[str, list[float]] = {"jobrun": [], "hand": [], "ops": [], "hand2": []}
+    ratios, op_ratios, aa_ratios = [], [], []
     same_losses = True
     with tempfile.TemporaryDirectory(prefix="jobrun-bench-runner-") as tmp:
         tmpd = Path(tmp)
@@ -179,25 +181,29 @@ def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
         for _ in range(reps):
             hand = HandLoop(sizes, batch, tmpd / "hand.jsonl")
             ops = HandLoop(sizes, batch, tmpd / "ops.jsonl", ops=True)
-            times: dict[str, list[tuple[float, float]]] = {"hand": [], "ops": []}
+            # A second hand loop, the same program: how far the row's statistic puts two
+            # identical loops apart in this run (its noise floor, `aa_ratio`).
+            hand2 = HandLoop(sizes, batch, tmpd / "hand2.jsonl")
+            times: dict[str, list[tuple[float, float]]] = {"hand": [], "ops": [], "hand2": []}
 
-            def between(epoch: int, hand=hand, ops=ops, times=times) -> None:
-                # After every jobrun epoch, one epoch of each loop (the order alternates):
-                # all three see the same noise of the shared machine.
-                pair = [("hand", hand), ("ops", ops)]
-                for name, loop in pair if epoch % 2 else pair[::-1]:
+            def between(epoch: int, loops=(("hand", hand), ("ops", ops), ("hand2", hand2)),
+                        times=times) -> None:
+                # After every jobrun epoch, one epoch of each loop (the order rotates):
+                # all of them see the same noise of the shared machine.
+                k = epoch % len(loops)
+                for name, loop in loops[k:] + loops[:k]:
                     times[name].append(loop.run_epoch())
 
             run_dir = tmpd / "run"
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             job = run_plan(plan_path, run_dir=run_dir, between=between)
-            hand.log.close()
-            ops.log.close()
+            for loop in (hand, ops, hand2):
+                loop.log.close()
             logged = [r["values"]["loss_last"] for r in metrics(run_dir) if "values" in r]
             same_losses &= all(
                 abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(logged, hand.losses)
-            )
+            ) and hand2.losses == hand.losses
             got = {"jobrun": [(e.seconds, e.cpu) for e in job], **times}
             for name, rows in got.items():
                 cpu[name] += [c for _, c in rows[1:]]  # the first epoch is a warm-up
@@ -205,6 +211,7 @@ def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
             j = median([c for _, c in got["jobrun"][1:]])
             ratios.append(median([c for _, c in got["hand"][1:]]) / j)
             op_ratios.append(median([c for _, c in got["ops"][1:]]) / j)
+            aa_ratios.append(median([c for _, c in got["hand"][1:]]) / median([c for _, c in got["hand2"][1:]]))
     ratio = median(ratios)
     sps = {k: steps / median(v) for k, v in cpu.items()}
     return Row(
@@ -212,12 +219,16 @@ def measure(mode: Mode, label: str, sizes: list[int], batch: int) -> Row:
         baseline=sps["hand"], baseline_name="hand-written torch loop", ratio=ratio,
         goal=f"jobrun/hand >= {GOAL}", ok=ratio >= GOAL,
         note=f"sizes {sizes}, batch {batch}, {steps} steps/epoch; CPU time of "
-        f"{epochs - 1} epochs x {reps} reps, interleaved",
+        f"{epochs - 1} epochs x {reps} reps, interleaved; two identical hand loops measure "
+        f"{median(aa_ratios):.3f} apart (the noise floor)",
         extra={
             "ratio_per_rep": ratios,
             "overhead_us_per_step": (1 / sps["jobrun"] - 1 / sps["hand"]) * 1e6,
             "ops_loop_steps_per_s": sps["ops"],
             "jobrun_vs_ops_loop": median(op_ratios),
+            # hand/hand2 by the row's own statistic: 1.0 but for the machine's noise
+            "aa_ratio": median(aa_ratios),
+            "aa_ratio_per_rep": aa_ratios,
             "executor_overhead_us_per_step": (1 / sps["jobrun"] - 1 / sps["ops"]) * 1e6,
             "ops_overhead_us_per_step": (1 / sps["ops"] - 1 / sps["hand"]) * 1e6,
             "wall_ratio": median(wall["hand"]) / median(wall["jobrun"]),

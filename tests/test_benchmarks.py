@@ -75,6 +75,8 @@ def test_smoke_run_reports_every_section(tmp_path: Path) -> None:
                 assert isinstance(row["ok"], bool), row
     runner = data["sections"]["runner"]["rows"]
     assert all(row["extra"]["same_losses"] for row in runner)  # jobrun and the hand loop agree
+    # the two plain rows carry their noise floor: a second hand loop against the first
+    assert all(0.5 < row["extra"]["aa_ratio"] < 2 for row in runner[:2])
     for row in data["sections"]["fsdp"]["rows"][:2]:  # one hand epoch after each of jobrun's
         ours, hand = row["extra"]["jobrun_epoch_seconds"], row["extra"]["hand_epoch_seconds"]
         assert len(ours) == len(hand) > 0, row
