@@ -57,9 +57,18 @@ def _run(tmp_path, name: str, replicas: str, epochs: int = 3):
     return draws
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process for 3 epochs and two replicas for 4, shared by the tests (each run
+    starts torch on every rank: seconds of CPU)."""
+    tmp = tmp_path_factory.mktemp("streams")
+    return tmp, _run(tmp, "one", "1", epochs=3), _run(tmp, "two", "2", epochs=4)
+
+
 @pytest.mark.slow
-def test_replicas_draw_their_own_streams_and_replica_0_draws_one_process_s(tmp_path):
-    one, two = _draws(_run(tmp_path, "one", "1")), _draws(_run(tmp_path, "two", "2"))
+def test_replicas_draw_their_own_streams_and_replica_0_draws_one_process_s(runs):
+    _, one_path, two_path = runs
+    one, two = _draws(one_path), _draws(two_path)
     for epoch in (1, 2, 3):
         r0, r1 = two[2, 0, epoch], two[2, 1, epoch]
         for stream in ("torch", "numpy", "python"):
@@ -78,18 +87,20 @@ def test_replicas_draw_their_own_streams_and_replica_0_draws_one_process_s(tmp_p
 
 
 @pytest.mark.slow
-def test_a_resume_continues_each_replicas_streams_and_a_new_replica_gets_its_own(tmp_path):
-    whole = _draws(_run(tmp_path, "whole", "2", epochs=4))
-    part = _run(tmp_path, "part", "2", epochs=2)
-    r = jobrun("resume", "--run-dir", tmp_path / "part", "max_epochs=4")
+def test_a_resume_continues_each_replicas_streams_and_a_new_replica_gets_its_own(runs):
+    tmp, one_path, two_path = runs
+    whole = _draws(two_path)
+    part = _run(tmp, "part", "2", epochs=2)
+    r = jobrun("resume", "--run-dir", tmp / "part", "max_epochs=4")
     assert r.code == 0, r.text
     resumed = _draws(part)
     for epoch in (3, 4):
         for rank in (0, 1):
             assert resumed[2, rank, epoch]["torch"] == whole[2, rank, epoch]["torch"]
-    # one process resumed onto two: replica 1 has no streams of its own to restore
-    solo = _run(tmp_path, "solo", "1", epochs=2)
-    r = jobrun_proc("resume", "--run-dir", tmp_path / "solo", "--replicas", "2", "max_epochs=3")
+    # one process resumed onto two: replica 1 has no streams of its own to restore (the
+    # run's one-process lines, world 1, stay as they were)
+    r = jobrun_proc("resume", "--run-dir", tmp / "one", "--replicas", "2", "max_epochs=4")
     assert r.code == 0, r.text
-    grown = _draws(solo)
-    assert grown[2, 1, 3]["torch"] != grown[2, 0, 3]["torch"]
+    grown = _draws(one_path)
+    assert grown[2, 1, 4]["torch"] != grown[2, 0, 4]["torch"]
+    assert (2, 0, 3) not in grown  # it went on from epoch 3
