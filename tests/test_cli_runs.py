@@ -735,6 +735,32 @@ def test_a_keyword_the_code_a_plan_calls_does_not_take_is_refused_before_the_run
     assert f"{plan}:{line}:{col}: error: {said}" in r.err and hint in r.err, r.err
 
 
+@pytest.mark.parametrize("change, said", [
+    ("beta: 0.5, ", "missing a required argument: 'beta'"),
+    ("in: [x]", "too many positional arguments"),
+])
+def test_a_call_its_function_cannot_take_is_refused_before_the_run(tmp_path, change, said):
+    """A `call` whose function has a required keyword the step leaves out (a VAE step's
+    `kl_warmup`), or takes fewer inputs than `in` names, failed at its first run with
+    "TypeError: step() missing 1 required keyword-only argument", after init ran and
+    checkpoint 0 was saved. The context it asks for (`generator`, `step`) is the run's."""
+    (tmp_path / "vae_step.py").write_text(
+        "def step(x, *, beta, generator, step, scale=1.0):\n    return x * beta * scale\n")
+    good = "{call: {fn: \"vae_step:step\", in: [x], out: x, beta: 0.5, scale: 2}}"
+    text = ("job: vae\nmax_epochs: 1\ncheckpoint: {dir: ckpt}\ninit:\n  - task: setup\n    do:\n"
+            "      - data.synthetic: {out: [x, y], task: regression, n: 8, features: 2}\n"
+            f"epoch:\n  - task: go\n    do:\n      - {good}\n")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    assert jobrun("train", plan, "--run-dir", tmp_path / "good").code == 0
+    bad = good.replace(change, "") if change.startswith("beta") else good.replace("in: [x]", "in: [x, y]")
+    plan.write_text(text.replace(good, bad))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "Traceback" not in r.err, r.text
+    assert f"{plan}:11:10: error: call: step(x, *, beta, generator, step, scale=1.0) cannot take" in r.err, r.err
+    assert said in r.err and not (tmp_path / "run").exists(), r.err
+
+
 def test_a_misspelt_key_whose_value_an_override_gave_is_not_blamed_on_the_override(tmp_path):
     """OneCycleLR's `total_step: "${steps}"` run with `vars.steps=8` was refused at the
     value, with the hint "did you mean 'total_steps'? The value here came from

@@ -339,7 +339,7 @@ def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
     from jobrun.ops.imports import resolve
 
     f = resolve(fn, "call", "fn")
-    for name in _asks_for(f, len(args)):
+    for name in asks_for(f, len(args)):
         if name not in kwargs:
             if name == "step" and _clock is not None:
                 kwargs[name] = _clock  # the step its loop's iteration began at, as log's
@@ -372,7 +372,7 @@ call.wants_names = True  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=256)
-def _asks_for(f: Any, positional: int) -> tuple[str, ...]:
+def asks_for(f: Any, positional: int) -> tuple[str, ...]:
     """The context names `f`'s signature takes by keyword, past its first `positional`."""
     import inspect
 

@@ -158,6 +158,8 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
         if step.op in ("optimizer", "scheduler"):
             _check_constructor_args(step)
         _check_target_keys(step)
+        if step.op == "call":
+            _check_call_binds(step)
         if step.op == "scheduler.step" and isinstance(step.ins[0], ir.BlobRef):
             made = schedulers.get((plan.groups[g].tasks[t].node, step.ins[0].name), {None})
             if len(made) == 1 and None not in made:
@@ -232,6 +234,35 @@ def _check_target_keys(step: ir.OpCall) -> None:
                 found = _keywords(target, step.op, None)
                 for key in keys if found is not None else ():
                     _known(step, *found, key, step.pos_of(arg), ("target", "args", "in"))
+
+
+def _check_call_binds(step: ir.OpCall) -> None:
+    """A `call`'s function against what the step gives it: the inputs by position, the
+    other keys by name and the context it asks for. A required argument left out, or an
+    input too many, failed at the step's first run, after init and checkpoint 0."""
+    import inspect
+
+    from jobrun.ops.core import asks_for
+    from jobrun.ops.imports import resolve
+
+    path = step.kwargs.get("fn")
+    if not isinstance(path, str):
+        return
+    try:
+        f = resolve(path, "call", "fn")
+        signature = inspect.signature(f)
+    except (RunError, TypeError, ValueError):
+        return  # not found is refused by check_code; no signature: nothing to check
+    if hasattr(f, "__wrapped__"):
+        return  # a decorator's wrapper may take other arguments than the code it wraps
+    keys = [key for key, _ in step.args if key not in OWN_KEYS["call"]]
+    try:
+        signature.bind(*[None] * len(step.ins), **dict.fromkeys([*keys, *asks_for(f, len(step.ins))]))
+    except TypeError as e:
+        raise PlanError(f"call: {getattr(f, '__name__', path)}{signature} cannot take what this step gives it: {e}",
+                        step.pos, f"its inputs ({len(step.ins)} in `in`) are its first positional arguments "
+                        "and the step's other keys its keyword arguments; rank, world_size, device, "
+                        "generator, step and epoch, when it names them without a default, come from the run") from e
 
 
 def _nested(value: Any) -> Iterator[tuple[str, list[str]]]:
