@@ -121,6 +121,52 @@ def test_kill_9_then_resume_is_bit_exact(reference, tmp_path, delay):
     assert _final(run) == _final(reference)
 
 
+# `jobrun train` whose process is killed (SIGKILL, no handler runs) as it is about to write
+# the epoch record of epoch 2 to metrics.jsonl: what a kill -9 between the save of the
+# epoch's checkpoint and its record leaves.
+_KILLED_BEFORE_RECORD = """
+import os, signal, sys
+from jobrun.runner import records
+write = records.Metrics.write
+def killed(self, record):
+    if record.get("event") == "epoch" and record.get("epoch") == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(self, record)
+records.Metrics.write = killed
+from jobrun.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_an_epoch_record_a_kill_9_lost_after_its_save_is_restored_by_the_resume(reference, tmp_path):
+    # The resume went on from epoch 2, and metrics.jsonl (plot, the CSV tracker) never had
+    # epoch 2's outputs.
+    plan, run = tmp_path / "plan.yaml", tmp_path / "run"
+    plan.write_text(PLAN.replace("[0.15]", "[0.0]").replace("max_epochs: 6", "max_epochs: 6\nloggers: [csv]"))
+    p = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_RECORD, "train", str(plan), "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    assert (run / "ckpt" / "local.2" / "rank-0" / "COMMIT").exists()
+    before = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in before if m.get("event") == "epoch"] == [1]
+    r = jobrun("resume", "--run-dir", run)
+    assert r.code == 0, r.text
+    assert "resumed from checkpoint epoch 2" in r.out
+    assert _final(run) == _final(reference)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [m for m in records if m.get("event") == "epoch"]
+    want = [m for m in map(json.loads, (reference / "metrics.jsonl").read_text().splitlines())
+            if m.get("event") == "epoch"]
+    assert [m["epoch"] for m in epochs] == [1, 2, 3, 4, 5, 6]
+    assert [m["outputs"] for m in epochs] == [m["outputs"] for m in want]
+    assert [m["step"] for m in epochs] == [m["step"] for m in want]
+    assert [m.get("restored", False) for m in epochs] == [False, True, False, False, False, False]
+    # metrics.csv too, at the step an uninterrupted run gives it (no optimizer: the epoch)
+    rows = [row for row in (run / "metrics.csv").read_text().splitlines() if ",epoch/train/steps," in row]
+    assert rows == [f"{e},{e},epoch/train/steps,{3.0 * e}" for e in range(1, 7)]
+
+
 @pytest.mark.slow
 def test_kill_9_during_saves(tmp_path, reference):
     """Kill at many moments while large checkpoints are being written."""

@@ -26,10 +26,12 @@ from jobrun.safedel import say_kept
 from jobrun.store import UnsupportedValue
 
 if TYPE_CHECKING:
+    from jobrun.records_schema import MetricsRecord
     from jobrun.runner.display import Display
     from jobrun.runner.job import JobConfig
     from jobrun.runner.monitor import Watch
     from jobrun.runner.records import Metrics
+    from jobrun.runner.trackers import Trackers
 
 
 class Checkpoints:
@@ -43,6 +45,7 @@ class Checkpoints:
     nodes: dict[str, NodeRuntime]
     display: Display
     metrics: Metrics
+    trackers: Trackers | None
     watch: Watch
     ckpt_dir: Path | None
     held: dict[str, frozenset[str]]  # per node: the blobs checkpoints hold
@@ -239,6 +242,24 @@ class Checkpoints:
         if self.rank >= (c.resume_world or c.world_size):  # it restored rank 0's streams
             rng.seed_replica(self.plan.seed, self.rank, epoch)
         return meta
+
+    def _record_lost_epoch(self, epoch: int, meta: dict[str, Any],
+                           logged: Callable[[], list[MetricsRecord]]) -> None:
+        """Write the epoch record of ``epoch``, the checkpoint a resume (or a restart) goes
+        on from, when metrics.jsonl lacks it: a kill -9 after the save, before the record,
+        lost it, and the run goes on after the epoch. It is rebuilt from the checkpoint's
+        meta (its outputs, rounded as the record rounds them, and its step), marked
+        ``"restored": true``; the epoch's time and rates are gone with the process."""
+        outputs, step = meta.get("outputs"), meta.get("step")
+        if not self.main_rank or epoch == 0 or not isinstance(outputs, dict) or \
+                any(r.event == "epoch" and r.epoch == epoch for r in logged()):
+            return
+        step = step if type(step) is int and step >= 0 else None
+        self.metrics.write({"epoch": epoch, **({"step": step} if step is not None else {}), "event": "epoch",
+                            "restored": True, "outputs": outputs})
+        if self.trackers is not None:  # the CSV file holds what metrics.jsonl holds
+            self.trackers.step = max(self.trackers.step, step or 0)
+            self.trackers.epoch(epoch, outputs, {})
 
     def _load_named(self, node: NodeRuntime, live: dict[str, Any], which: int | str) -> None:
         """`checkpoint.load` (in download or exit): the named blobs of checkpoint `which`

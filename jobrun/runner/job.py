@@ -268,6 +268,7 @@ class JobRunner(Checkpoints):
             kept = self.cfg.resuming.record(self.run_dir)  # the run's own from now on (runner/resuming.py)
             logged = lambda: kept  # noqa: E731 - what it read: metrics.jsonl once more costs seconds when long
             self.metrics.reopen()  # the file it appended to was replaced, without the later epochs
+        self._record_lost_epoch(resume, meta, logged)
         self.tensorboard.restart(min(node.ctx.step for node in self.nodes.values()), logged)
         self._unrecorded = False
         self._restarted(resume)
