@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -261,6 +263,43 @@ def orphaned() -> bool:
             return bool(_launcher)
         time.sleep(0.02)
     return False
+
+
+@contextmanager
+def meeting(say: bool, every: float = 0.1) -> Iterator[None]:
+    """While this worker meets the other ranks (it builds the process group, having
+    written nothing): leave at once, with os._exit, if the launcher goes away. Its SIGINT
+    could not stop it there: a rank connecting to the rendezvous store the launcher held
+    retried in C++, where no handler runs, for JOBRUN_DIST_TIMEOUT (300 s), and the fork
+    server and the resource tracker lived as long. A rank whose wait in that store broke
+    as it went leaves the same way (it printed torch's traceback). Nothing is saved yet,
+    so nothing is left to finish; ``say``: this rank prints why (rank 0)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every):
+            if _gone():
+                _leave_orphaned(say)
+
+    if _launcher:
+        threading.Thread(target=watch, name="jobrun-meeting-watch", daemon=True).start()
+    try:
+        yield
+    except BaseException:
+        if orphaned():
+            _leave_orphaned(say)
+        raise
+    finally:
+        done.set()
+
+
+def _leave_orphaned(say: bool) -> None:
+    if say:
+        from jobrun.errors import Interrupted
+
+        stopped = Interrupted(signal.SIGINT, during="start-up", why=LAUNCHER_GONE)
+        os.write(2, f"{stopped.format_message()}\n".encode())
+    os._exit(128 + signal.SIGINT)
 
 
 def exit_when_orphaned(code: int, every: float = 0.5) -> None:

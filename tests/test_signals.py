@@ -184,6 +184,41 @@ def test_a_rank_forked_by_another_process_gets_sigint_when_its_launcher_dies():
         rank.stdout.close()
 
 
+def test_a_rank_meeting_the_others_leaves_at_once_when_its_launcher_dies():
+    """A launcher killed while its ranks built their process group left a rank that was
+    connecting to the launcher's rendezvous store retrying for JOBRUN_DIST_TIMEOUT (300 s),
+    the SIGINT of its death held off by the C++ call, and the fork server and the resource
+    tracker alive with it. Here the launcher's store has accepted the rank's connection
+    and not answered yet, as a store in a launcher being killed; then the launcher dies."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import socket, time\ns = socket.create_server(('127.0.0.1', 0))\n"
+         "print(s.getsockname()[1], flush=True)\nc = s.accept()\nprint('connected', flush=True)\n"
+         "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
+    rank_code = ("import sys\nfrom jobrun import signals\nfrom jobrun.runner import group\n"
+                 "signals.watch_launcher(int(sys.argv[1]))\ngroup.start('cpu')\n")
+    try:
+        port = launcher.stdout.readline().strip()
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "JOBRUN_DIST_TIMEOUT": "300"}
+        rank = subprocess.Popen([sys.executable, "-c", rank_code, str(launcher.pid)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert launcher.stdout.readline() == "connected\n"  # the rank waits for the store's answer
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        try:
+            out, err = rank.communicate(timeout=60)
+        finally:
+            rank.kill()
+        assert time.monotonic() - killed < 30, err
+        assert rank.returncode == 128 + signal.SIGINT, err
+        assert "interrupted during start-up (the launcher went away (killed?)" in err, err
+        assert "Traceback" not in err, err
+    finally:
+        launcher.kill()
+        launcher.stdout.close()
+
+
 def test_a_signal_during_checkpoint_0_stops_after_it_and_offers_resume(tmp_path, monkeypatch):
     """A stop that comes while checkpoint 0 is written waits for it, then stops: it said
     "interrupted during init" and offered no resume, though checkpoint 0 was saved."""

@@ -38,8 +38,10 @@ def start(device: str, store: Any = None) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend=backend, timeout=timeout(), store=store or rendezvous_store(),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank = int(os.environ["RANK"])
+    with signals.meeting(say=rank == 0):  # a launcher killed meanwhile ends this rank at once
+        dist.init_process_group(backend=backend, timeout=timeout(), store=store or rendezvous_store(),
+                                rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def finish() -> None:
