@@ -341,3 +341,57 @@ def test_a_rank_with_no_records_and_a_model_that_cannot_run_none_is_told_what_to
     r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2")
     assert r.code == 1 and "replica rank 1 has no records of this global batch" in r.err, r.text
     assert "`drop_last: true`" in r.err and "Traceback" not in r.err
+
+
+FREEZE = """
+job: freeze
+seed: 3
+max_epochs: 2
+checkpoint: {dir: ckpt}
+init:
+  - task: setup
+    do:
+      - data.synthetic: {out: [x, y], task: classification, n: 32, features: 6, classes: 3}
+      - reader: {in: [x, y], out: data, batch_size: 8, passes: 0}
+      - build: {out: model, target: "freeze:net", frozen: FROZEN}
+      - optimizer: {in: model, out: opt, lr: 0.1}
+epoch:
+  - task: train
+    do:
+      - call: {fn: "freeze:first_layer", in: [model], mutates: [model]}
+      - loop: 2
+        do:
+          - read: {in: data, out: [xb, yb]}
+          - train.step: {in: [model, opt, xb, yb], out: loss}
+"""
+FREEZE_PY = """
+import torch
+
+def net(frozen):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model[0].requires_grad_(not frozen)
+    return model
+
+def first_layer(model, *, epoch):  # a fine-tune's backbone: frozen in epoch 1, then trained
+    model[0].requires_grad_(epoch > 1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", [False, True])
+def test_freezing_parameters_after_ddp_wrapped_the_model_is_one_clear_error(tmp_path, frozen):
+    """DDP all-reduces the parameters that required grad when it was made. Frozen later
+    (a fine-tune's epoch 1), they got "no gradient in this step" with a hint to set
+    requires_grad=False, which the plan had done; unfrozen later (built frozen, trained
+    from epoch 2), each rank trained them on its own slice's gradient and the ranks' weights
+    drifted apart (8e-3 from one process in 3 epochs) without a word."""
+    (tmp_path / "plan.yaml").write_text(FREEZE.replace("FROZEN", str(frozen).lower()))
+    (tmp_path / "freeze.py").write_text(FREEZE_PY)
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2")
+    assert r.code == 1, r.text
+    which = "unfrozen 0.weight, 0.bias" if frozen else "frozen 0.weight, 0.bias"
+    assert f"trained parameters changed after it was built ({which})" in r.err, r.err
+    assert "requires_grad in the model's constructor" in r.err and "Traceback" not in r.err
+    assert "replica rank" not in r.err and r.err.count("changed after it was built") == 1  # the job's
+    one = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "one")
+    assert one.code == 0, one.text  # one process: no DDP, freezing works as in torch

@@ -83,7 +83,46 @@ def replicate_module(ctx: OpContext, module: nn.Module) -> nn.Module:
     module.register_comm_hook(carrier, Carrier.hook)
     replicate.state(module).lazy_init()  # now, on every rank, not in some first forward
     module._jobrun_carrier = carrier
+    params = [p for p in module.parameters() if id(p) not in left_out]
+    module.register_forward_pre_hook(_TrainedAsBuilt(params))
     return module
+
+
+class _TrainedAsBuilt:
+    """DDP all-reduces the gradients of the parameters that required them when it was
+    made, and only those: a parameter frozen later gets no gradient (DDP waits for it),
+    one unfrozen later trains on each rank's own gradient, and the ranks drift apart
+    without a word. So a forward that computes gradients checks, before it runs, that
+    the parameters that require them are those of the build (one bool a parameter)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.built = [p.requires_grad for p in params]
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and [p.requires_grad for p in self.params] != self.built:
+            raise self._changed(module)
+
+    def _changed(self, module: nn.Module) -> RunError:
+        names = {id(p): n for n, p in module.named_parameters()}
+        frozen = [names[id(p)] for p, b in zip(self.params, self.built) if b and not p.requires_grad]
+        thawed = [names[id(p)] for p, b in zip(self.params, self.built) if not b and p.requires_grad]
+        said = [f"{what} {_some(which)}" for what, which in (("frozen", frozen), ("unfrozen", thawed)) if which]
+        error = RunError(
+            f"the model's trained parameters changed after it was built ({'; '.join(said)}): with "
+            "replicas, torch's DDP all-reduces the gradients of the parameters that required "
+            "them when the model was built, and only those, so the replicas would wait for "
+            "gradients that never come or train apart",
+            hint="with replicas, set requires_grad in the model's constructor (the `build` target) "
+                 "and leave it: train a frozen part's epochs in a plan of their own and load its "
+                 "weights in the next one's `build` (docs/data-parallel.md)",
+        )
+        error.every_rank = True  # every replica runs the plan's code that changed them
+        return error
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _plain_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
