@@ -5,7 +5,8 @@ backbone frozen for the first epoch by a `call` and trained from the second; war
 cosine by step scaling every group's own rate, clipping, label smoothing by a loss given
 by path, a full-pass `evaluate` every epoch. Its logged values (==: the evaluation's float64
 mean too) and weights (torch.equal) are the hand loop's, with an overridden lr, also after
-`resume --epoch 1` (a checkpoint holding a frozen backbone and no AdamW state for it)."""
+`resume --epoch 1` (a checkpoint holding a frozen backbone and no AdamW state for it);
+`ckpt show` gives every group's rates."""
 
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ def test_the_finetune_plan_is_its_hand_loop_to_the_last_bit_also_resumed(tmp_pat
     r = jobrun("train", PLAN, f"vars.lr={LR}", f"vars.pretrained={pretrained}", "--run-dir", run)
     assert r.code == 0, r.text
     _assert_is_the_hand_loop(run, hand)
+    shown = jobrun("ckpt", "show", run, "--epoch", "2", "--blob", "opt")
+    groups = [line.strip() for line in shown.out.splitlines() if "param_groups." in line]
+    assert len(groups) == 6, shown.out  # each group's options, none cut: lr and initial_lr
+    for i, (line, lr) in enumerate(zip(groups, (LR, LR / 4, LR / 4, LR / 2, LR / 2, LR))):
+        assert line.startswith(f"param_groups.{i} = ") and f'"initial_lr": {lr}' in line, line
+        assert f'"lr": {_lr_at(7, lr)}' in line, line  # the rate of epoch 2's last step
     again = tmp_path / "again"
     shutil.copytree(run, again)
     (again / "model.safetensors").unlink()

@@ -249,12 +249,34 @@ def _describe(name: str, value: Any, values: bool, indent: str) -> list[str]:
         head = f"{indent}{name} = state of {value.type_name}"
         if not isinstance(value.state, dict):
             return [head + f": {_value_text(value.state, values)}"]
-        return [head] + [line for key, sub in _flatten({"": value.state}).items()
-                         for line in _describe(key.removeprefix("."), sub, values, indent + "    ")]
+        lines = [head]
+        for key, sub in _flatten({"": value.state}).items():
+            if key == ".param_groups" and _is_optimizer_state(value) and isinstance(sub, list):
+                lines += _groups_text(sub, indent + "    ")
+            else:
+                lines += _describe(key.removeprefix("."), sub, values, indent + "    ")
+        return lines
     if isinstance(value, list | tuple | dict) and _holds_tensor(value):
         # a tuple of tensors (an LSTM's hidden state): each tensor by the key it is saved under
         return [line for key, sub in _flatten({name: value}).items() for line in _describe(key, sub, values, indent)]
     return [f"{indent}{name} = {_value_text(value, values)}"]
+
+
+def _groups_text(groups: list[Any], indent: str) -> list[str]:
+    """An optimizer's parameter groups, one a line with all its options (a group's `lr`,
+    `weight_decay`, `initial_lr` are what a reader looks for); only `params`, the
+    indices of its parameters, is cut."""
+    lines = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            lines.append(f"{indent}param_groups.{i} = {_cut(json.dumps(_jsonable(group)))}")
+            continue
+        options = {k: v for k, v in group.items() if k != "params"}
+        text = json.dumps(_jsonable(options))
+        if "params" in group:
+            text += f" params={_cut(json.dumps(_jsonable(group['params'])))}"
+        lines.append(f"{indent}param_groups.{i} = {text}")
+    return lines
 
 
 def _value_text(value: Any, values: bool) -> str:
