@@ -368,6 +368,15 @@ def ema_update(ema, model) -> None:
     ema.update_parameters(model)
 
 
+def frozen_teacher(model, x):
+    """A distillation's teacher: a frozen copy of the model, run where gradients are on
+    (the student's loss is computed beside it); the sum of its outputs."""
+    import copy
+
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    return teacher(x).sum().item()
+
+
 
 def spoil_own_checkpoint(rank: int, world_size: int, ckpt: str = "", which: int = 0, on: int = 1) -> None:
     """On rank `on`: flip the last byte of its own tensor files of checkpoint `which` (their

@@ -265,13 +265,16 @@ epoch:
           - read: {in: data, out: [xb, yb]}
           - train.step: {in: [model, opt, xb, yb], out: loss}
           - call: {fn: "jobrun_test_helpers:ema_update", in: [ema, model], mutates: [ema]}
+          - call: {fn: "jobrun_test_helpers:frozen_teacher", in: [model, xb], out: teacher_sum, pure: true}
 """
 
 
 def test_an_ema_of_a_replicated_model_is_built_as_with_one_process(tmp_path):
     """`AveragedModel(model)` deep-copies the model: torch refuses to copy a module DDP
     holds ("DDP does not support deepcopy"), so the standard EMA recipe failed in init
-    with replicas. The copy is the model as built, without DDP: the same EMA as 1 replica."""
+    with replicas. The copy is the model as built, without DDP: the same EMA as 1 replica.
+    A copy frozen and run with gradients on (a distillation's teacher) is no replicated
+    model: it was refused as one whose trained parameters changed."""
     (tmp_path / "plan.yaml").write_text(EMA)
     for n in ("1", "2"):
         r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / f"r{n}", "--replicas", n)

@@ -137,9 +137,10 @@ def _plain_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     plain = built.__new__(built)
     state = {k: v for k, v in module.__dict__.items()
              if not k.startswith("__composable_api_state_key") and k != "_jobrun_carrier"}
-    for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # DDP's, bound to its state
+    for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # DDP's, bound to its state, and ours
         state[hooks] = type(state[hooks])((k, h) for k, h in state[hooks].items()
-                                          if type(getattr(h, "__self__", None)).__module__ != _REPLICATE)
+                                          if type(getattr(h, "__self__", None)).__module__ != _REPLICATE
+                                          and not isinstance(h, _TrainedAsBuilt))
     plain.__dict__.update(state)
     return copy.deepcopy(plain, memo)
 
