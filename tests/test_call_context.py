@@ -127,3 +127,39 @@ def test_a_call_sees_the_epoch_running(tmp_path):
     r = jobrun("resume", run, "--epoch", "1")
     assert r.code == 0, r.text
     assert seen()[0] == [0.25, 0.5, 0.75]  # epochs 2 and 3 again, as numbered before
+
+
+def sgd_step(model, opt, x):
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    return x
+
+
+def forward(model, x):
+    return model(x)
+
+
+def test_a_call_that_steps_an_optimizer_it_says_it_leaves_alone_is_stopped():
+    """`mutates` (and `pure`) decide what checkpoints hold: a call that steps `opt` but
+    leaves it (or the model it trains) out ran on, and a resume went on with the
+    optimizer's state (Adam's moments) as init made it, silently off the uninterrupted run."""
+    from jobrun.errors import RunError
+    from jobrun.runner import clock
+
+    clock.install()
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.ones(2, 3)
+    names = ("model", "opt", "x")
+    for said, left in ((["model"], "'opt'"), (["opt"], "'model'"), ([], "'model', 'opt'")):
+        with pytest.raises(RunError, match=f"changed {left}, which the call's `mutates: \\[") as e:
+            core.call(OpContext(), model, opt, x, fn=f"{HERE}:sgd_step", mutates=said, _names=names)
+        assert e.value.hint == "list every input it changes: `mutates: [model, opt]`"
+    with pytest.raises(RunError, match="`pure: true` leaves out"):
+        core.call(OpContext(), model, opt, x, fn=f"{HERE}:sgd_step", pure=True, _names=names)
+    # saying so, or not saying (every input that is no data counts as changed), is fine
+    for said in (["model", "opt"], None):
+        assert core.call(OpContext(), model, opt, x, fn=f"{HERE}:sgd_step", mutates=said, _names=names) is x
+    # a call that steps no optimizer may leave its model out: a frozen teacher's forward
+    assert core.call(OpContext(), model, x, fn=f"{HERE}:forward", pure=True, _names=("model", "x")).shape == (2, 1)

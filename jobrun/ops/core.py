@@ -345,13 +345,41 @@ def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
                 kwargs[name] = _clock  # the step its loop's iteration began at, as log's
             else:
                 kwargs[name] = getattr(ctx, name, 0)  # `step`: 0 where no global step is kept
+    said = [] if pure else mutates
     try:
-        return f(*args, **kwargs)
+        if said is None:
+            return f(*args, **kwargs)
+        from jobrun.runner import clock
+
+        with clock.stepped() as stepped:
+            result = f(*args, **kwargs)
     except Exception as e:
         nulls = [k for k, a in enumerate(args) if a is None]
         if not nulls:
             raise
         raise null_inputs(f"{fn} failed ({type(e).__name__})", nulls, _names) from e
+    if stepped:
+        _check_said(fn, args, _names, said, stepped, "pure: true" if pure else f"mutates: [{', '.join(said)}]")
+    return result
+
+
+def _check_said(fn: str, args: tuple, names: tuple[str, ...], said: list[str], stepped: list,
+                saying: str) -> None:
+    """A call that says what it changes (`mutates`, `pure`) and steps an optimizer among
+    its inputs, or one over the parameters of a model among them, that it leaves out: its
+    checkpoints would hold neither, and a resume would go on with them as init made them."""
+    params = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
+    names = tuple(names) + tuple(f"#{k + 1}" for k in range(len(names), len(args)))
+    left = [name for name, a in zip(names, args) if name not in said and (
+        any(a is opt for opt in stepped)
+        or (callable(getattr(a, "parameters", None)) and any(id(p) in params for p in a.parameters())))]
+    if left:
+        which = ", ".join(repr(n) for n in left)
+        raise RunError(
+            f"{fn} took an optimizer step that changed {which}, which the call's `{saying}` leaves "
+            "out: checkpoints hold only what steps change, so a resume would go on with "
+            f"{which} as init made {'them' if len(left) > 1 else 'it'}",
+            hint=f"list every input it changes: `mutates: [{', '.join(n for n in names if n in said or n in left)}]`")
 
 
 def null_inputs(failure: str, nulls: list[int], names: tuple[str, ...]) -> RunError:

@@ -16,14 +16,17 @@ per clock value: a loop that takes no optimizer step does not run it again and a
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from jobrun.ops.context import STEP_COUNTER
 
 _COUNTERS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "jobrun_step_counters", default=None)
+_WATCHED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("jobrun_stepped", default=None)
 _lock = threading.Lock()
 _installed = False
 
@@ -44,6 +47,21 @@ def _stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
     counters = _COUNTERS.get()
     if counters is not None:
         counters[STEP_COUNTER] = counters.get(STEP_COUNTER, 0) + 1
+    stepped = _WATCHED.get()
+    if stepped is not None and not any(o is optimizer for o in stepped):
+        stepped.append(optimizer)
+
+
+@contextlib.contextmanager
+def stepped() -> Iterator[list[Any]]:
+    """The optimizers stepped in this context while the block runs, each once (a `call`
+    checks them against what it says it changes). Empty where `install` was not called."""
+    seen: list[Any] = []
+    token = _WATCHED.set(seen)
+    try:
+        yield seen
+    finally:
+        _WATCHED.reset(token)
 
 
 def counting(counters: dict[str, Any]) -> contextvars.Token:
