@@ -180,13 +180,37 @@ def test_a_distillation_plan_is_its_hand_loop_to_the_last_bit_and_resumes_so(tmp
         torch.set_num_threads(threads)
 
 
+def _saying(said: str) -> str:
+    """The plan with the KD step saying `said` of what it changes (and no checkpoint.load of
+    the student, which analyze refuses when no step is said to change it)."""
+    plan = PLAN.replace("mutates: [student, opt]", said)
+    return plan.replace("      - checkpoint.load: {in: student, epoch: best}\n", "")
+
+
 @pytest.mark.parametrize("said", ["mutates: [student]", "pure: true"])
 def test_a_kd_step_that_leaves_its_optimizer_out_of_mutates_stops_at_its_line(tmp_path, said):
     _data(tmp_path)
-    (tmp_path / "plan.yaml").write_text(PLAN.replace("mutates: [student, opt]", said).replace(
-        "checkpoint.load: {in: student, epoch: best}", "const: {out: unused, value: 0}"))
+    (tmp_path / "plan.yaml").write_text(_saying(said))
     r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run")
     assert r.code == 1, r.text
     assert f"plan.yaml:{PLAN.splitlines().index(next(line for line in PLAN.splitlines() if 'kd_step' in line)) + 1}:" in r.err
     assert f"which the call's `{said}` leaves out" in r.err
     assert "hint: list every input it changes: `mutates: [student, opt]`" in r.err
+
+
+@pytest.mark.slow
+def test_with_replicas_the_step_left_out_of_mutates_is_the_jobs_error_said_once(tmp_path, monkeypatch):
+    # Every replica takes the step: each said the error, then the launcher added "replica
+    # rank 1 failed ... continue with `jobrun resume`", which fails the same way.
+    from pathlib import Path
+
+    from runner_util import jobrun_proc
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the plan's code is this module
+    _data(tmp_path)
+    (tmp_path / "plan.yaml").write_text(_saying("mutates: [student]"))
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
+                    "max_epochs=1", cwd=tmp_path, timeout=240)
+    assert r.code == 1, r.text
+    assert r.err.count("which the call's `mutates: [student]` leaves out") == 1, r.err
+    assert "replica rank" not in r.err and "jobrun resume" not in r.err, r.err

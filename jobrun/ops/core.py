@@ -375,11 +375,13 @@ def _check_said(fn: str, args: tuple, names: tuple[str, ...], said: list[str], s
         or (callable(getattr(a, "parameters", None)) and any(id(p) in params for p in a.parameters())))]
     if left:
         which = ", ".join(repr(n) for n in left)
-        raise RunError(
+        error = RunError(
             f"{fn} took an optimizer step that changed {which}, which the call's `{saying}` leaves "
             "out: checkpoints hold only what steps change, so a resume would go on with "
             f"{which} as init made {'them' if len(left) > 1 else 'it'}",
             hint=f"list every input it changes: `mutates: [{', '.join(n for n in names if n in said or n in left)}]`")
+        error.every_rank = True  # every replica takes the step (DDP's): the plan's error, said once
+        raise error
 
 
 def null_inputs(failure: str, nulls: list[int], names: tuple[str, ...]) -> RunError:
