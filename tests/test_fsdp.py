@@ -543,3 +543,33 @@ def test_fsdp_layers_without_parallel_fsdp_is_warned_at_the_key():
     assert not [d for d in analyze(compile_text(PLAN.replace("parallel: fsdp\n", "parallel: fsdp\nfsdp_layers: "
                                                              "[torch.nn.Linear]\n"), "plan.yaml"))
                 if d.code == "fsdp-layers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_a_model_no_step_changes_is_fingerprinted_as_one_process_built_it(tmp_path, parallel):
+    # A model init builds and no step changes (a frozen teacher, one only evaluated) is in
+    # no checkpoint, so its fingerprint is: sharded, it stopped every rank after init with
+    # torch's ".numpy() is not supported for tensor subclasses" and a hint to resume; and
+    # `resume --replicas 1` refused a run of 2, the model's class being FSDPSequential or
+    # DDPSequential then, Sequential now.
+    plan = PLAN.replace(
+        "      - optimizer: {in: model, out: opt",
+        "      - model.mlp: {out: frozen, sizes: [10, 8, 3]}\n"
+        "      - reader: {in: [x, y], out: val, batch_size: 50}\n"
+        "      - optimizer: {in: model, out: opt").replace(
+        "      - log: {in: [loss]}", "      - evaluate: {in: [frozen, val], out: [frozen_loss, frozen_acc]}\n"
+                                     "      - log: {in: [loss, frozen_loss]}")
+    assert "frozen_loss]" in plan
+    (tmp_path / "plan.yaml").write_text(plan)
+    run = tmp_path / "run"
+    r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", run, "--replicas", "2", "max_epochs=2",
+                    f"parallel={parallel}", timeout=HANG_S)
+    assert r.code == 0, r.text
+    assert "frozen" not in ckpt_values(run, 2)  # in no checkpoint: fingerprinted
+    # the whole tensors: the same fingerprint on another number of ranks
+    r = jobrun_proc("resume", run, "--epoch", "1", "--replicas", "1", timeout=HANG_S)
+    assert r.code == 0, r.text
+    assert "init built other things" not in r.err, r.err
+    losses = [v["frozen_loss"] for v in logged(run)]
+    assert len(losses) == 2 and close(losses[0], losses[1], 1e-6)  # the same frozen model (2 ranks, then 1)

@@ -134,7 +134,12 @@ def _text(d: Any) -> str:
 
 
 def _type_name(value: Any) -> str:
+    """The class of `value` as the user's code made it: DDP (``replicate``) and FSDP
+    (``fully_shard``) give a module a class of their own, ``DDPSequential(DDP,
+    Sequential)``, which one replica never does."""
     t = type(value)
+    while t.__module__.startswith("torch.distributed.") and len(t.__bases__) > 1:
+        t = t.__bases__[-1]
     return f"{t.__module__}.{t.__qualname__}"
 
 
@@ -161,6 +166,12 @@ def _bytes_view(t: Any) -> memoryview:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
         t = t.detach()
+        sharded = sys.modules.get("torch.distributed.tensor")
+        if sharded is not None and isinstance(t, sharded.DTensor):
+            # A model `parallel: fsdp` sharded (a frozen teacher init loads): the whole
+            # tensor, gathered from every rank (each fingerprints the same blobs in the
+            # same order), so it is the model's whatever the number of replicas.
+            t = t.full_tensor()
         if t.device.type != "cpu":
             t = t.cpu()
         return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
