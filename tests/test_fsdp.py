@@ -417,6 +417,7 @@ def test_step_totals_ride_in_fsdps_reduce_scatter(tmp_path):
 _ACCUMULATE = """
 import json, sys, torch, torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 scatters = []
 for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # before jobrun takes one
@@ -451,7 +452,11 @@ for amp in (None, "bf16"):
         jobrun["scatters"].append(len(scatters))
     jobrun["weights"] = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
     # torch's FSDP2 accumulation loop as torchtitan writes it: every backward reduce-scatters
+    # (summed, as train.step's losses weighted by each rank's share are)
     model, opt = sharded(amp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
     hand = {"scatters": []}
     for s in range(3):
         scatters.clear()
@@ -543,6 +548,28 @@ def test_fsdp_layers_without_parallel_fsdp_is_warned_at_the_key():
     assert not [d for d in analyze(compile_text(PLAN.replace("parallel: fsdp\n", "parallel: fsdp\nfsdp_layers: "
                                                              "[torch.nn.Linear]\n"), "plan.yaml"))
                 if d.code == "fsdp-layers"]
+
+
+@pytest.mark.slow
+def test_a_call_steps_gradients_are_the_ranks_mean_as_under_ddp(tmp_path):
+    # FSDP summed every backward's gradients over ranks, which train.step's (weighted by
+    # each rank's share) needs: a `call`'s step, whose loss is the rank's mean, as DDP
+    # averages it, got the ranks' sum, twice the gradient on 2 replicas.
+    plan = (PLAN.replace("optimizer: {in: model, out: opt, target: torch.optim.Adam, lr: 0.01}",
+                         "optimizer: {in: model, out: opt, lr: 0.1}")
+            .replace("train.step: {in: [model, opt, xb, yb], out: loss, clip_grad_norm: 1.0}",
+                     'call: {fn: "jobrun_test_helpers:mean_step", in: [model, opt, xb, yb], out: loss, '
+                     "mutates: [model, opt]}"))
+    assert "mean_step" in plan and "lr: 0.1}" in plan
+    (tmp_path / "plan.yaml").write_text(plan)
+    for name in ("ddp", "fsdp"):
+        r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / name, "--replicas", "2",
+                        f"parallel={name}", "max_epochs=1", timeout=HANG_S)
+        assert r.code == 0, r.text
+    fs, dd = _model(tmp_path / "fsdp", 1), _model(tmp_path / "ddp", 1)
+    assert fs.keys() == dd.keys()
+    for key in fs:
+        assert close(fs[key], dd[key], 1e-6), key
 
 
 @pytest.mark.slow

@@ -12,8 +12,9 @@ issued by every rank in the same order, also by a rank whose slice is empty.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -199,6 +200,22 @@ class Carrier:
         """The summed vector if a bucket carried it (None otherwise); clears both."""
         carried, self.carried, self.pending = self.carried, None, None
         return carried
+
+
+@contextlib.contextmanager
+def fsdp_sums(module: nn.Module) -> Iterator[None]:
+    """`train.step`'s backwards through a model `parallel: fsdp` sharded: each rank's loss
+    is weighted by its share of the global batch already, so FSDP sums the gradients over
+    ranks, as the :class:`Carrier` does DDP's; every other backward (a `call`'s) gets their
+    mean, as a hand-written DDP loop does (:func:`jobrun.ops.fsdp.shard`)."""
+    units = module._jobrun_units
+    for m in units:
+        m.set_gradient_divide_factor(1.0)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_gradient_divide_factor(float(torch.distributed.get_world_size()))
 
 
 class StopFlags:

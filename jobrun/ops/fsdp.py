@@ -50,13 +50,15 @@ def shard(module: nn.Module, types: tuple[str, ...] = (), amp: str | None = None
         fully_shard(layer, mesh=mesh, mp_policy=policy(amp, root=False))
     fully_shard(module, mesh=mesh, mp_policy=policy(amp, root=True))
     totals = StepTotals() if hasattr(FSDPModule, "set_custom_reduce_scatter") else None
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            # A plain SUM (gloo has no PREMUL_SUM; NCCL sums the same way).
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-            if totals is not None:
-                m.set_custom_reduce_scatter(totals)
+    module._jobrun_units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in module._jobrun_units:
+        # A plain SUM (gloo has no PREMUL_SUM; NCCL sums the same way), then the division
+        # by the ranks of DDP's default: a `call`'s backward gets the ranks' mean
+        # (train.step sums its weighted ones: dist.fsdp_sums).
+        m.set_gradient_divide_factor(float(dist.get_world_size()))
+        m.set_force_sum_reduction_for_comms(True)
+        if totals is not None:
+            m.set_custom_reduce_scatter(totals)
     module._jobrun_totals = totals  # train.step finds it here (see dist.Totals)
     return module
 

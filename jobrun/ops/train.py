@@ -26,6 +26,7 @@ from jobrun.ops.dist import (
     broadcast_tensors,
     carrier_of,
     comm_device,
+    fsdp_sums,
     sparse_params,
     stop_flags,
 )
@@ -151,12 +152,10 @@ def _backward(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any, loss_fn: Any
     (gradients unscaled), the optimizer's parameters when they were needed)."""
     device = ctx.device
     shape = y.shape
-    # Sharded by `build` under `parallel: fsdp` (fsdp.shard marks it); a model made by
-    # user code is reduced as under ddp, whatever `parallel` says.
+    # Sharded by `build` under fsdp (fsdp.shard marks it); one user code made: as under ddp
     sharded = replicas and hasattr(model, "_jobrun_totals")
-    # What carries the step's Totals with the gradients: DDP's hook, FSDP's reduce-scatter
-    # (None: sharded by a torch without custom reduce-scatters, or a model DDP does not
-    # hold, whose gradients allreduce_grads sums).
+    # What carries the step's Totals with the gradients: DDP's hook, FSDP's reduce-scatter (None:
+    # sharded by a torch without custom reduce-scatters, or a model DDP does not hold: allreduce_grads).
     carrier = (getattr(model, "_jobrun_totals", None) if sharded else carrier_of(model)) if replicas else None
     ddp = carrier is not None and not sharded
     if replicas:
@@ -179,39 +178,40 @@ def _backward(ctx: OpContext, model: Any, opt: Any, x: Any, y: Any, loss_fn: Any
         last = max(i for i, b in enumerate(batches) if b[2])  # micro-batches runs no empty one
     value = None  # this rank's sum of the micro-batches' losses, each weighted by its share
     totals = None  # replicas: what the last backward carries (the ranks' losses, records)
-    for i, (xb, yb, n) in enumerate(batches):
-        if ddp and len(batches) > 1 and i <= last:  # DDP all-reduces in the last backward only
-            model.set_requires_gradient_sync(i == last)  # (and is left syncing, for a `call`'s)
-        if n:
-            if dtype is None:
-                part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
-            else:
-                with _autocast(device, dtype):
+    with fsdp_sums(model) if sharded else contextlib.nullcontext():
+        for i, (xb, yb, n) in enumerate(batches):
+            if ddp and len(batches) > 1 and i <= last:  # DDP all-reduces in the last backward only
+                model.set_requires_gradient_sync(i == last)  # (and is left syncing, for a `call`'s)
+            if n:
+                if dtype is None:
                     part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
-            if summed:
-                part = part * n  # the micro-batch's sum; Totals divides by all records later
+                else:
+                    with _autocast(device, dtype):
+                        part = loss_fn(model(xb), yb) if loss_fn is not model_loss else model_loss(model, xb, yb)
+                if summed:
+                    part = part * n  # the micro-batch's sum; Totals divides by all records later
+                else:
+                    n_all = known if known is not None else local if count is None else count.value
+                    if n != n_all:
+                        part = part * (n / n_all)
+                value = part if value is None else value.detach() + part.detach()
+            elif sharded or (ddp and i == last):
+                # every rank's forward and backward take part in FSDP's and DDP's collectives
+                part = _idle(ctx, model, xb, yb, loss_fn)
             else:
-                n_all = known if known is not None else local if count is None else count.value
-                if n != n_all:
-                    part = part * (n / n_all)
-            value = part if value is None else value.detach() + part.detach()
-        elif sharded or (ddp and i == last):
-            # every rank's forward and backward take part in FSDP's and DDP's collectives
-            part = _idle(ctx, model, xb, yb, loss_fn)
-        else:
-            continue  # an empty slice of a short global batch contributes nothing
-        if replicas and i == last:  # after the forward: every rank's collectives in one order
-            totals = Totals(ctx, _zero(value, device), local if summed else None)
-            if carrier is not None:
-                carrier.pending = totals.vector
-        if ddp and i == last:  # DDP's hook sums this backward, with the totals
-            carrier.weighted, carrier.finished = True, False
-            try:
+                continue  # an empty slice of a short global batch contributes nothing
+            if replicas and i == last:  # after the forward: every rank's collectives in one order
+                totals = Totals(ctx, _zero(value, device), local if summed else None)
+                if carrier is not None:
+                    carrier.pending = totals.vector
+            if ddp and i == last:  # DDP's hook sums this backward, with the totals
+                carrier.weighted, carrier.finished = True, False
+                try:
+                    (part if scaler is None else scaler.scale(part)).backward()
+                finally:
+                    carrier.weighted = False
+            else:
                 (part if scaler is None else scaler.scale(part)).backward()
-            finally:
-                carrier.weighted = False
-        else:
-            (part if scaler is None else scaler.scale(part)).backward()
     value = _zero(value, device)
     if totals is None and replicas:  # no micro-batch ran a backward here (an empty slice)
         totals = Totals(ctx, value, local if summed else None)
