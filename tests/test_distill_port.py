@@ -199,14 +199,11 @@ def test_a_kd_step_that_leaves_its_optimizer_out_of_mutates_stops_at_its_line(tm
 
 
 @pytest.mark.slow
-def test_with_replicas_the_step_left_out_of_mutates_is_the_jobs_error_said_once(tmp_path, monkeypatch):
+def test_with_replicas_the_step_left_out_of_mutates_is_the_jobs_error_said_once(tmp_path):
     # Every replica takes the step: each said the error, then the launcher added "replica
     # rank 1 failed ... continue with `jobrun resume`", which fails the same way.
-    from pathlib import Path
+    from runner_util import jobrun_proc  # (conftest puts tests/, this module, on PYTHONPATH)
 
-    from runner_util import jobrun_proc
-
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the plan's code is this module
     _data(tmp_path)
     (tmp_path / "plan.yaml").write_text(_saying("mutates: [student]"))
     r = jobrun_proc("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run", "--replicas", "2",
