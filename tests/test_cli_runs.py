@@ -101,6 +101,13 @@ def test_resume_refuses_a_bad_override_or_run_before_torch(here):
     assert code == 2 and not imported and "there is no run in runs/counter/9" in err
 
 
+def test_resume_given_the_plan_file_says_it_is_no_run_directory_and_how_to_train_it(here):
+    code, err, imported = _train_without_torch(here, "plan.yaml", "max_epochs=3", command="resume")
+    assert code == 2 and not imported and "Traceback" not in err
+    assert "plan.yaml is a file, not a run directory" in err
+    assert "to train this plan: `jobrun train plan.yaml`" in err
+
+
 DATA_PLAN = """\
 job: fromfile
 max_epochs: 1

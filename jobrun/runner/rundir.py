@@ -131,6 +131,12 @@ class RunDir:
                 hint="give the directory `jobrun train` created (runs/<job>/<N> by default)",
             ) from None
         except OSError as e:
+            if self.path.is_file():  # `jobrun resume plan.yaml`
+                plan = f"; to train this plan: `{hints.train_again(str(self.path), ())}`" \
+                    if self.path.suffix in (".yaml", ".yml") else ""
+                raise UsageError(f"{self.path} is a file, not a run directory",
+                                 hint=f"give the directory `jobrun train` created (runs/<job>/<N> by default){plan}",
+                                 ) from None
             raise UsageError(f"cannot read {self.info_file}: {e.strerror or e}") from None
         if len(data) > MAX_INFO_BYTES:
             raise UsageError(f"{self.info_file} is over {MAX_INFO_BYTES >> 20} MiB: it is no jobrun run record",
