@@ -111,3 +111,41 @@ def test_a_resume_replaces_the_points_logged_after_its_checkpoint(tmp_path):
         assert got[f"t/{tag}"] == [(s, pytest.approx(v[tag])) for s, v in logged if tag in v]
     assert [s for s, _ in got["t/loss"]] == [0, 1, 3, 4, 6, 7, 9, 10]
     assert [s for s, _ in got["t/val"]] == [3, 6, 9, 12]
+
+
+FULL_DISK = """\
+import errno, sys
+from pathlib import Path
+from tensorboard.summary.writer import record_writer
+from jobrun.runner import records
+
+def full(self, data):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+if sys.argv[2] == "start":
+    record_writer.RecordWriter.write = full
+tb = records.TensorBoard(Path(sys.argv[1]))
+record_writer.RecordWriter.write = full
+tb.write("train", 1, {"loss": 1.0})
+tb.restart(0, lambda: [])
+tb.write("train", 2, {"loss": 0.5})
+tb.close()
+print("writer", tb.writer)
+"""
+
+
+@pytest.mark.parametrize("when", ["start", "later"])
+def test_an_event_file_that_cannot_be_written_is_one_warning_and_training_goes_on(tmp_path, when):
+    """A full disk (or a tensorboard/ not writable) made the run's start end in tensorboard's
+    traceback, twice: its writer thread's and the SummaryWriter's; scalars, as metrics
+    lines, never stop a job."""
+    pytest.importorskip("tensorboard")
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path), when], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout == "writer None\n", p.stderr
+    assert "Traceback" not in p.stderr and "Exception in thread" not in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith(
+        f"warning: cannot write TensorBoard scalars in {tmp_path / 'tensorboard'} (No space left on device); "
+        "no more are written, training goes on"), p.stderr

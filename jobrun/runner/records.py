@@ -83,6 +83,9 @@ class TensorBoard:
 
     A run that goes on from a checkpoint (a resume, a restart) calls `restart`: the points
     the earlier run logged past it are hidden, and the resume's own take their place.
+
+    Scalars never stop a job, as metrics lines do not: when the event file cannot be
+    written (a full disk, a directory not writable) they stop, with one warning.
     """
 
     def __init__(self, run_dir: Path | None):
@@ -108,7 +111,8 @@ class TensorBoard:
                   "jobrun made", file=sys.stderr, flush=True)
             return
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        _quiet_writer_threads()
+        self._writer(SummaryWriter, log_dir=str(log_dir))
 
     def write(self, task: str, step: int, values: dict[str, Any]) -> None:
         if self.writer is not None:
@@ -131,8 +135,8 @@ class TensorBoard:
                 and r.step >= step for s in _scalars(r.task, r.step, r.values, r.time or time.time())]
         with self.writing:
             self._flush_now()  # before the purge: the run's own values at later steps are in `kept`
-            self.writer.close()
-            self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step)
+            if self.writer is not None and self._writer(self.writer.close):
+                self._writer(SummaryWriter, log_dir=str(self.log_dir), purge_step=step)
         with self.lock:
             self.pending[:0] = kept
         self._add([])
@@ -156,7 +160,27 @@ class TensorBoard:
         with self.lock:
             scalars, self.pending = self.pending, []
         for tag, value, step, wall in scalars:
-            self.writer.add_scalar(tag, value, global_step=step, walltime=wall)
+            if self.writer is None or not self._writer(self.writer.add_scalar, tag, value,
+                                                       global_step=step, walltime=wall):
+                return
+
+    def _writer(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """``call(*args, **kwargs)``, a method of the writer or SummaryWriter (what it
+        returns is the writer from now on); when it cannot write, warn and write no more.
+        False: it could not."""
+        try:
+            made = call(*args, **kwargs)
+            if _thread_failed:  # a write it queued, which its thread failed to make
+                raise _thread_failed.pop()
+        except OSError as e:
+            _thread_failed.clear()
+            print(f"warning: cannot write TensorBoard scalars in {self.log_dir} ({e.strerror or e}); "
+                  "no more are written, training goes on", file=sys.stderr, flush=True)
+            self.writer = None
+            return False
+        if made is not None:
+            self.writer = made
+        return True
 
     def close(self) -> None:
         if self.writer is None:
@@ -165,7 +189,29 @@ class TensorBoard:
         if self.thread is not None:
             self.thread.join()
         self._flush()
-        self.writer.close()
+        if self.writer is not None:
+            self._writer(self.writer.close)
+
+
+_thread_failed: list[OSError] = []  # what tensorboard's writer thread ended on, for TensorBoard._writer
+
+
+def _quiet_writer_threads() -> None:
+    """tensorboard's writer thread ends on an OSError (a full disk) by raising it, which
+    threading.excepthook would print as a traceback: TensorBoard._writer warns instead,
+    in the thread that writes next (its writer raises it again), or at close."""
+    default = threading.excepthook
+    if getattr(default, "jobrun_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            _thread_failed.append(args.exc_value)
+        else:
+            default(args)
+
+    hook.jobrun_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _scalars(task: str, step: int, values: dict[str, Any], wall: float) -> list[tuple[str, Any, int, float]]:
