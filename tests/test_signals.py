@@ -130,6 +130,40 @@ def test_a_signal_after_checkpoint_0_offers_resume_with_the_run_dir(tmp_path):
     assert f"jobrun resume {run}" in out + err
 
 
+def test_a_signal_before_a_resume_restored_its_checkpoint_offers_that_resume_again(tmp_path):
+    """`resume --epoch 1 max_epochs=3` stopped in its init left the run as it was (finished
+    at epoch 2): the `jobrun resume RUN` it offered said 'already finished; nothing to do'.
+    It offers the same resume again, which goes back as asked."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SLOW_INIT.replace('{fn: "jobrun_test_helpers:sleep", seconds: 60}',
+                                      '{fn: "jobrun_test_helpers:wait_while", path: "${run_dir}/../hold"}'))
+    run = tmp_path / "run"
+    assert subprocess.run([sys.executable, "-m", "jobrun", "train", str(plan), "--run-dir", str(run)],
+                          capture_output=True, timeout=HANG_S).returncode == 0
+    def records():  # the checkpoints, run.json, plan.yaml, metrics.jsonl (console.log tells of the try)
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name in (
+            "run.json", "plan.yaml", "metrics.jsonl", "MANIFEST.json", "COMMIT", "values.json", "tensors.safetensors")}
+
+    saved = records()
+    (tmp_path / "init-started").unlink()
+    (tmp_path / "hold").touch()
+    p = _start(["resume", "run", "--epoch", "1", "max_epochs=3"], tmp_path)
+    deadline = time.monotonic() + HANG_S
+    while not (tmp_path / "init-started").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=HANG_S)
+    assert p.returncode == 130 and "Traceback" not in err, (out, err)
+    assert "hint: continue with `jobrun resume run max_epochs=3 --epoch 1`" in err, err
+    assert records() == saved and len(saved) > 8
+    (tmp_path / "hold").unlink()
+    r = subprocess.run([sys.executable, "-m", "jobrun", "resume", "run", "max_epochs=3", "--epoch", "1"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0 and "resumed from checkpoint epoch 1" in r.stdout + r.stderr, r.stderr
+    assert json.loads((run / "run.json").read_text())["last_epoch"] == 3
+
+
 def test_a_worker_whose_launcher_is_gone_after_its_job_leaves(tmp_path):
     """torch's wrapper of a spawned rank waits, without a timeout, for its launcher once
     the job is done: a launcher killed then left its ranks waiting for good. A rank that

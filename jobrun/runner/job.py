@@ -240,6 +240,8 @@ class JobRunner(Checkpoints):
             return Interrupted(signum, hint="this plan writes no checkpoints: train it again", why=why)
         if not self._resumable:
             return Interrupted(signum, during=self.group, why=why)
+        if self._unrecorded and hints.acting() is not None:  # the run is as it was: this resume again
+            return Interrupted(signum, hint=f"continue with `{hints.resume_again()}`", why=why)
         return Interrupted(signum, hint=f"continue with `{hints.command('resume', run=self.run_dir.path)}`", why=why)
 
     def _start(self) -> bool:
