@@ -642,7 +642,7 @@ def test_unwritable_checkpoint_dir_warns_and_training_goes_on(tmp_path, monkeypa
     # starts; one that becomes unwritable later (a disk gone) is this: every save fails.
     from jobrun.runner import rundir
 
-    monkeypatch.setattr(rundir, "_check_checkpoint_dir", lambda checkpoint_dir: None)
+    monkeypatch.setattr(rundir, "_check_checkpoint_dir", lambda checkpoint_dir, outside: None)
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where a directory should be")
     plan = tmp_path / "plan.yaml"

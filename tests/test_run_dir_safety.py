@@ -567,3 +567,26 @@ def test_a_checkpoint_dir_that_is_a_file_or_a_run_dir_too_long_is_refused_before
     assert not (tmp_path / "run").exists() and (tmp_path / "afile").read_text() == "user's\n"
     r = jobrun("train", plan, "--run-dir", tmp_path / ("r" * 300))
     assert r.code == 2 and "File name too long" in r.err and "Traceback" not in r.text, r.text
+
+
+def test_a_checkpoint_dir_outside_the_run_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    # A shared checkpoint.dir the user cannot write (another user's, or a read-only mount):
+    # the run trained to its end with a warning at every save, then failed "no checkpoint
+    # of it was saved".
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o555)
+    try:
+        try:  # root (with CAP_DAC_OVERRIDE) writes into any directory
+            (shared / "probe").touch()
+            pytest.skip("this process may write into a directory without write permission")
+        except PermissionError:
+            pass
+        r = jobrun("train", plan, "--run-dir", tmp_path / "run", f"checkpoint.dir={shared / 'ckpt'}")
+    finally:
+        shared.chmod(0o755)
+    assert r.code == 2 and "Traceback" not in r.text, r.text
+    assert f"checkpoint directory {shared / 'ckpt'} cannot be written: {shared} is not writable" in r.err
+    assert "set checkpoint.dir to a directory you can write" in r.err
+    assert not (tmp_path / "run").exists() and list(shared.iterdir()) == []

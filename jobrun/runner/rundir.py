@@ -309,7 +309,7 @@ class RunDir:
                     hint="jobrun only writes into a new or empty directory: choose another --run-dir",
                 )
         if checkpoint_dir is not None:
-            _check_checkpoint_dir(checkpoint_dir)
+            _check_checkpoint_dir(checkpoint_dir, outside=not _inside(checkpoint_dir, self.path))
         if checkpoint_dir is not None and not _inside(checkpoint_dir, self.path) \
                 and (who := holder(checkpoint_dir / LOCK_FILE)):
             raise _checkpoints_busy(checkpoint_dir, who)  # before "holds checkpoints": the cause
@@ -426,9 +426,10 @@ class RunDir:
         return list(metrics_records(path, data))
 
 
-def _check_checkpoint_dir(checkpoint_dir: Path) -> None:
-    """Refuse a checkpoint directory that cannot be one (a file, or under a file): the
-    run trained to its end with every save failing, and said "last checkpoint epoch 0"."""
+def _check_checkpoint_dir(checkpoint_dir: Path, outside: bool) -> None:
+    """Refuse a checkpoint directory that cannot be one (a file, or under a file; one
+    ``outside`` the run that cannot be written): the run trained to its end with every
+    save failing, and said "last checkpoint epoch 0"."""
     for p in (checkpoint_dir, *checkpoint_dir.parents):
         try:
             st = os.stat(p)
@@ -440,6 +441,10 @@ def _check_checkpoint_dir(checkpoint_dir: Path) -> None:
         if not stat.S_ISDIR(st.st_mode):
             raise UsageError(f"checkpoint directory {checkpoint_dir} cannot be made: {p} is a file",
                              hint="set checkpoint.dir to a directory (--set checkpoint.dir=DIR)")
+        if outside and not os.access(p, os.W_OK | os.X_OK):
+            why = "is on a read-only file system" if os.statvfs(p).f_flag & os.ST_RDONLY else "is not writable"
+            raise UsageError(f"checkpoint directory {checkpoint_dir} cannot be written: {p} {why}",
+                             hint="set checkpoint.dir to a directory you can write (--set checkpoint.dir=DIR)")
         return
 
 
