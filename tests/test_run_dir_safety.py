@@ -569,7 +569,7 @@ def test_a_checkpoint_dir_that_is_a_file_or_a_run_dir_too_long_is_refused_before
     assert r.code == 2 and "File name too long" in r.err and "Traceback" not in r.text, r.text
 
 
-def test_a_checkpoint_dir_outside_the_run_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+def test_a_checkpoint_dir_outside_the_run_that_cannot_be_written_is_refused_before_train_or_resume(tmp_path):
     # A shared checkpoint.dir the user cannot write (another user's, or a read-only mount):
     # the run trained to its end with a warning at every save, then failed "no checkpoint
     # of it was saved".
@@ -590,3 +590,14 @@ def test_a_checkpoint_dir_outside_the_run_that_cannot_be_written_is_refused_befo
     assert f"checkpoint directory {shared / 'ckpt'} cannot be written: {shared} is not writable" in r.err
     assert "set checkpoint.dir to a directory you can write" in r.err
     assert not (tmp_path / "run").exists() and list(shared.iterdir()) == []
+    # A resume whose checkpoint directory became read-only since: the same, nothing changed.
+    assert jobrun("train", plan, "--run-dir", tmp_path / "run", f"checkpoint.dir={shared / 'ckpt'}").code == 0
+    before = _snapshot(tmp_path)
+    (shared / "ckpt").chmod(0o555)
+    try:
+        r = jobrun("resume", tmp_path / "run", "max_epochs=4")
+    finally:
+        (shared / "ckpt").chmod(0o755)
+    assert r.code == 2 and "Traceback" not in r.text, r.text
+    assert f"checkpoint directory {shared / 'ckpt'} cannot be written: {shared / 'ckpt'} is not writable" in r.err
+    assert _snapshot(tmp_path) == before

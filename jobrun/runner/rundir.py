@@ -397,6 +397,7 @@ class RunDir:
         if checkpoint_dir is None or _inside(checkpoint_dir, self.path):
             yield
             return
+        _check_checkpoint_dir(checkpoint_dir, outside=True)  # a resume's, made read-only since
         me = f"run {self.path.resolve()} (pid {os.getpid()})"
         with hold_dir_lock(checkpoint_dir / LOCK_FILE, me, lambda who: _checkpoints_busy(checkpoint_dir, who)):
             yield
