@@ -569,20 +569,56 @@ def test_a_checkpoint_dir_that_is_a_file_or_a_run_dir_too_long_is_refused_before
     assert r.code == 2 and "File name too long" in r.err and "Traceback" not in r.text, r.text
 
 
+def _unwritable_dirs_are_unwritable(tmp_path: Path) -> None:
+    """Skip the test where this process writes into any directory (root with CAP_DAC_OVERRIDE)."""
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o555)
+    try:
+        (probe / "f").touch()
+    except PermissionError:
+        return
+    finally:
+        probe.chmod(0o755)
+        shutil.rmtree(probe)
+    pytest.skip("this process may write into a directory without write permission")
+
+
+@pytest.mark.parametrize("what", ["local.2/rank-0", "local.2"])
+def test_an_epoch_directory_made_unreadable_is_an_invalid_epoch_not_a_traceback(trained, what):
+    # chmod 000 on a rank directory: ckpt list, show, verify, export and resume ended in
+    # pathlib's PermissionError traceback (Path.exists raises it).
+    plan, run = trained
+    _unwritable_dirs_are_unwritable(run.parent)
+    locked = run / "ckpt" / what
+    before = _snapshot(run)
+    locked.chmod(0)
+    try:
+        listed = jobrun("ckpt", "list", run)
+        verified = jobrun("ckpt", "verify", run)
+        shown = jobrun("ckpt", "show", run, "--blob", "total")
+        resumed = jobrun("resume", run, "max_epochs=3")
+    finally:
+        locked.chmod(0o755)
+    for r in (listed, verified, shown, resumed):
+        _no_traceback(r)
+    assert listed.code == 0 and f"INVALID: cannot read {locked}: Permission denied" in listed.out, listed.text
+    assert verified.code == 1 and f"DAMAGED: cannot read {locked}: Permission denied" in verified.out
+    assert shown.code == 0 and "epoch 1" in shown.out and "total = 1" in shown.out, shown.text
+    assert resumed.code == 0 and "resumed from checkpoint epoch 1" in resumed.text, resumed.text
+    after = _snapshot(run)
+    assert all(after.get(k) == v for k, v in before.items() if k.startswith(f"ckpt/{what}")), "kept"
+
+
 def test_a_checkpoint_dir_outside_the_run_that_cannot_be_written_is_refused_before_train_or_resume(tmp_path):
     # A shared checkpoint.dir the user cannot write (another user's, or a read-only mount):
     # the run trained to its end with a warning at every save, then failed "no checkpoint
     # of it was saved".
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
+    _unwritable_dirs_are_unwritable(tmp_path)
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o555)
     try:
-        try:  # root (with CAP_DAC_OVERRIDE) writes into any directory
-            (shared / "probe").touch()
-            pytest.skip("this process may write into a directory without write permission")
-        except PermissionError:
-            pass
         r = jobrun("train", plan, "--run-dir", tmp_path / "run", f"checkpoint.dir={shared / 'ckpt'}")
     finally:
         shared.chmod(0o755)

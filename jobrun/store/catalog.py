@@ -79,6 +79,10 @@ def _node_problems(
     the problems name the missing ranks too."""
     ranks = ranks_in(edir)
     if not ranks:
+        try:
+            os.listdir(edir)
+        except OSError as e:  # a directory made unreadable (chmod)
+            return [], None, [f"cannot read {edir}: {e.strerror or e}"], []
         return [], None, [f"{edir}: no rank was saved"], []
     loose = [m for r in ranks if (m := manifest_of(edir / f"rank-{r}")) is not None]
     sizes = {s for m in loose if type(s := m.get("world_size")) is int and s > 0}

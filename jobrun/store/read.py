@@ -108,10 +108,14 @@ def check_commit(
     rdir: Path, node: str | None = None, epoch: int | None = None, rank: int | None = None
 ) -> dict[str, Any]:
     """The manifest of a rank directory once COMMIT vouches for it; raises otherwise."""
-    if not (rdir / COMMIT_FILE).exists():
+    try:
+        os.stat(rdir / COMMIT_FILE)
+    except (FileNotFoundError, NotADirectoryError):
         if not rdir.is_dir():
             problem(f"{rdir} is missing")
         problem(f"{rdir}: incomplete save: no {COMMIT_FILE} marker (the save was interrupted)")
+    except OSError as e:  # a directory made unreadable (chmod)
+        problem(f"cannot read {rdir}: {e.strerror or e}")
     _, commit = _read_json(rdir / COMMIT_FILE, "commit marker")
     raw, manifest = _read_json(rdir / MANIFEST_FILE, "manifest")
     try:
