@@ -609,6 +609,25 @@ def test_an_epoch_directory_made_unreadable_is_an_invalid_epoch_not_a_traceback(
     assert all(after.get(k) == v for k, v in before.items() if k.startswith(f"ckpt/{what}")), "kept"
 
 
+def test_runs_lists_a_run_directory_made_unreadable_as_damaged(trained, monkeypatch):
+    # `jobrun runs` ended in pathlib's PermissionError traceback for one run it could not
+    # look into, and listed none of the others.
+    plan, run = trained
+    _unwritable_dirs_are_unwritable(run.parent)
+    other = run.parent / "other"
+    shutil.copytree(run, other)
+    monkeypatch.chdir(run.parent)
+    run.chmod(0)
+    try:
+        r = jobrun("runs", ".")
+    finally:
+        run.chmod(0o755)
+    _no_traceback(r)
+    assert r.code == 0, r.text
+    rows = {line.split()[0]: line.split()[2] for line in r.out.splitlines()[1:]}
+    assert rows == {"run": "damaged", "other": "finished"}, r.out
+
+
 def test_a_checkpoint_dir_outside_the_run_that_cannot_be_written_is_refused_before_train_or_resume(tmp_path):
     # A shared checkpoint.dir the user cannot write (another user's, or a read-only mount):
     # the run trained to its end with a warning at every save, then failed "no checkpoint

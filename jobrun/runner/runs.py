@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,17 +63,28 @@ def find_runs(root: Path = ROOT, damaged: bool = False) -> list[RunDir]:
         try:
             started = float(run.info().started or 0)
         except (JobrunError, TypeError, ValueError):
-            if not (damaged and (path / RUN_FILE).is_file()):
+            if not (damaged and _may_hold_run(path)):
                 continue
             started = -1.0
         found.append((started, str(path), run))
     return [run for _, _, run in sorted(found, key=lambda t: (t[0], t[1]))]
 
 
+def _may_hold_run(path: Path) -> bool:
+    """Whether ``path`` holds a run.json, or one it cannot tell of (a directory made
+    unreadable: listed as damaged, not a traceback from pathlib)."""
+    try:
+        return stat.S_ISREG(os.stat(path / RUN_FILE).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+
+
 def _candidates(root: Path) -> list[Path]:
     """``root`` when it is a run (`jobrun runs runs/mnist`), else the directories one or
     two levels under it (runs/<job>/<N>, and runs/<name> of `--run-dir runs/<name>`)."""
-    if (root / RUN_FILE).is_file():
+    if _may_hold_run(root):
         return [root]
     out = []
     for first in sorted(_names(root)):
