@@ -164,6 +164,31 @@ def test_a_signal_before_a_resume_restored_its_checkpoint_offers_that_resume_aga
     assert json.loads((run / "run.json").read_text())["last_epoch"] == 3
 
 
+def test_a_signal_as_run_json_says_running_leaves_the_run_interrupted_not_died(tmp_path):
+    """Ctrl-C just after `train` wrote run.json (before the job runner's handler took
+    over) stopped it 'interrupted during start-up' and left run.json 'running': `jobrun
+    runs` called the run died, as if it had been killed without a word."""
+    run = tmp_path / "run"
+    p = _start(["train", str(PLAN), "--run-dir", str(run)], tmp_path)
+    deadline = time.monotonic() + HANG_S
+    while p.poll() is None:
+        assert time.monotonic() < deadline
+        try:
+            if json.loads((run / "run.json").read_text())["status"] == "running":
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.001)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=HANG_S)
+    assert p.returncode == 130 and "Traceback" not in err, (out, err)
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "interrupted" and "SIGINT" in info["error"], (info, err)
+    listed = subprocess.run([sys.executable, "-m", "jobrun", "runs", str(run)], capture_output=True,
+                            text=True, timeout=HANG_S)
+    assert " interrupted " in listed.stdout and " died " not in listed.stdout, listed.stdout
+
+
 def test_a_worker_whose_launcher_is_gone_after_its_job_leaves(tmp_path):
     """torch's wrapper of a spawned rank waits, without a timeout, for its launcher once
     the job is done: a launcher killed then left its ranks waiting for good. A rank that

@@ -17,14 +17,15 @@ import hashlib
 import os
 import sys
 import time
-from contextlib import ExitStack, suppress
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from jobrun import __version__, hints, signals, store
-from jobrun.errors import CheckpointError, PlanError, UsageError
+from jobrun.errors import CheckpointError, Interrupted, PlanError, UsageError
 from jobrun.plans import collectives, inputs, ir
 from jobrun.plans.compile import compile_tree
 from jobrun.plans.keys import NODE_NAME
@@ -82,9 +83,10 @@ def train(plan_path: str, run_dir: str | None, sets: tuple[str, ...], replicas: 
         run.check_can_train(run.checkpoints, overwrite)
         if overwrite:
             run.clear(keep=src)
-        run.start(yaml.safe_dump(stored, sort_keys=False), new_run_info(plan, src, sets, launch))
-        to_console_log(run, said)  # what was said before console.log was there
-        return start(launch, False, plan)
+        with _stop_recorded(run):
+            run.start(yaml.safe_dump(stored, sort_keys=False), new_run_info(plan, src, sets, launch))
+            to_console_log(run, said)  # what was said before console.log was there
+            return start(launch, False, plan)
 
 
 def to_console_log(run: RunDir, lines: list[str]) -> None:
@@ -391,8 +393,22 @@ def _start_again(run: RunDir, launch: Launch, plan: ir.Plan, said: list[str]) ->
     to_console_log(run, said)
     run.truncate_metrics(-1)  # what its init logged: logged again
     record = {k: v for k, v in run.info().record.items() if k != "ended"}
-    run.write_info({**record, "status": "running", "started": time.time(), "error": None, "error_at": None})
-    return start(launch, False, plan)
+    with _stop_recorded(run):
+        run.write_info({**record, "status": "running", "started": time.time(), "error": None, "error_at": None})
+        return start(launch, False, plan)
+
+
+@contextmanager
+def _stop_recorded(run: RunDir) -> Iterator[None]:
+    """Around writing run.json's `running` and starting the job: a signal before the job
+    runner records how the run ends (its handler not installed yet) leaves the run
+    interrupted, not running, which `jobrun runs` would call died."""
+    try:
+        yield
+    except Interrupted as e:
+        if run.info_file.exists():
+            run.record_end("interrupted", e, keep_ended=True)
+        raise
 
 
 def _train_again(run: RunDir, info: RunInfo, sets: tuple[str, ...]) -> str | None:
