@@ -37,6 +37,13 @@ class _Group(click.Group):
         finally:
             signals.end_start_up()
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name = args[0] if args else ""
+        if name not in self.commands and name.endswith((".yaml", ".yml")):  # `jobrun plan.yaml`
+            raise click.UsageError(f"No such command {name!r}: the command comes first, then the plan, "
+                                   f"e.g. `{hints.train_again(name, ())}` (or print, analyze)", ctx)
+        return super().resolve_command(ctx, args)
+
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="jobrun")

@@ -101,6 +101,13 @@ def test_resume_refuses_a_bad_override_or_run_before_torch(here):
     assert code == 2 and not imported and "there is no run in runs/counter/9" in err
 
 
+def test_a_plan_given_before_its_command_is_pointed_at_train(here):
+    code, err, imported = _train_without_torch(here, "max_epochs=3", command="plan.yaml")
+    assert code == 2 and not imported and "Traceback" not in err
+    assert "No such command 'plan.yaml': the command comes first, then the plan, e.g. " \
+           "`jobrun train plan.yaml`" in err, err
+
+
 def test_resume_given_the_plan_file_says_it_is_no_run_directory_and_how_to_train_it(here):
     code, err, imported = _train_without_torch(here, "plan.yaml", "max_epochs=3", command="resume")
     assert code == 2 and not imported and "Traceback" not in err
