@@ -102,6 +102,15 @@ def test_target_and_the_default_still_work():
          "groups[0]: names pattern 'bias' matches no parameter", "names like it: ln.bias, fc.bias"),
         ({"class": "AdamW", "groups": [{"names": ["*.bias", "*LN.weight"], "weight_decay": 0.0}]},
          "names pattern '*LN.weight' matches no parameter", "case and all"),
+        # a specific rule after a broader one: every parameter it selects went to the
+        # broader rule, and its lr applied to nothing, without a word
+        ({"class": "AdamW", "groups": [{"ndim_below": 2, "weight_decay": 0.0}, {"names": ["ln.*"], "lr": 0.5}]},
+         "groups[1] gets no parameter: all 2 it selects (ln.weight, ln.bias) went to groups[0]",
+         "put the more specific rule first (groups[1] before groups[0])"),
+        ({"class": "AdamW", "groups": [{"names": ["*.bias"]}, {"names": ["ln.*"]}, {"names": ["ln.bias"], "lr": 0.5}]},
+         "groups[2] gets no parameter: all 1 it selects (ln.bias) went to groups[0]", "remove groups[2]"),
+        ({"class": "AdamW", "groups": [{"names": ["ln.*"]}, {"names": ["*.bias"]}, {"ndim_below": 2, "lr": 0.5}]},
+         "went to groups[0] and groups[1], earlier rules that select them too", "(groups[2] before groups[0])"),
     ],
 )
 def test_bad_optimizer_arguments_are_one_clear_error(kwargs, message, hint):

@@ -6,7 +6,9 @@ puts the parameters with fewer than 2 dimensions (biases, norms' weights) in a g
 without weight decay, as transformer recipes do (nanoGPT's configure_optimizers). The
 order is nanoGPT's: first the parameters that no rule selects (with the optimizer's own
 options), then one group per rule, each in ``model.parameters()`` order; a parameter
-belongs to the first rule that selects it; empty groups are left out.
+belongs to the first rule that selects it; a rule that selects no parameter makes no
+group, and one whose parameters all went to earlier rules is an error (its options would
+apply to nothing).
 """
 
 from __future__ import annotations
@@ -59,9 +61,21 @@ def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[
                                     + (f"; names like it: {', '.join(close)}" if close else
                                        f"; the model's: {', '.join(named[:4])}{', ...' if len(named) > 4 else ''}"))
     chosen: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+    owner: dict[str, int] = {}  # parameter name -> the number of the rule it went to
     for name, p in params:
         k = next((i + 1 for i, (select, _) in enumerate(rules) if select(name, p)), 0)
         chosen[k].append(p)
+        owner[name] = k - 1
+    for i, (select, _) in enumerate(rules):  # a rule after a broader one set its options on nothing
+        taken = [n for n, p in params if select(n, p)] if not chosen[i + 1] else []
+        if taken:
+            earlier = sorted({owner[n] for n in taken})
+            by = " and ".join(f"groups[{j}]" for j in earlier)
+            raise RunError(f"optimizer: groups[{i}] gets no parameter: all {len(taken)} it selects "
+                           f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) went to {by}, "
+                           f"earlier rule{'s' if len(earlier) > 1 else ''} that select{'' if len(earlier) > 1 else 's'} them too",
+                           hint="a parameter goes to the first rule that selects it: put the more specific "
+                                f"rule first (groups[{i}] before groups[{earlier[0]}]), or remove groups[{i}]")
     out = [{"params": chosen[0]}] if chosen[0] else []
     out += [{"params": ps, **opts} for ps, (_, opts) in zip(chosen[1:], rules) if ps]
     return out
