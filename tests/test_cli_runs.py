@@ -675,6 +675,31 @@ def test_an_optimizer_key_its_class_would_refuse_or_misread_is_refused_before_th
         assert "did you mean 'momentum'?" in r.err
 
 
+@pytest.mark.parametrize("rule, said, hint", [
+    ("{names: [fc.*], learning_rate: 0.01}", "groups[1]: 'learning_rate' is neither a selector nor an option of AdamW",
+     "did you mean 'lr'?"),
+    ("{names: [fc.*], weight_decy: 0.0}", "groups[1]: 'weight_decy' is neither", "did you mean 'weight_decay'?"),
+    # the options a rule may set are the constructor's, less `params`, which a rule cannot set
+    ("{names: [fc.*], params: []}", "groups[1]: 'params' is neither", "options of AdamW: amsgrad, betas, capturable,"),
+])
+def test_a_groups_rule_option_the_optimizer_does_not_take_is_refused_before_the_run(tmp_path, rule, said, hint):
+    """A misspelt option in a group rule (`learning_rate:`) failed only in init, after the
+    run directory was made, while the optimizer's own keys were checked before the run."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "job: groups\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
+        "      - model.mlp: {out: model, sizes: [2, 1]}\n"
+        "      - optimizer:\n          in: model\n          out: opt\n          class: AdamW\n"
+        f"          groups:\n            - {{ndim_below: 2, weight_decay: 0.0}}\n            - {rule}\n"
+        "epoch:\n  - task: go\n    do: []\n")
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    key = rule.split(", ")[1].split(":")[0]
+    col = plan.read_text().splitlines()[12].index(key) + 1
+    assert r.code == 2 and "Traceback" not in r.err, r.text
+    assert f"{plan}:13:{col}: error: optimizer: {said}" in r.err and hint in r.err, r.err
+    assert "params" not in r.err.split("hint:")[1] and not (tmp_path / "run").exists()
+
+
 def test_a_key_a_torch_scheduler_does_not_take_is_refused_before_the_run_with_a_did_you_mean(tmp_path):
     """StepLR's `step_sise` failed in init, after the run directory was made, with only
     "check the arguments given in the plan against its signature"."""

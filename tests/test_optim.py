@@ -85,6 +85,20 @@ def test_target_and_the_default_still_work():
     assert type(opt) is torch.optim.Adam and len(opt.param_groups) == 1
 
 
+def test_a_rules_options_are_its_optimizers_constructors_less_params():
+    """The options a rule may set, also in the list an unknown one is answered with: Adam's
+    decoupled_weight_decay, not `params` (a rule cannot set it); LBFGS takes no weight_decay."""
+    from jobrun.ops import optim
+
+    assert "decoupled_weight_decay" in optim.group_options(torch.optim.Adam)
+    assert "params" not in optim.group_options(torch.optim.AdamW)
+    assert "lr" in optim.group_options(torch.optim.LBFGS) and "weight_decay" not in optim.group_options(torch.optim.LBFGS)
+    with pytest.raises(RunError) as info:
+        models.optimizer(OpContext(), Tied(), **{"class": "LBFGS"}, groups=[{"ndim_below": 2, "weight_decay": 0.0}])
+    assert "'weight_decay' is neither a selector nor an option of LBFGS" in info.value.message
+    assert "options of LBFGS: history_size, line_search_fn, lr, max_eval, max_iter," in info.value.hint
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message", "hint"),
     [

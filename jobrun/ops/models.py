@@ -168,8 +168,7 @@ def optimizer(ctx: OpContext, model: Any, *, target: str | None = None,
     params = model.parameters() if isinstance(model, nn.Module) else model
     if groups is not None:
         cls = resolve(path, "optimizer", "class")
-        options = set(inspect.signature(cls).parameters) | {"lr", "weight_decay"}
-        params = optim.param_groups(model, groups, options)
+        params = optim.param_groups(model, groups, cls)
     return _instantiate("optimizer", path, [], kwargs, leading=(params,))
 
 

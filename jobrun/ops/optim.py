@@ -23,6 +23,9 @@ from jobrun.errors import RunError, a_type, did_you_mean
 
 # How a rule selects parameters; its other keys are the group's options (lr, weight_decay...).
 SELECTORS = ("ndim_below", "ndim_at_least", "names")
+# Other libraries' names of an option, too far from torch's for a "did you mean"
+# (Hugging Face's TrainingArguments and Keras say learning_rate).
+ALIASES = {"learning_rate": "lr"}
 
 
 def optimizer_class(name: str | None, target: str | None) -> str:
@@ -42,14 +45,28 @@ def optimizer_class(name: str | None, target: str | None) -> str:
     return f"torch.optim.{name}"
 
 
-def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[str, Any]]:
-    """The parameter groups `groups` describes, for an optimizer whose options are `options`."""
+def group_options(cls: Any) -> set[str] | None:
+    """The options a group rule may set: the keywords the optimizer's constructor takes,
+    less `params` (the rule's parameters); None when it takes any (``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)} - {"params", "self"}
+
+
+def param_groups(model: Any, groups: list[Any], cls: Any) -> list[dict[str, Any]]:
+    """The parameter groups `groups` describes, for the optimizer class ``cls``."""
     if not isinstance(model, nn.Module):
         raise RunError(f"optimizer: groups need a model (an nn.Module), got {a_type(model)}")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise RunError("optimizer: `groups` is a list of rules",
-                       hint="groups: [{ndim_below: 2, weight_decay: 0.0}]")
-    rules = [_rule(i, g, options) for i, g in enumerate(groups)]
+    fault = rules_fault(groups, group_options(cls), getattr(cls, "__name__", "the optimizer"))
+    if fault is not None:
+        raise fault[2]
+    rules = [_rule(g) for g in groups]
     params = list(model.named_parameters())  # shared parameters once, in parameters() order
     named = [n for n, _ in params]
     for i, g in enumerate(groups):  # a pattern matching nothing put its options nowhere, silently
@@ -81,25 +98,43 @@ def param_groups(model: Any, groups: list[Any], options: set[str]) -> list[dict[
     return out
 
 
-def _rule(i: int, group: dict[str, Any], options: set[str]) -> tuple[Any, dict[str, Any]]:
-    where = f"optimizer: groups[{i}]"
-    selectors = {k: v for k, v in group.items() if k in SELECTORS}
+def rules_fault(groups: Any, options: set[str] | None, name: str) -> tuple[int | None, str | None, RunError] | None:
+    """What is wrong with the rules `groups`, short of the model they select from: the
+    number of the rule at fault (None: `groups` itself), the key at fault (None: the rule
+    as a whole) and the error. ``options``: group_options' for the optimizer class
+    ``name`` (None: any key). The run and
+    the check before it (jobrun.plans.inputs) both ask here."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return None, None, RunError("optimizer: `groups` is a list of rules",
+                                    hint="groups: [{ndim_below: 2, weight_decay: 0.0}]")
+    for i, group in enumerate(groups):
+        where = f"optimizer: groups[{i}]"
+        if not any(k in SELECTORS for k in group):
+            return i, None, RunError(f"{where} selects no parameters",
+                                     hint=f"give one of {', '.join(SELECTORS)}, e.g. ndim_below: 2")
+        for key in group:
+            if key not in SELECTORS and options is not None and key not in options:
+                known = sorted(options)
+                alias = ALIASES.get(key)
+                return i, key, RunError(
+                    f"{where}: {key!r} is neither a selector nor an option of {name}",
+                    hint=(f"did you mean {alias!r}?" if alias in options else did_you_mean(key, [*SELECTORS, *known]))
+                    or f"selectors: {', '.join(SELECTORS)}; options of {name}: {', '.join(known)}")
+        for key in ("ndim_below", "ndim_at_least"):
+            value = group.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                return i, key, RunError(f"{where}: {key} is a number of dimensions, got {value!r}")
+        names = group.get("names")
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            return i, "names", RunError(f"{where}: names is a list of patterns, got {names!r}",
+                                        hint='names: ["*.bias", "*norm*"] (shell patterns on parameter names)')
+    return None
+
+
+def _rule(group: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A rule rules_fault found nothing wrong with: its selection and its options."""
     opts = {k: v for k, v in group.items() if k not in SELECTORS}
-    if not selectors:
-        raise RunError(f"{where} selects no parameters",
-                       hint=f"give one of {', '.join(SELECTORS)}, e.g. ndim_below: 2")
-    for key in opts:
-        if key not in options or key == "params":
-            raise RunError(f"{where}: {key!r} is neither a selector nor an option of the optimizer",
-                           hint=did_you_mean(key, [*SELECTORS, *sorted(options - {'params'})])
-                           or f"selectors: {', '.join(SELECTORS)}; options: {', '.join(sorted(options))}")
-    below, least, names = (selectors.get(k) for k in SELECTORS)
-    for key, value in (("ndim_below", below), ("ndim_at_least", least)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RunError(f"{where}: {key} is a number of dimensions, got {value!r}")
-    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-        raise RunError(f"{where}: names is a list of patterns, got {names!r}",
-                       hint='names: ["*.bias", "*norm*"] (shell patterns on parameter names)')
+    below, least, names = (group.get(k) for k in SELECTORS)
 
     def select(name: str, p: torch.Tensor) -> bool:
         return ((below is None or p.dim() < below) and (least is None or p.dim() >= least)

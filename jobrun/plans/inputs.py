@@ -211,6 +211,32 @@ def _check_constructor_args(step: ir.OpCall) -> None:
         numbers = value if isinstance(value, list | tuple) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):  # an lr of .inf: NaN weights
             raise PlanError(f"{step.op}: {key} must be finite, got {value!r}", step.pos_of(key))
+    if step.op == "optimizer" and "groups" in step.kwargs:
+        _check_groups(step, path)
+
+
+def _check_groups(step: ir.OpCall, path: str) -> None:
+    """`groups`' rules as the run checks them, short of the model: a rule's misspelt
+    option (`learning_rate`) failed in init, after the run directory was made."""
+    from jobrun.ops.imports import resolve
+    from jobrun.ops.optim import group_options, rules_fault
+
+    try:
+        cls = resolve(path, step.op, "class")
+    except RunError:
+        return  # refused by check_code, or left to the run
+    groups = step.kwargs["groups"]
+    fault = rules_fault(groups, group_options(cls), getattr(cls, "__name__", path))
+    if fault is None:
+        return
+    i, key, error = fault
+    rule = groups[i] if i is not None else None
+    pos = step.pos_of("groups")
+    if i is not None and hasattr(groups, "at"):
+        pos = groups.at(i)
+    if key is not None and hasattr(rule, "key_at"):
+        pos = rule.key_at(key)
+    raise PlanError(error.message, pos, error.hint)
 
 
 # The keys of an op that are its own, not keyword arguments of the code it calls.
