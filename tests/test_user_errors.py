@@ -47,6 +47,13 @@ class Net:
     def __init__(self, width):
         if width < 0:
             raise ValueError(f"width {width} < 0")
+
+
+class Loaded:
+    def __init__(self):
+        import torch
+
+        torch.nn.Linear(2, 3).load_state_dict(torch.nn.Linear(2, 4).state_dict())
 """
 
 PLAN = """\
@@ -107,13 +114,29 @@ def test_an_exception_whose_text_fails_or_is_huge_is_still_one_short_message(tmp
     assert len(info["error"]) < 6000
 
 
-def test_a_built_class_that_raises_shows_its_frames_and_the_ops_hint(tmp_path):
+def test_a_built_class_that_raises_is_reported_as_a_called_function_is(tmp_path):
+    """A constructor that raised (a pretrained checkpoint's load_state_dict, shapes that do
+    not fit) was said twice, in the op's line and at the end of the trace, with the hint
+    "check the arguments given in the plan against its signature", which points away from
+    the user's code at fault: it is now said as a `call`'s failure is, the hint kept for
+    arguments that do not bind."""
     r, info = _train(tmp_path, "user_net", 'build: {target: "MOD:Net", args: [-1], out: net}')
     assert r.code == 1
-    assert "op `build`" in r.err and "user_net:Net(...) failed: ValueError: width -1 < 0" in r.err
+    lines = _error_lines(r.err)
+    assert "op `build`" in lines[0] and lines[0].endswith("failed: ValueError: width -1 < 0 (in user_net.Net.__init__)")
     assert f'File "{tmp_path / "user_net.py"}", line 29, in __init__' in r.err
-    assert r.err.rstrip().splitlines()[-1].strip().startswith("hint: check the arguments")
+    assert lines[-1].strip() == "ValueError: width -1 < 0" and "hint:" not in r.err, r.err
     assert info["status"] == "failed"
+    r, info = _train(tmp_path, "user_load", 'build: {target: "MOD:Loaded", out: net}')
+    lines = _error_lines(r.err)
+    assert lines[0].endswith("failed: RuntimeError: Error(s) in loading state_dict for Linear: ... "
+                             "(in user_load.Loaded.__init__)"), r.err
+    assert r.err.count("size mismatch for weight") == 1 and "hint:" not in r.err, r.err
+    assert lines[-1].strip().startswith("size mismatch for bias") and info["status"] == "failed"
+    r, _ = _train(tmp_path, "user_bind", 'build: {target: "MOD:Net", out: net}')  # no width
+    assert r.code == 1 and "traceback of your code" not in r.err, r.err
+    assert "user_bind:Net(...) cannot take the arguments given: Net.__init__() missing 1 required" in r.err
+    assert r.err.rstrip().splitlines()[-1].strip().startswith("hint: check the arguments")
 
 
 def test_a_keyboard_interrupt_raised_by_user_code_records_interrupted(tmp_path):

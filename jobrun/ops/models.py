@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from jobrun import safedel, safefs
-from jobrun.errors import RunError, a_type, did_you_mean
+from jobrun.errors import RunError, a_type, did_you_mean, said
 from jobrun.ops import nested, optim
 from jobrun.ops.context import OpContext
 from jobrun.ops.data import as_tensor, require_int
@@ -99,13 +99,12 @@ def _instantiate(op: str, target: Any, args: Any, kwargs: dict[str, Any], leadin
     kwargs = _materialize(op, kwargs, optimizer, blobs)
     try:
         return fn(*args, **kwargs)
-    except RunError:
-        raise
-    except Exception as e:  # user-named code: its failure becomes one clear message
-        raise RunError(
-            f"{op}: {target}(...) failed: {type(e).__name__}: {e}",
-            hint="check the arguments given in the plan against its signature",
-        ) from e
+    except TypeError as e:
+        if e.__traceback__ is None or e.__traceback__.tb_next is not None:
+            raise  # raised inside the code: the run shows its traceback, as a `call`'s
+        # raised by the call itself: the arguments do not bind to the signature
+        raise RunError(f"{op}: {target}(...) cannot take the arguments given: {said(e)}",
+                       hint="check the arguments given in the plan against its signature") from e
 
 
 def build(ctx: OpContext, *inputs: Any, target: str, args: list | None = None,

@@ -82,9 +82,9 @@ def _op_error(message: str, pos: Any, hint: str | None, cause: BaseException) ->
     found = usertrace.of(cause)
     if found is not None:
         error.trace = found.text
-        if not isinstance(cause, JobrunError):  # the first line names the user's function
-            head, newline, rest = message.partition("\n")
-            error.message = f"{head} (in {found.function}){newline}{rest}"
+        if not isinstance(cause, JobrunError):  # names the user's function; the trace ends
+            head, newline, _rest = message.partition("\n")  # with all the text: said once
+            error.message = f"{head}{' ...' if newline else ''} (in {found.function})"
     return error
 
 
