@@ -66,7 +66,7 @@ def main(ctx: click.Context) -> None:
         # torch; until they write, a signal ends them at once (jobrun/signals.py).
         signals.exit_at_once()
     else:
-        signals.interruptible()
+        signals.interruptible(phase="")  # "interrupted (SIGINT)": there is no start-up to speak of
 
 
 _sets = click.option(

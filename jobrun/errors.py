@@ -135,13 +135,13 @@ class Interrupted(_Reported, BaseException):
         import signal
 
         name = signal.Signals(signum).name
-        if during:
-            super().__init__(f"interrupted during {during} ({why or name})", hint=None)
+        if during is not None:  # "": a command that runs no job
+            super().__init__(f"interrupted{f' during {during}' if during else ''} ({why or name})", hint=None)
         else:
             super().__init__(f"stopped: {why}" if why else f"stopped by {name}", hint=hint)
         self.signum = signum
         self.exit_code = 128 + signum
-        self._offer_resume = not during and hint is None
+        self._offer_resume = during is None and hint is None
 
     def format_message(self) -> str:
         if self._offer_resume and self.hint is None:

@@ -38,12 +38,13 @@ def _remember(signum: int, frame: Any) -> None:
 
 _finished: list[bool] = []  # the job of this command finished: a signal now comes while it closes
 CLOSING = "closing, after the job finished"
+_phase = ["start-up"]  # what a signal interrupts before a job runs ("": a command that runs none)
 
 
 def _raise(signum: int, frame: Any) -> None:
     from jobrun.errors import Interrupted
 
-    raise Interrupted(signum, during=CLOSING if _finished else "start-up")
+    raise Interrupted(signum, during=CLOSING if _finished else _phase[0])
 
 
 def _exit_now(signum: int, frame: Any) -> None:
@@ -64,6 +65,7 @@ def exit_at_once() -> None:
     """Until :func:`interruptible`: a signal ends the process at once (nothing is written
     yet); one that came while deferred ends it now."""
     _finished.clear()
+    _phase[0] = "start-up"
     if _swap((_remember, _raise), _exit_now) and _pending:
         _exit_now(_pending[0], None)
 
@@ -72,6 +74,7 @@ def end_start_up() -> None:
     """A command that stopped before :func:`interruptible` (a refused plan) leaves a
     signal raising Interrupted, not ending the process, for whatever runs next in this
     process (the tests invoke many commands in one)."""
+    _phase[0] = "start-up"
     _swap((_exit_now,), _raise)
 
 
@@ -90,8 +93,11 @@ def defer() -> None:
             signal.signal(s, _remember)
 
 
-def interruptible() -> None:
-    """From now on a signal raises Interrupted; one that came while deferred raises now."""
+def interruptible(phase: str = "start-up") -> None:
+    """From now on a signal raises Interrupted; one that came while deferred raises now.
+    ``phase``: what it interrupts until a job runs; "" for a command that runs no job
+    (`runs`, `ckpt verify`: "interrupted (SIGINT)", not "during start-up")."""
+    _phase[0] = phase
     if _swap((_remember, _exit_now), _raise) and _pending:
         _raise(_pending[0], None)
 

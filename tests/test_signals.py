@@ -537,3 +537,24 @@ def test_the_fork_server_of_the_ranks_stops_at_once():
     started = time.monotonic()
     forkserver.stop()
     assert time.monotonic() - started < 1.0
+
+
+def test_a_signal_to_a_command_that_runs_no_job_says_interrupted_not_during_start_up(tmp_path, monkeypatch):
+    """Ctrl-C during `jobrun runs` or `ckpt verify` (reading many checkpoints) said
+    "interrupted during start-up (SIGINT)", a phase those commands do not have."""
+    from runner_util import jobrun
+
+    from jobrun import signals
+    from jobrun.errors import Interrupted
+    from jobrun.runner import runs
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return ""
+
+    monkeypatch.setattr(runs, "runs_text", signalled)
+    r = jobrun("runs", tmp_path)
+    assert r.code == 130 and "interrupted (SIGINT)" in r.err, r.text
+    assert "start-up" not in r.err and "resume" not in r.err, r.text
+    with pytest.raises(Interrupted, match="during start-up"):  # the next command starts anew
+        signals._raise(signal.SIGINT, None)
