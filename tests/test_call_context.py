@@ -163,3 +163,40 @@ def test_a_call_that_steps_an_optimizer_it_says_it_leaves_alone_is_stopped():
         assert core.call(OpContext(), model, opt, x, fn=f"{HERE}:sgd_step", mutates=said, _names=names) is x
     # a call that steps no optimizer may leave its model out: a frozen teacher's forward
     assert core.call(OpContext(), model, x, fn=f"{HERE}:forward", pure=True, _names=("model", "x")).shape == (2, 1)
+
+
+def test_a_call_outside_epoch_steps_may_leave_out_what_it_steps(tmp_path):
+    """`mutates` decides what the checkpoints of epoch steps hold: init runs again on
+    resume and download and exit are in no checkpoint, so a teacher pretrained in init by
+    a call that says `mutates: [teacher]` and steps `opt_t` too was refused there, after
+    the run directory was made, though nothing was lost. In an epoch step it still stops."""
+    from runner_util import jobrun
+
+    (tmp_path / "kd.py").write_text(
+        "import torch\n\n"
+        "def fit(model, opt, x):\n"
+        "    opt.zero_grad()\n    model(x).square().mean().backward()\n    opt.step()\n"
+        "    return model(x).detach().mean()\n")
+    plan = (
+        "job: kd\nmax_epochs: 1\n"
+        "init:\n  - task: setup\n    do:\n"
+        "      - randn: {out: x, shape: [4, 3]}\n"
+        "      - model.mlp: {out: teacher, sizes: [3, 2]}\n"
+        "      - optimizer: {in: teacher, out: opt_t, lr: 0.1}\n"
+        "      - call: {fn: 'kd:fit', in: [teacher, opt_t, x], out: t0, mutates: [teacher]}\n"
+        "      - model.mlp: {out: student, sizes: [3, 2]}\n"
+        "      - optimizer: {in: student, out: opt, lr: 0.1}\n"
+        "epoch:\n  - task: train\n    do:\n"
+        "      - call: {fn: 'kd:fit', in: [student, opt, x], out: s, mutates: [student, opt]}\n"
+        "      - log: {in: [s, t0]}\n"
+        "exit:\n  - task: last\n    do:\n"
+        "      - call: {fn: 'kd:fit', in: [teacher, opt_t, x], out: t1, pure: true}\n"
+        "      - log: {in: [t1]}\n")
+    (tmp_path / "plan.yaml").write_text(plan)
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.text
+    assert "Warning" not in r.err and "warning" not in r.err, r.err
+    (tmp_path / "bad.yaml").write_text(plan.replace("mutates: [student, opt]", "mutates: [student]"))
+    r = jobrun("train", tmp_path / "bad.yaml", "--run-dir", tmp_path / "bad")
+    assert r.code != 0
+    assert "bad.yaml:15:9: error: op `call` in task 'train'" in r.err and "changed 'opt', which the call's `mutates: [student]` leaves out" in r.err, r.err

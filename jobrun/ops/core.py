@@ -329,7 +329,7 @@ CONTEXT_ARGS = ("rank", "world_size", "device", "generator", "step", "epoch")
 
 def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
          pure: bool = False, _clock: int | None = None, _names: tuple[str, ...] = (),
-         **kwargs: Any) -> Any:
+         _site: str = "", **kwargs: Any) -> Any:
     """`call`: fn(*inputs, **other keys, **context it asks for). `mutates` and `pure` are
     for checkpoints, not for `fn`. A parameter of `fn` without a default named rank,
     world_size, device, generator (the node's seeded torch.Generator), step (the global
@@ -345,7 +345,9 @@ def call(ctx: OpContext, *args: Any, fn: str, mutates: list[str] | None = None,
                 kwargs[name] = _clock  # the step its loop's iteration began at, as log's
             else:
                 kwargs[name] = getattr(ctx, name, 0)  # `step`: 0 where no global step is kept
-    said = [] if pure else mutates
+    # What it says decides what checkpoints hold of the steps of `epoch` only (resume runs
+    # init again; download and exit are in none: plans/state.py), so it is watched there.
+    said = None if _site and not _site.startswith("epoch/") else [] if pure else mutates
     try:
         if said is None:
             return f(*args, **kwargs)
@@ -399,6 +401,7 @@ NULL_HINT = ("a `read` past the end of a pass gives null fields (and a true `end
 
 call.wants_clock = True  # type: ignore[attr-defined]
 call.wants_names = True  # type: ignore[attr-defined]
+call.wants_site = True  # type: ignore[attr-defined]  # its group: `epoch/...`
 
 
 @functools.lru_cache(maxsize=256)
