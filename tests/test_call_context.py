@@ -200,3 +200,34 @@ def test_a_call_outside_epoch_steps_may_leave_out_what_it_steps(tmp_path):
     r = jobrun("train", tmp_path / "bad.yaml", "--run-dir", tmp_path / "bad")
     assert r.code != 0
     assert "bad.yaml:15:9: error: op `call` in task 'train'" in r.err and "changed 'opt', which the call's `mutates: [student]` leaves out" in r.err, r.err
+
+
+def kd_step(student, teacher, opt, x):
+    with torch.no_grad():
+        target = teacher(x)
+    opt.zero_grad()
+    (student(x) - target).square().mean().backward()
+    opt.step()
+    return x
+
+
+def test_a_model_left_out_whose_stepped_parameters_a_listed_input_holds_is_not_refused():
+    """A teacher sharing a layer with its student (a frozen embedding, built once) is
+    restored with the student's checkpoint, in place: a call that says `mutates:
+    [student, opt]` and steps `opt`, which holds the shared layer, was refused as having
+    changed 'teacher'. A parameter of the teacher's own that `opt` steps still is."""
+    from jobrun.errors import RunError
+    from jobrun.runner import clock
+
+    clock.install()
+    shared = torch.nn.Linear(3, 4).requires_grad_(False)
+    teacher = torch.nn.Sequential(shared, torch.nn.Linear(4, 1))
+    student = torch.nn.Sequential(shared, torch.nn.Linear(4, 1))
+    x, names = torch.ones(2, 3), ("student", "teacher", "opt", "x")
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    assert core.call(OpContext(), student, teacher, opt, x, fn=f"{HERE}:kd_step", mutates=["student", "opt"],
+                     _names=names, _site="epoch/train/call#1") is x
+    opt = torch.optim.SGD([*student.parameters(), *teacher[1].parameters()], lr=0.1)
+    with pytest.raises(RunError, match="changed 'teacher', which the call's `mutates: \\[student, opt\\]`"):
+        core.call(OpContext(), student, teacher, opt, x, fn=f"{HERE}:kd_step", mutates=["student", "opt"],
+                  _names=names, _site="epoch/train/call#1")

@@ -372,9 +372,16 @@ def _check_said(fn: str, args: tuple, names: tuple[str, ...], said: list[str], s
     checkpoints would hold neither, and a resume would go on with them as init made them."""
     params = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
     names = tuple(names) + tuple(f"#{k + 1}" for k in range(len(names), len(args)))
-    left = [name for name, a in zip(names, args) if name not in said and (
-        any(a is opt for opt in stepped)
-        or (callable(getattr(a, "parameters", None)) and any(id(p) in params for p in a.parameters())))]
+
+    def changed() -> list[str]:
+        return [name for name, a in zip(names, args) if name not in said and (
+            any(a is opt for opt in stepped) or any(id(p) in params for p in _parameters(a)))]
+
+    left = changed()
+    if left:  # a parameter that an input it says it changes holds is in that one's checkpoint,
+        # restored in place (a layer a frozen teacher shares with the student comes back with it)
+        params -= {id(p) for name, a in zip(names, args) if name in said for p in _parameters(a)}
+        left = changed()
     if left:
         which = ", ".join(repr(n) for n in left)
         error = RunError(
@@ -384,6 +391,10 @@ def _check_said(fn: str, args: tuple, names: tuple[str, ...], said: list[str], s
             hint=f"list every input it changes: `mutates: [{', '.join(n for n in names if n in said or n in left)}]`")
         error.every_rank = True  # every replica takes the step (DDP's): the plan's error, said once
         raise error
+
+
+def _parameters(value: Any) -> Any:
+    return value.parameters() if callable(getattr(value, "parameters", None)) else ()
 
 
 def null_inputs(failure: str, nulls: list[int], names: tuple[str, ...]) -> RunError:
