@@ -7,9 +7,11 @@ each), then the root. Sharding happens when the model is built (after rank 0's
 parameters are broadcast, so every rank starts equal) and before the optimizer is made
 over it, so the optimizer's state is sharded too. With one replica nothing is sharded.
 
-Gradients are summed over ranks, not averaged (a divide factor of 1, plain SUM):
+Gradients are averaged over ranks, as DDP's default (a plain SUM, then divided by the
+number of ranks): a `call`'s step, whose loss is its rank's mean, trains as under ddp.
 `train.step` weights each rank's loss by its share of the global batch, the same code as
-for ddp, so fsdp and ddp compute the same update. The step's totals (the ranks' losses,
+for ddp, and sums its backwards (a divide factor of 1, :func:`jobrun.ops.dist.fsdp_sums`),
+so fsdp and ddp compute the same update. The step's totals (the ranks' losses,
 see :class:`jobrun.ops.dist.Totals`) ride in the first reduce-scatter of its last
 backward (:class:`StepTotals`) instead of a collective of their own, and stay on the
 device; the stop flags are agreed as for ddp (:class:`jobrun.ops.dist.StopFlags`).
