@@ -231,3 +231,32 @@ def test_a_model_left_out_whose_stepped_parameters_a_listed_input_holds_is_not_r
     with pytest.raises(RunError, match="changed 'teacher', which the call's `mutates: \\[student, opt\\]`"):
         core.call(OpContext(), student, teacher, opt, x, fn=f"{HERE}:kd_step", mutates=["student", "opt"],
                   _names=names, _site="epoch/train/call#1")
+
+
+class _Tuner:
+    """Not a module: its `parameters` wants an argument of its own (a search space's)."""
+
+    def parameters(self, name):
+        return {"lr": [0.1, 0.01]}[name]
+
+
+def tuned_step(student, tuner, opt, x):
+    opt.param_groups[0]["lr"] = tuner.parameters("lr")[0]
+    opt.zero_grad()
+    student(x).square().mean().backward()
+    opt.step()
+    return x
+
+
+def test_an_input_whose_parameters_method_is_no_modules_is_left_alone():
+    """The watch asked every input with a callable `parameters` for them: one of the
+    user's own, taking an argument, stopped the step with its TypeError."""
+    from jobrun.runner import clock
+
+    clock.install()
+    student = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x, tuner = torch.ones(2, 3), _Tuner()
+    got = core.call(OpContext(), student, tuner, opt, x, fn=f"{HERE}:tuned_step", mutates=["student", "opt"],
+                    _names=("student", "tuner", "opt", "x"), _site="epoch/train/call#1")
+    assert got is x and student.weight.grad is not None

@@ -394,7 +394,10 @@ def _check_said(fn: str, args: tuple, names: tuple[str, ...], said: list[str], s
 
 
 def _parameters(value: Any) -> Any:
-    return value.parameters() if callable(getattr(value, "parameters", None)) else ()
+    """A module's parameters (another object's `parameters` may want arguments of its own)."""
+    import torch
+
+    return value.parameters() if isinstance(value, torch.nn.Module) else ()
 
 
 def null_inputs(failure: str, nulls: list[int], names: tuple[str, ...]) -> RunError:
