@@ -800,6 +800,35 @@ def test_a_call_its_function_cannot_take_is_refused_before_the_run(tmp_path, cha
     assert said in r.err and not (tmp_path / "run").exists(), r.err
 
 
+@pytest.mark.parametrize("change, said, at, name", [
+    (("in: [width], ", ""), "missing a required argument: 'head'", "8:9", "Classifier(d, head, *, scale=1.0)"),
+    (("in: [width]", "in: [width, width]"), "too many positional arguments", "8:9", "Classifier("),
+    ((", out_features: 3", ""), "missing a required argument: 'out_features'", "10:19", "Linear("),
+])
+def test_a_build_its_target_cannot_take_is_refused_before_the_run(tmp_path, change, said, at, name):
+    """A `build` of a class missing a required constructor argument (a classifier built
+    without `classes`) failed in init, after the run directory was made. Its inputs, then
+    `args`, are the positional arguments; a nested target's `in` mapping gives keywords."""
+    (tmp_path / "ft.py").write_text(
+        "import torch\n\n\nclass Classifier(torch.nn.Module):\n"
+        "    def __init__(self, d, head, *, scale=1.0):\n"
+        "        super().__init__()\n        self.body, self.head = torch.nn.Linear(d, d), head\n")
+    good = ("      - build:\n          {in: [width], out: model, target: \"ft:Classifier\", scale: 2.0,\n"
+            "           args: [{target: torch.nn.Linear, in: {in_features: width}, out_features: 3}]}\n")
+    text = ("job: ft\nmax_epochs: 1\ncheckpoint: {dir: ckpt}\ninit:\n  - task: setup\n    do:\n"
+            "      - const: {out: width, value: 4}\n" + good +
+            "epoch:\n  - task: go\n    do:\n      - call: {fn: 'builtins:repr', in: [model], out: text}\n"
+            "      - log: {in: [text]}\n")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    assert jobrun("train", plan, "--run-dir", tmp_path / "good").code == 0
+    plan.write_text(text.replace(good, good.replace(*change)))
+    r = jobrun("train", plan, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "Traceback" not in r.err, r.text
+    assert f"{plan}:{at}: error: build: {name}" in r.err and "cannot take what this step gives it" in r.err, r.err
+    assert said in r.err and not (tmp_path / "run").exists(), r.err
+
+
 def test_a_misspelt_key_whose_value_an_override_gave_is_not_blamed_on_the_override(tmp_path):
     """OneCycleLR's `total_step: "${steps}"` run with `vars.steps=8` was refused at the
     value, with the hint "did you mean 'total_steps'? The value here came from

@@ -133,10 +133,16 @@ def test_a_built_class_that_raises_is_reported_as_a_called_function_is(tmp_path)
                              "(in user_load.Loaded.__init__)"), r.err
     assert r.err.count("size mismatch for weight") == 1 and "hint:" not in r.err, r.err
     assert lines[-1].strip().startswith("size mismatch for bias") and info["status"] == "failed"
-    r, _ = _train(tmp_path, "user_bind", 'build: {target: "MOD:Net", out: net}')  # no width
+    # range has no signature Python can read: train cannot bind it before the run
+    r, _ = _train(tmp_path, "user_bind", 'build: {target: "builtins:range", out: net}')
     assert r.code == 1 and "traceback of your code" not in r.err, r.err
-    assert "user_bind:Net(...) cannot take the arguments given: Net.__init__() missing 1 required" in r.err
+    assert "builtins:range(...) cannot take the arguments given: range expected at least 1 argument" in r.err
     assert r.err.rstrip().splitlines()[-1].strip().startswith("hint: check the arguments")
+    # one with a signature is refused before the run, at the step (test_cli_runs)
+    (tmp_path / "plan.yaml").write_text(PLAN.format(step='build: {target: "user_bind:Net", out: net}'))  # no width
+    r = jobrun("train", tmp_path / "plan.yaml", "--run-dir", tmp_path / "bound")
+    assert r.code == 2 and "build: Net(width) cannot take what this step gives it: missing a required argument: " \
+        "'width'" in r.err and not (tmp_path / "bound").exists(), r.err
 
 
 def test_a_keyboard_interrupt_raised_by_user_code_records_interrupted(tmp_path):

@@ -158,8 +158,7 @@ def check_code(plan: ir.Plan, plan_dir: Path) -> None:
         if step.op in ("optimizer", "scheduler"):
             _check_constructor_args(step)
         _check_target_keys(step)
-        if step.op == "call":
-            _check_call_binds(step)
+        _check_binds(step)
         if step.op == "scheduler.step" and isinstance(step.ins[0], ir.BlobRef):
             made = schedulers.get((plan.groups[g].tasks[t].node, step.ins[0].name), {None})
             if len(made) == 1 and None not in made:
@@ -256,48 +255,78 @@ def _check_target_keys(step: ir.OpCall) -> None:
                 _known(step, *found, key, step.key_of(key), own)
     if step.op in NESTING:
         for arg, value in step.args:
-            for target, keys in _nested(value):
+            for target, keys, _positional, _pos in _nested(value):
                 found = _keywords(target, step.op, None)
                 for key in keys if found is not None else ():
                     _known(step, *found, key, step.pos_of(arg), ("target", "args", "in"))
 
 
-def _check_call_binds(step: ir.OpCall) -> None:
-    """A `call`'s function against what the step gives it: the inputs by position, the
-    other keys by name and the context it asks for. A required argument left out, or an
-    input too many, failed at the step's first run, after init and checkpoint 0."""
+def _check_binds(step: ir.OpCall) -> None:
+    """The code a `call` or a `build` calls against what the step gives it. A `call`'s
+    function gets the inputs by position, the other keys by name and the context it asks
+    for; `build`'s target its own inputs, then `args`, by position and the other keys by
+    name, and each nested `{target: ...}` its `in` (by name when a mapping), its `args`
+    and its other keys. A required argument left out, or an input too many, failed when
+    the run called the code: a `call` at its first run, after init and checkpoint 0; a
+    `build` in init, after the run directory was made."""
+    kwargs = step.kwargs
+    if step.op == "call" and isinstance(kwargs.get("fn"), str):
+        _bind(step, kwargs["fn"], len(step.ins), [k for k, _ in step.args if k not in OWN_KEYS["call"]], step.pos,
+              f"its inputs ({len(step.ins)} in `in`) are its first positional arguments and the step's other "
+              "keys its keyword arguments; rank, world_size, device, generator, step and epoch, when it names "
+              "them without a default, come from the run")
+    if step.op != "build":
+        return
+    from jobrun.ops.nested import nested_inputs
+
+    args = kwargs.get("args")
+    if isinstance(kwargs.get("target"), str) and isinstance(args, list | tuple | None):
+        own = len(step.ins) - len(nested_inputs(args, kwargs))  # the nested targets' blobs come last
+        _bind(step, kwargs["target"], own + len(args or ()), [k for k, _ in step.args if k not in OWN_KEYS["build"]],
+              step.pos, f"its inputs ({own} in `in`) are its first positional arguments, then `args` "
+              f"({len(args or ())}), and the step's other keys its keyword arguments")
+    for arg, value in step.args:
+        for target, keys, positional, pos in _nested(value):
+            if positional is not None:
+                _bind(step, target, positional, keys, pos or step.pos_of(arg),
+                      "a nested target's `in` gives its first positional arguments (its keyword arguments, "
+                      "when `in` is a mapping), then its `args`, and its other keys its keyword arguments")
+
+
+def _bind(step: ir.OpCall, path: str, positional: int, keys: list[str], pos: Pos, hint: str) -> None:
+    """Refuse at ``pos`` the code at ``path`` when ``positional`` values and ``keys`` (and
+    the context a `call`'s function asks for) do not bind to its signature."""
     import inspect
 
     from jobrun.ops.core import asks_for
     from jobrun.ops.imports import resolve
 
-    path = step.kwargs.get("fn")
-    if not isinstance(path, str):
-        return
     try:
-        f = resolve(path, "call", "fn")
+        f = resolve(path, step.op, "fn" if step.op == "call" else "target")
         signature = inspect.signature(f)
     except (RunError, TypeError, ValueError):
         return  # not found is refused by check_code; no signature: nothing to check
     if hasattr(f, "__wrapped__"):
         return  # a decorator's wrapper may take other arguments than the code it wraps
-    keys = [key for key, _ in step.args if key not in OWN_KEYS["call"]]
+    context = asks_for(f, positional) if step.op == "call" else ()
     try:
-        signature.bind(*[None] * len(step.ins), **dict.fromkeys([*keys, *asks_for(f, len(step.ins))]))
+        signature.bind(*[None] * positional, **dict.fromkeys([*keys, *context]))
     except TypeError as e:
-        raise PlanError(f"call: {getattr(f, '__name__', path)}{signature} cannot take what this step gives it: {e}",
-                        step.pos, f"its inputs ({len(step.ins)} in `in`) are its first positional arguments "
-                        "and the step's other keys its keyword arguments; rank, world_size, device, "
-                        "generator, step and epoch, when it names them without a default, come from the run") from e
+        raise PlanError(f"{step.op}: {getattr(f, '__name__', path)}{signature} cannot take what this step "
+                        f"gives it: {e}", pos, hint) from e
 
 
-def _nested(value: Any) -> Iterator[tuple[str, list[str]]]:
-    """(target, the keyword arguments it is given) of each nested mapping in a value."""
+def _nested(value: Any) -> Iterator[tuple[str, list[str], int | None, Pos | None]]:
+    """(target, the keyword arguments it is given, how many positional ones (None: an
+    `args` that is not a list), where the mapping is) of each nested mapping in a value."""
     if isinstance(value, dict):
         if isinstance(value.get("target"), str):
-            named = value.get("in")
-            yield value["target"], [k for k in value if k not in ("target", "args", "in")] + (
+            named, args = value.get("in"), value.get("args")
+            keys = [k for k in value if k not in ("target", "args", "in")] + (
                 list(named) if isinstance(named, dict) else [])
+            leading = len(named) if isinstance(named, list) else int(named is not None and not isinstance(named, dict))
+            positional = leading + len(args or ()) if isinstance(args, list | tuple | None) else None
+            yield value["target"], keys, positional, getattr(value, "pos", None)
         for v in value.values():
             yield from _nested(v)
     elif isinstance(value, list | tuple):
