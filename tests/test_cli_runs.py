@@ -662,6 +662,7 @@ def test_every_bundled_example_is_listed_with_a_whole_sentence():
     ("+init.setup.optimizer.class=Adam", "optimizer: Adam takes no argument 'momentum'"),
     ("+init.setup.optimizer.momentun=0.5", "optimizer: SGD takes no argument 'momentun'"),
     ("vars.lr=.inf", "optimizer: lr must be finite, got inf"),  # it trained to NaN, exit 0
+    ("+init.setup.optimizer.fused=maybe", "optimizer: fused must be true or false, got 'maybe'"),  # bool | None
     ("+init.setup.optimizer.kind=adamw", "write `class: AdamW` instead of `kind`"),
 ])
 def test_an_optimizer_key_its_class_would_refuse_or_misread_is_refused_before_the_run(tmp_path, override, said):

@@ -14,6 +14,7 @@ apply to nothing).
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Any
 
 import torch
@@ -57,6 +58,25 @@ def group_options(cls: Any) -> set[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)} - {"params", "self"}
+
+
+def option_fault(where: str, key: str, value: Any, param: Any) -> RunError | None:
+    """A value a constructor would take wrongly for its parameter ``param`` (an
+    inspect.Parameter): a flag (a bool default, or typed ``bool | None``: `fused`,
+    `foreach`) given as anything but true, false or (typed so) null, which Python reads as
+    true (`nesterov: "false"` turned Nesterov on), and a number that is not finite (an lr
+    of .inf trained to NaN). The optimizer's own keys, a torch scheduler's and a group
+    rule's options (jobrun.plans.inputs, rules_fault) are checked here."""
+    kind = param.annotation
+    optional = kind in ("bool | None", "Optional[bool]") or set(getattr(kind, "__args__", ())) == {bool, type(None)}
+    flag = isinstance(param.default, bool) or kind is bool or kind == "bool" or optional
+    if flag and not isinstance(value, bool) and not (optional and value is None):
+        return RunError(f"{where}: {key} must be true or false, got {value!r}",
+                        hint=f"write `{key}: true` or `{key}: false`, unquoted")
+    numbers = value if isinstance(value, list | tuple) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+        return RunError(f"{where}: {key} must be finite, got {value!r}")
+    return None
 
 
 def param_groups(model: Any, groups: list[Any], cls: Any) -> list[dict[str, Any]]:

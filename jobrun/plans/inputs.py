@@ -17,7 +17,6 @@ refused at its argument's file:line.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -183,7 +182,7 @@ def _check_constructor_args(step: ir.OpCall) -> None:
     against its constructor: one it does not take failed in init (`momentum` left when
     `class` became Adam, StepLR's `step_sise`), and a flag given as anything but a bool
     was taken as true (`nesterov: "false"` turned Nesterov on)."""
-    from jobrun.ops.optim import optimizer_class
+    from jobrun.ops.optim import optimizer_class, option_fault
     from jobrun.ops.schedule import SCHEDULE_ARGS
 
     if step.op == "optimizer":
@@ -204,12 +203,9 @@ def _check_constructor_args(step: ir.OpCall) -> None:
             raise PlanError(f"{step.op}: {name} takes no argument {key!r}", step.key_of(key),
                             f"to train with torch.optim.{named}, write `class: {named}` instead of `{key}`")
         _known(step, name, params, key, step.key_of(key))
-        if isinstance(params[key].default, bool) and not isinstance(value, bool):
-            raise PlanError(f"{step.op}: {key} must be true or false, got {value!r}", step.pos_of(key),
-                            f"write `{key}: true` or `{key}: false`, unquoted")
-        numbers = value if isinstance(value, list | tuple) else [value]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):  # an lr of .inf: NaN weights
-            raise PlanError(f"{step.op}: {key} must be finite, got {value!r}", step.pos_of(key))
+        fault = option_fault(step.op, key, value, params[key])
+        if fault is not None:
+            raise PlanError(fault.message, step.pos_of(key), fault.hint)
     if step.op == "optimizer" and "groups" in step.kwargs:
         _check_groups(step, path)
 
