@@ -682,10 +682,17 @@ def test_an_optimizer_key_its_class_would_refuse_or_misread_is_refused_before_th
     ("{names: [fc.*], weight_decy: 0.0}", "groups[1]: 'weight_decy' is neither", "did you mean 'weight_decay'?"),
     # the options a rule may set are the constructor's, less `params`, which a rule cannot set
     ("{names: [fc.*], params: []}", "groups[1]: 'params' is neither", "options of AdamW: amsgrad, betas, capturable,"),
+    # a rule's values are checked as the optimizer's own keys' are: it trained with the flag on
+    ('{names: [fc.*], amsgrad: "false"}', "groups[1]: amsgrad must be true or false, got 'false'",
+     "write `amsgrad: true` or `amsgrad: false`, unquoted"),
+    ('{names: [fc.*], fused: "no"}', "groups[1]: fused must be true or false, got 'no'", "unquoted"),
+    ("{names: [fc.*], lr: .inf}", "groups[1]: lr must be finite, got inf", ""),
 ])
-def test_a_groups_rule_option_the_optimizer_does_not_take_is_refused_before_the_run(tmp_path, rule, said, hint):
+def test_a_groups_rule_option_the_optimizer_does_not_take_or_misreads_is_refused_before_the_run(
+        tmp_path, rule, said, hint):
     """A misspelt option in a group rule (`learning_rate:`) failed only in init, after the
-    run directory was made, while the optimizer's own keys were checked before the run."""
+    run directory was made, while the optimizer's own keys were checked before the run;
+    a flag given as a string (`amsgrad: "false"`) was taken as true."""
     plan = tmp_path / "plan.yaml"
     plan.write_text(
         "job: groups\nmax_epochs: 1\ninit:\n  - task: setup\n    do:\n"
@@ -698,7 +705,7 @@ def test_a_groups_rule_option_the_optimizer_does_not_take_is_refused_before_the_
     col = plan.read_text().splitlines()[12].index(key) + 1
     assert r.code == 2 and "Traceback" not in r.err, r.text
     assert f"{plan}:13:{col}: error: optimizer: {said}" in r.err and hint in r.err, r.err
-    assert "params" not in r.err.split("hint:")[1] and not (tmp_path / "run").exists()
+    assert "params" not in r.err.split("hint:")[-1] and not (tmp_path / "run").exists()
 
 
 def test_a_key_a_torch_scheduler_does_not_take_is_refused_before_the_run_with_a_did_you_mean(tmp_path):

@@ -46,9 +46,10 @@ def optimizer_class(name: str | None, target: str | None) -> str:
     return f"torch.optim.{name}"
 
 
-def group_options(cls: Any) -> set[str] | None:
+def group_options(cls: Any) -> dict[str, Any] | None:
     """The options a group rule may set: the keywords the optimizer's constructor takes,
-    less `params` (the rule's parameters); None when it takes any (``**kwargs``)."""
+    less `params` (the rule's parameters), each with its inspect.Parameter; None when it
+    takes any (``**kwargs``)."""
     import inspect
 
     try:
@@ -57,7 +58,8 @@ def group_options(cls: Any) -> set[str] | None:
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
-    return {p.name for p in params if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)} - {"params", "self"}
+    return {p.name: p for p in params if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)
+            and p.name not in ("params", "self")}
 
 
 def option_fault(where: str, key: str, value: Any, param: Any) -> RunError | None:
@@ -118,11 +120,12 @@ def param_groups(model: Any, groups: list[Any], cls: Any) -> list[dict[str, Any]
     return out
 
 
-def rules_fault(groups: Any, options: set[str] | None, name: str) -> tuple[int | None, str | None, RunError] | None:
+def rules_fault(groups: Any, options: dict[str, Any] | None, name: str) -> tuple[int | None, str | None, RunError] | None:
     """What is wrong with the rules `groups`, short of the model they select from: the
     number of the rule at fault (None: `groups` itself), the key at fault (None: the rule
     as a whole) and the error. ``options``: group_options' for the optimizer class
-    ``name`` (None: any key). The run and
+    ``name`` (None: any key), whose values are checked as the optimizer's own keys are
+    (option_fault). The run and
     the check before it (jobrun.plans.inputs) both ask here."""
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         return None, None, RunError("optimizer: `groups` is a list of rules",
@@ -140,6 +143,8 @@ def rules_fault(groups: Any, options: set[str] | None, name: str) -> tuple[int |
                     f"{where}: {key!r} is neither a selector nor an option of {name}",
                     hint=(f"did you mean {alias!r}?" if alias in options else did_you_mean(key, [*SELECTORS, *known]))
                     or f"selectors: {', '.join(SELECTORS)}; options of {name}: {', '.join(known)}")
+            if key not in SELECTORS and options is not None and (fault := option_fault(where, key, group[key], options[key])):
+                return i, key, fault  # `nesterov: "false"` in a rule turned Nesterov on for its group
         for key in ("ndim_below", "ndim_at_least"):
             value = group.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
