@@ -817,11 +817,11 @@ def test_a_build_its_target_cannot_take_is_refused_before_the_run(tmp_path, chan
     """A `build` of a class missing a required constructor argument (a classifier built
     without `classes`) failed in init, after the run directory was made. Its inputs, then
     `args`, are the positional arguments; a nested target's `in` mapping gives keywords."""
-    (tmp_path / "ft.py").write_text(
+    (tmp_path / "bind_net.py").write_text(  # its own name: the tests share sys.modules
         "import torch\n\n\nclass Classifier(torch.nn.Module):\n"
         "    def __init__(self, d, head, *, scale=1.0):\n"
         "        super().__init__()\n        self.body, self.head = torch.nn.Linear(d, d), head\n")
-    good = ("      - build:\n          {in: [width], out: model, target: \"ft:Classifier\", scale: 2.0,\n"
+    good = ("      - build:\n          {in: [width], out: model, target: \"bind_net:Classifier\", scale: 2.0,\n"
             "           args: [{target: torch.nn.Linear, in: {in_features: width}, out_features: 3}]}\n")
     text = ("job: ft\nmax_epochs: 1\ncheckpoint: {dir: ckpt}\ninit:\n  - task: setup\n    do:\n"
             "      - const: {out: width, value: 4}\n" + good +
