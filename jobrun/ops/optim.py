@@ -36,14 +36,25 @@ def optimizer_class(name: str | None, target: str | None) -> str:
     if target is not None:
         raise RunError("optimizer: give `class` or `target`, not both",
                        hint="class: AdamW names torch.optim.AdamW; target is a dotted path to any class")
-    known = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]
+    known = _torch_optimizers()
     if name not in known:
-        same = [k for k in known if k.lower() == str(name).lower()]  # adamw: AdamW, not Adam
+        same = named_optimizer(name)  # adamw: AdamW, not Adam
         raise RunError(f"optimizer: torch.optim has no optimizer {name!r}",
-                       hint=(f"did you mean {same[0]!r}?" if same else did_you_mean(str(name), known))
+                       hint=(f"did you mean {same!r}?" if same else did_you_mean(str(name), known))
                        or f"one of {', '.join(sorted(known))}")
     return f"torch.optim.{name}"
+
+
+def _torch_optimizers() -> list[str]:
+    return [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]
+
+
+def named_optimizer(value: Any) -> str | None:
+    """The torch.optim optimizer `value` names, whatever its case (`adamw`: AdamW)."""
+    if not isinstance(value, str):
+        return None
+    return next((n for n in _torch_optimizers() if n.lower() == value.lower()), None)
 
 
 def group_options(cls: Any) -> dict[str, Any] | None:

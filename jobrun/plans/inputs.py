@@ -182,7 +182,7 @@ def _check_constructor_args(step: ir.OpCall) -> None:
     against its constructor: one it does not take failed in init (`momentum` left when
     `class` became Adam, StepLR's `step_sise`), and a flag given as anything but a bool
     was taken as true (`nesterov: "false"` turned Nesterov on)."""
-    from jobrun.ops.optim import optimizer_class, option_fault
+    from jobrun.ops.optim import named_optimizer, optimizer_class, option_fault
     from jobrun.ops.schedule import SCHEDULE_ARGS
 
     if step.op == "optimizer":
@@ -198,7 +198,7 @@ def _check_constructor_args(step: ir.OpCall) -> None:
     for key, value in step.args:
         if key in ("class", "target", *own):
             continue
-        if step.op == "optimizer" and key not in params and (named := _optim_class(value)):
+        if step.op == "optimizer" and key not in params and (named := named_optimizer(value)):
             # `kind: adam`, `type: AdamW`: the class asked for, by another key
             raise PlanError(f"{step.op}: {name} takes no argument {key!r}", step.key_of(key),
                             f"to train with torch.optim.{named}, write `class: {named}` instead of `{key}`")
@@ -352,19 +352,6 @@ def _keywords(path: str, op: str, first: str | None) -> tuple[str, dict[str, Any
     return getattr(code, "__name__", path), {k: p for k, p in {**outer, **params}.items()
                                               if k not in ("self", first) and p.kind not in (
                                                   p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-
-
-def _optim_class(value: Any) -> str | None:
-    """The torch.optim optimizer `value` names, whatever its case (`adam`: Adam)."""
-    import torch
-
-    if not isinstance(value, str):
-        return None
-    for name in dir(torch.optim):
-        cls = getattr(torch.optim, name)
-        if name.lower() == value.lower() and isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
-            return name
-    return None
 
 
 def _known(step: ir.OpCall, name: str, params: dict[str, Any], key: str, pos: Pos,
